@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both make the virtualenv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+OUT ?= out/demo
+
+.PHONY: demo test lint format bench-tokenizer clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[all]'
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/doel-train demo --out $(OUT)
+
+test: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: $(BIN)/.installed
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench-tokenizer: $(BIN)/.installed
+	$(BIN)/python benchmarks/bench_tokenizer.py
+
+clean:
+	rm -rf $(VENV) out
