@@ -8,7 +8,6 @@ OUT ?= out/demo
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[all]'
 	touch $@
 

@@ -1,0 +1,1 @@
+"""doel's export stage: checkpoint -> ONNX bundle (arrives with the export issue)."""

@@ -1,0 +1,143 @@
+"""The tokenizer keeps Bengali words whole, round-trips every string, and loads in the
+Hugging Face libraries unchanged."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, pre_tokenizers
+
+from train.common import DoelError
+from train.config import load_config
+from train.textio import resolve_sources
+from train.tokenizer import BOS, EOS, PAD, PATTERNS, SPECIAL_TOKENS, TokenizerConfig
+
+BENGALI = st.characters(min_codepoint=0x0980, max_codepoint=0x09FF, categories=("L", "M", "N"))
+# Any assigned character (the Unicode version of this Python), surrogates excluded.
+ANY = st.characters(blacklist_categories=("Cs", "Cn"))
+WORDS = ["বিশ্ববিদ্যালয়ে", "ক্ষমা", "স্বাধীনতা", "রাষ্ট্র", "আকাঙ্ক্ষা", "দুঃখ", "চাঁদ", "উৎসবে", "কৃষক"]
+
+
+def split_pieces(pattern: str, text: str) -> list[str]:
+    return [p for p, _ in pre_tokenizers.Split(Regex(pattern), "isolated").pre_tokenize_str(text)]
+
+
+def cut_before_mark(pieces: list[str]) -> bool:
+    """True when some piece starts with a combining mark right after a letter or mark: a word
+    cut at a vowel sign, virama or nukta."""
+    for prev, cur in zip(pieces, pieces[1:]):
+        if cur and prev and unicodedata.category(cur[0]).startswith("M"):
+            if unicodedata.category(prev[-1])[0] in "LM":
+                return True
+    return False
+
+
+@given(st.lists(st.text(BENGALI, min_size=1, max_size=8), min_size=1, max_size=6))
+def test_no_bengali_word_is_cut_at_a_mark(words):
+    text = unicodedata.normalize("NFC", " ".join(words))
+    assert not cut_before_mark(split_pieces(PATTERNS["doel"], text))
+
+
+def test_real_words_stay_whole_and_gpt2_split_cuts_them():
+    for w in WORDS:
+        w = unicodedata.normalize("NFC", w)
+        assert split_pieces(PATTERNS["doel"], " " + w) == [" " + w]
+        # The trap doel avoids: the GPT-2 letter class cuts the same word at its marks.
+        assert cut_before_mark(split_pieces(PATTERNS["gpt2"], " " + w))
+
+
+def test_zwj_and_zwnj_stay_inside_words(tok):
+    for w in ["র\u200d্যাব", "কি\u200cন্তু"]:
+        assert split_pieces(PATTERNS["doel"], " " + w) == [" " + w]
+        assert tok.decode(tok.encode(w).ids) == w
+
+
+@pytest.mark.parametrize("digits", ["1234567", "১২৩৪৫৬৭", "2024১৯৭১"])
+def test_digits_split_in_groups_of_at_most_three(digits):
+    pieces = split_pieces(PATTERNS["doel"], digits)
+    assert "".join(pieces) == digits
+    assert all(len(p) <= 3 for p in pieces)
+
+
+def test_nfc_keeps_the_nukta(tok):
+    # ড় (U+09DC) is a composition exclusion: NFC gives ড + nukta, and the nukta must survive.
+    for composed, base in [("\u09dc", "\u09a1"), ("\u09dd", "\u09a2"), ("\u09df", "\u09af")]:
+        out = tok.decode(tok.encode(f"পা{composed}া").ids)
+        assert out == f"পা{base}\u09bc" + "া"
+        assert tok.normalizer.normalize_str(composed) == base + "\u09bc"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(ANY, max_size=60))
+def test_roundtrip_any_unicode_string(tok, s):
+    assert tok.decode(tok.encode(s).ids) == unicodedata.normalize("NFC", s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.one_of(BENGALI, st.sampled_from(" \u200c\u200d।,!?\n0123")), max_size=80))
+def test_roundtrip_bangla_heavy_strings(tok, s):
+    assert tok.decode(tok.encode(s).ids) == unicodedata.normalize("NFC", s)
+
+
+def test_special_tokens(tok, tokenizer_path):
+    from tokenizers import Tokenizer
+
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    assert None not in ids and len(set(ids)) == len(ids)
+    assert tok.encode("চা").ids[0] == tok.token_to_id(BOS)  # every document starts with BOS
+    assert tok.encode("চা", add_special_tokens=False).ids[0] != tok.token_to_id(BOS)
+    # A document that spells "<|eos|>" gets text tokens, not the control token...
+    assert tok.token_to_id(EOS) not in tok.encode(f"a{EOS}b").ids
+    # ...while the file, loaded plainly (as transformers does), maps it to the special id.
+    plain = Tokenizer.from_file(str(tokenizer_path))
+    assert plain.encode(f"{EOS}").ids[1:] == [tok.token_to_id(EOS)]
+
+
+def test_loads_unchanged_in_transformers(tokenizer_path, tok):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    text = "আমাদের গ্রামের নাম নদীপাড়া। The river is slow."
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
+    auto = AutoTokenizer.from_pretrained(str(tokenizer_path.parent))
+    assert fast(text)["input_ids"] == tok.encode(text).ids
+    assert auto(text)["input_ids"] == tok.encode(text).ids
+    assert (auto.bos_token, auto.eos_token, auto.pad_token) == (BOS, EOS, PAD)
+    assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == \
+        unicodedata.normalize("NFC", text)
+
+
+def test_resolved_config_is_saved(tokenizer_path):
+    saved = json.loads((tokenizer_path.parent / "doel_tokenizer.json").read_text())
+    assert saved["config"]["vocab_size"] == 2048
+    assert saved["vocab_size"] == 2048
+    assert set(saved["sources"]) == {"bn", "en"}
+
+
+def test_vocab_smaller_than_byte_alphabet_is_refused():
+    with pytest.raises(ValueError, match="vocab_size=200"):
+        TokenizerConfig(vocab_size=200)
+    with pytest.raises(DoelError, match="vocab_size"):
+        load_config(TokenizerConfig, None, ["vocab_size=100"])
+
+
+def test_config_from_toml_with_overrides(tmp_path):
+    p = tmp_path / "tok.toml"
+    p.write_text('vocab_size = 4096\npre_tokenizer = "gpt2"\n')
+    cfg = load_config(TokenizerConfig, p, ["min_frequency=3"])
+    assert (cfg.vocab_size, cfg.pre_tokenizer, cfg.min_frequency) == (4096, "gpt2", 3)
+    p.write_text("vocab_sise = 4096\n")
+    with pytest.raises(DoelError, match="vocab_sise"):
+        load_config(TokenizerConfig, p)
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    from train.tokenizer import train_tokenizer
+
+    (tmp_path / "empty.txt").write_text("\n\n   \n")
+    with pytest.raises(DoelError, match="empty"):
+        train_tokenizer(resolve_sources([str(tmp_path / "empty.txt")]),
+                        TokenizerConfig(vocab_size=300), tmp_path / "out", progress=False)

@@ -1,0 +1,132 @@
+"""`doel-train` (or `python -m train`): a thin command line over train's functions.
+
+Commands: tokenizer, fertility, prepare, demo. Heavy imports happen inside each command, so a
+missing extra is reported with the `pip install` line that fixes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SAMPLE_DIR = Path(__file__).parent / "sample"
+EXTRA_HINT = "pip install 'doel[train]'"
+
+
+def _cmd_tokenizer(args) -> None:
+    from train.config import load_config
+    from train.prepare import parse_weights
+    from train.textio import resolve_sources
+    from train.tokenizer import TokenizerConfig, train_tokenizer
+
+    sets = list(args.set)
+    if args.vocab_size is not None:
+        sets.append(f"vocab_size={args.vocab_size}")
+    cfg = load_config(TokenizerConfig, args.config, sets)
+    sources = resolve_sources(args.data)
+    path = train_tokenizer(sources, cfg, args.out, parse_weights(args.weights, sources),
+                           progress=not args.quiet)
+    print(f"wrote {path}")
+
+
+def _cmd_fertility(args) -> None:
+    from train.fertility import fertility, format_report, load_any
+    from train.textio import iter_source, resolve_sources
+
+    tok = load_any(args.tokenizer, args.pattern)
+    texts = (doc for src in resolve_sources(args.text) for doc in iter_source(src))
+    report = fertility(tok, texts)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(args.tokenizer, report))
+
+
+def _cmd_prepare(args) -> None:
+    from train.config import load_config
+    from train.prepare import PrepareConfig, prepare
+
+    sets = list(args.set)
+    if args.val_fraction is not None:
+        sets.append(f"val_fraction={args.val_fraction}")
+    cfg = load_config(PrepareConfig, args.config, sets)
+    prepare(args.tokenizer, args.data, args.out, cfg, args.weights, args.val or (),
+            progress=not args.quiet)
+
+
+def _cmd_demo(args) -> None:
+    """The main job on the built-in sample: tokenizer -> fertility report -> token shards."""
+    from train.fertility import fertility, format_report, load_any
+    from train.prepare import PrepareConfig, prepare
+    from train.textio import iter_source, resolve_sources
+    from train.tokenizer import TokenizerConfig, train_tokenizer
+
+    out = Path(args.out)
+    data = [str(SAMPLE_DIR / "bn.txt"), str(SAMPLE_DIR / "en.txt")]
+    print(f"1/3 training a {args.vocab_size}-token tokenizer on the built-in sample ({data})")
+    path = train_tokenizer(resolve_sources(data), TokenizerConfig(vocab_size=args.vocab_size),
+                           out / "tokenizer", progress=False)
+    print(f"    wrote {path}\n2/3 fertility of the new tokenizer on the same sample")
+    texts = [d for s in resolve_sources(data) for d in iter_source(s)]
+    print(format_report(str(path), fertility(load_any(path), texts)))
+    print("3/3 packing token shards (10% of documents held out for validation)")
+    prepare(path, data, out / "shards", PrepareConfig(val_fraction=0.1), progress=False)
+    print(f"done: {out}/tokenizer/tokenizer.json and {out}/shards/meta.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="doel-train", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer -> DIR/tokenizer.json")
+    t.add_argument("--data", nargs="+", required=True, help=".txt/.jsonl/.parquet, folder, hf:NAME")
+    t.add_argument("--vocab-size", type=int, default=None, help="default 32768")
+    t.add_argument("--out", required=True)
+    t.add_argument("--weights", nargs="*", default=[], metavar="SOURCE=SHARE",
+                   help="each source's share of the training characters")
+    t.add_argument("--config", help="TOML file of TokenizerConfig fields")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(func=_cmd_tokenizer)
+
+    f = sub.add_parser("fertility", help="characters/bytes/words per token, per script")
+    f.add_argument("--tokenizer", required=True,
+                   help="tokenizer.json, tekken .json, .tiktoken, SentencePiece model, vocab.txt")
+    f.add_argument("--text", nargs="+", required=True)
+    f.add_argument("--pattern", help="split regex for a .tiktoken file (default by its name)")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=_cmd_fertility)
+
+    r = sub.add_parser("prepare", help="corpus -> packed token shards + meta.json")
+    r.add_argument("--tokenizer", required=True)
+    r.add_argument("--data", nargs="+", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--weights", nargs="*", default=[], metavar="SOURCE=SHARE",
+                   help="each source's share of characters (others are downsampled to fit)")
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--val-fraction", type=float, default=None)
+    g.add_argument("--val", nargs="+", help="validation files (checked for overlap with train)")
+    r.add_argument("--config", help="TOML file of PrepareConfig fields")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(func=_cmd_prepare)
+
+    d = sub.add_parser("demo", help="the main job on the built-in sample corpus")
+    d.add_argument("--out", default="out/demo")
+    d.add_argument("--vocab-size", type=int, default=4096)
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        from train.common import DoelError
+
+        args.func(args)
+    except ModuleNotFoundError as e:
+        sys.exit(f"doel-train needs the {e.name!r} package, part of the train extra: {EXTRA_HINT}")
+    except DoelError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,100 @@
+"""Batches from token shards: memory-mapped, deterministic for a seed, resumable exactly.
+
+The shards of a split form one stream in which every document starts with <|bos|>. It is cut
+into windows of seq_len + 1 tokens (inputs and the targets shifted by one); each epoch visits
+all windows in an order drawn from (seed, epoch). The loader's position is (epoch, cursor), so
+`state_dict()` / `load_state_dict()` restore it exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from train.common import DoelError, sha256_file
+from train.shards import open_shard
+
+
+def read_meta(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        raise DoelError(
+            f"{data_dir} is not a finished shard folder (no meta.json); "
+            "make one with `doel-train prepare --tokenizer ... --data ... --out DIR`"
+        )
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def check_tokenizer(meta: dict, tokenizer_path: str | Path, data_dir) -> None:
+    """Shards are only meaningful with the tokenizer that made them."""
+    p = Path(tokenizer_path)
+    p = p / "tokenizer.json" if p.is_dir() else p
+    got = sha256_file(p)
+    if got != meta["tokenizer"]["sha256"]:
+        raise DoelError(
+            f"the shards in {data_dir} were made with a different tokenizer "
+            f"(sha256 {meta['tokenizer']['sha256'][:12]}…, made from {meta['tokenizer']['path']}) "
+            f"than {p} (sha256 {got[:12]}…); pass that tokenizer or re-run `doel-train prepare`"
+        )
+
+
+class TokenLoader:
+    def __init__(self, data_dir, split="train", batch_size=8, seq_len=512, seed=0, tokenizer=None):
+        self.data_dir, self.split = Path(data_dir), split
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        meta = read_meta(data_dir)
+        if tokenizer is not None:
+            check_tokenizer(meta, tokenizer, data_dir)
+        self.bos_id = meta["tokenizer"]["bos_id"]
+        self.shards = [open_shard(self.data_dir / s["file"])[1]
+                       for s in meta["splits"][split]["shards"]]
+        # Window w of shard i covers tokens [w*T, w*T + T + 1).
+        counts = np.array([max((len(s) - 1) // seq_len, 0) for s in self.shards], dtype=np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum(counts)])
+        self.n_windows = int(self._offsets[-1])
+        if self.n_windows < batch_size:
+            raise DoelError(
+                f"the {split} split of {data_dir} holds {self.n_windows} windows of "
+                f"{seq_len + 1} tokens, fewer than one batch of {batch_size}; lower "
+                "batch_size or seq_len, or prepare more text"
+            )
+        self.epoch, self.cursor = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+
+    def window(self, w: int) -> np.ndarray:
+        shard = int(np.searchsorted(self._offsets, w, side="right") - 1)
+        start = (w - int(self._offsets[shard])) * self.seq_len
+        return np.asarray(self.shards[shard][start : start + self.seq_len + 1], dtype=np.int64)
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets), each (batch_size, seq_len) int64; targets are inputs shifted by 1."""
+        if self.cursor + self.batch_size > self.n_windows:  # the remainder waits for no one
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.cursor : self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        rows = np.stack([self.window(int(w)) for w in idx])  # (B, T+1)
+        return rows[:, :-1], rows[:, 1:]
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"split": self.split, "seed": self.seed, "seq_len": self.seq_len,
+                "batch_size": self.batch_size, "epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("split", "seed", "seq_len", "batch_size"):
+            if state[key] != getattr(self, key):
+                raise DoelError(
+                    f"loader state was saved with {key}={state[key]!r}, this loader has "
+                    f"{getattr(self, key)!r}; resume with the same data settings"
+                )
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._perm = self._permutation(self.epoch)

@@ -1,0 +1,245 @@
+"""Corpus -> packed token shards + meta.json, with the language balance shown honestly.
+
+Mixture weights are shares of characters (what a reader of the corpus sees); the console and
+meta.json show the resulting shares of characters and of tokens side by side, because a
+tokenizer that is unfair to one language silently shifts the token balance. Exact duplicate
+documents are dropped, and validation text found in the training set (hashed word n-grams,
+or whole documents) fails the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from train.common import DoelError, atomic_write_json, sha256_file
+from train.config import resolved
+from train.overlap import OverlapCheck
+from train.shards import HEADER_BYTES, MAGIC, VERSION, ShardWriter, itemsize_for
+from train.textio import Source, resolve_sources
+from train.tokenizer import BOS, load_tokenizer, mix_documents
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    val_fraction: float = 0.0  # share of documents held out (by a hash of their text)
+    shard_tokens: int = 100_000_000
+    text_field: str = "text"
+    ngram: int = 13  # words per n-gram in the overlap check
+    overlap_sample: int = 1  # keep 1 in N n-gram hashes (raise for very large corpora)
+    max_val_overlap: float = 0.0  # largest tolerated share of validation n-grams seen in train
+    batch_chars: int = 4_000_000  # characters encoded per batch
+
+    def __post_init__(self):
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        for name in ("shard_tokens", "ngram", "overlap_sample", "batch_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.max_val_overlap <= 1.0:
+            raise ValueError(f"max_val_overlap must be in [0, 1], got {self.max_val_overlap}")
+
+
+def parse_weights(items: list[str], sources: list[Source]) -> dict[str, float] | None:
+    """`SOURCE=SHARE` items -> shares of characters summing to 1, one for every source."""
+    if not items:
+        return None
+    names = [s.name for s in sources]
+    raw: dict[str, float] = {}
+    for item in items:
+        name, sep, share = item.rpartition("=")
+        if not sep or name not in names:
+            raise DoelError(f"--weights {item!r}: expected SOURCE=SHARE with SOURCE one of {names}")
+        try:
+            raw[name] = float(share)
+        except ValueError:
+            raise DoelError(f"--weights {item!r}: share {share!r} is not a number") from None
+        if raw[name] < 0:
+            raise DoelError(f"--weights {item!r}: a share cannot be negative")
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise DoelError(f"--weights gives no share for {missing}; give every source one")
+    total = sum(raw.values())
+    if total <= 0:
+        raise DoelError("--weights: the shares add up to zero")
+    return {n: v / total for n, v in raw.items()}
+
+
+def _split_of(doc_hash: bytes, val_fraction: float) -> str:
+    # The document's own hash decides its split: stable across runs, orders and machines.
+    return "val" if int.from_bytes(doc_hash[:8], "little") < val_fraction * 2**64 else "train"
+
+
+def prepare(
+    tokenizer_path: str | Path,
+    data: list[str],
+    out_dir: str | Path,
+    cfg: PrepareConfig = PrepareConfig(),
+    weights: list[str] = (),
+    val: list[str] = (),
+    progress: bool = True,
+    log=print,
+) -> dict:
+    """Tokenize the corpus into out_dir/{train,val}_NNNNNN.bin and write meta.json."""
+    from tqdm import tqdm
+
+    if val and cfg.val_fraction:
+        raise DoelError("give either --val PATH... or --val-fraction, not both")
+    tok = load_tokenizer(tokenizer_path)
+    tok_file = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
+    bos = tok.token_to_id(BOS)
+    if bos is None:
+        raise DoelError(f"{tok_file} has no {BOS} token; train it with `doel-train tokenizer`")
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    sources, val_sources = resolve_sources(list(data)), resolve_sources(list(val))
+    mix = parse_weights(list(weights), sources)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)  # meta.json marks a finished folder
+    writers = {s: ShardWriter(out, s, vocab, bos, cfg.shard_tokens) for s in ("train", "val")}
+    stats = {s.name: _new_stats(s) for s in sources + val_sources}
+    seen: set[bytes] = set()
+    dup_with_val = 0
+    overlap = OverlapCheck(cfg.ngram, cfg.overlap_sample)
+    total_bytes = sum(Path(p).stat().st_size for s in sources + val_sources for p in s.paths
+                      if not p.startswith("hf:"))
+    bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="prepare",
+               disable=not progress, smoothing=0.1)
+    t0 = time.time()
+    pending: list[tuple[str, str, str]] = []  # (source, split, text)
+    pending_chars = 0
+
+    def flush():
+        encs = tok.encode_batch_fast([t for _, _, t in pending], add_special_tokens=True)
+        for split in ("train", "val"):
+            idx = [i for i, (_, s, _) in enumerate(pending) if s == split]
+            if not idx:
+                continue
+            lengths = np.fromiter((len(encs[i].ids) for i in idx), dtype=np.int64, count=len(idx))
+            ids = np.fromiter((t for i in idx for t in encs[i].ids), dtype=np.int64,
+                              count=int(lengths.sum()))
+            writers[split].add(ids, lengths)
+            for i, n in zip(idx, lengths):
+                st = stats[pending[i][0]]
+                st[f"{split}_tokens"] += int(n) - 1  # the <|bos|> is not the source's text
+        pending.clear()
+
+    def take(name: str, text: str, split: str):
+        nonlocal pending_chars
+        st = stats[name]
+        st[f"{split}_documents"] += 1
+        st[f"{split}_characters"] += len(text)
+        (overlap.add_val if split == "val" else overlap.add_train)(text)
+        pending.append((name, split, text))
+        pending_chars += len(text)
+        if pending_chars >= cfg.batch_chars:
+            flush()
+            pending_chars = 0
+
+    def keep(name: str, text: str) -> bool:
+        nonlocal dup_with_val
+        bar.update(len(text.encode("utf-8")) + 1)
+        h = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+        if h in seen:
+            stats[name]["duplicates_dropped"] += 1
+            if name not in {s.name for s in val_sources} and h in val_hashes:
+                dup_with_val += 1
+            return False
+        seen.add(h)
+        split_of[name] = "val" if name in val_names else _split_of(h, cfg.val_fraction)
+        return True
+
+    val_names = {s.name for s in val_sources}
+    val_hashes: set[bytes] = set()
+    split_of: dict[str, str] = {}
+    # Explicit validation files go first so that a training copy of one of their documents is
+    # seen as overlap, not as a harmless duplicate.
+    for name, text in mix_documents(val_sources, None, cfg.text_field, keep=keep):
+        val_hashes.add(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest())
+        take(name, text, "val")
+    for name, text in mix_documents(sources, mix, cfg.text_field, keep=keep):
+        take(name, text, split_of[name])
+    if pending:
+        flush()
+    bar.close()
+    shards = {s: w.close() for s, w in writers.items()}
+    seconds = time.time() - t0
+    n_chars = sum(st["train_characters"] + st["val_characters"] for st in stats.values())
+    if not n_chars:
+        raise DoelError(f"no text found in {data}: the corpus is empty")
+    meta = _meta(tok_file, vocab, bos, cfg, mix, stats, shards, seconds)
+    meta["overlap"] = overlap.result()
+    meta["overlap"]["exact_duplicates_of_validation_in_train"] = dup_with_val
+    _check_overlap(meta["overlap"], cfg, log)
+    atomic_write_json(out / "meta.json", meta)
+    log(format_balance(meta))
+    return meta
+
+
+def _new_stats(src: Source) -> dict:
+    keys = ("documents", "characters", "tokens")
+    return {"paths": list(src.paths), "duplicates_dropped": 0} | {
+        f"{split}_{k}": 0 for split in ("train", "val") for k in keys
+    }
+
+
+def _meta(tok_file, vocab, bos, cfg, mix, stats, shards, seconds) -> dict:
+    tot_c = sum(s["train_characters"] + s["val_characters"] for s in stats.values())
+    tot_t = sum(s["train_tokens"] + s["val_tokens"] for s in stats.values())
+    for name, s in stats.items():
+        c, t = s["train_characters"] + s["val_characters"], s["train_tokens"] + s["val_tokens"]
+        s.update(documents=s["train_documents"] + s["val_documents"], characters=c, tokens=t)
+        s["requested_char_share"] = mix.get(name) if mix else None
+        s["char_share"] = c / tot_c if tot_c else 0.0
+        s["token_share"] = t / tot_t if tot_t else 0.0
+        s["chars_per_token"] = c / t if t else 0.0
+    itemsize = itemsize_for(vocab)
+    return {
+        "format": {"magic": MAGIC.decode(), "version": VERSION, "header_bytes": HEADER_BYTES,
+                   "dtype": "uint16" if itemsize == 2 else "uint32", "byteorder": "little"},
+        "tokenizer": {"path": str(tok_file), "sha256": sha256_file(tok_file),
+                      "vocab_size": vocab, "bos_id": bos},
+        "splits": {split: {"tokens": sum(x["tokens"] for x in sh),
+                           "documents": sum(x["documents"] for x in sh), "shards": sh}
+                   for split, sh in shards.items()},
+        "sources": stats,
+        "config": resolved(cfg),
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(tot_t / seconds, 1) if seconds > 0 else None,
+    }
+
+
+def _check_overlap(ov: dict, cfg: PrepareConfig, log) -> None:
+    bad = ov["exact_duplicates_of_validation_in_train"] > 0 or ov["share"] > cfg.max_val_overlap
+    if not bad:
+        return
+    worst = "\n".join(f"  {w['share']:.0%} of: {w['text'][:100]!r}" for w in ov["worst"])
+    raise DoelError(
+        f"validation text also sits in the training set: {ov['share']:.2%} of validation "
+        f"{ov['ngram']}-grams appear in train, {ov['exact_duplicates_of_validation_in_train']} "
+        f"validation documents appear there whole. Worst validation documents:\n{worst}\n"
+        "Remove them from one side, or tolerate it with --set max_val_overlap=F."
+    )
+
+
+def format_balance(meta: dict) -> str:
+    head = f"{'source':<28}{'docs':>9}{'chars':>13}{'share':>8}{'asked':>8}{'tokens':>12}" \
+           f"{'share':>8}{'ch/tok':>8}{'dups':>7}"
+    lines = ["language balance (shares of characters and of tokens, side by side)", head]
+    for name, s in meta["sources"].items():
+        asked = f"{s['requested_char_share']:.1%}" if s["requested_char_share"] is not None else "-"
+        lines.append(
+            f"{name[:27]:<28}{s['documents']:>9,}{s['characters']:>13,}{s['char_share']:>8.1%}"
+            f"{asked:>8}{s['tokens']:>12,}{s['token_share']:>8.1%}{s['chars_per_token']:>8.2f}"
+            f"{s['duplicates_dropped']:>7,}"
+        )
+    sp = meta["splits"]
+    lines.append(
+        f"train {sp['train']['tokens']:,} tokens in {len(sp['train']['shards'])} shard(s), "
+        f"val {sp['val']['tokens']:,}; {meta['tokens_per_second']:,.0f} tokens/s"
+    )
+    return "\n".join(lines)

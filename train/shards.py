@@ -1,0 +1,149 @@
+"""Token shard format: a 64-byte self-describing header, then the tokens.
+
+    offset  type     field
+    0       8 bytes  magic b"DOELTOKS"
+    8       uint32   format version (1)
+    12      uint32   bytes per token (2: uint16, 4: uint32)
+    16      uint64   token count
+    24      uint64   document count (each document starts with <|bos|>)
+    32      uint32   vocabulary size
+    36      uint32   id of <|bos|>
+    40      24 bytes zero
+
+All little-endian. A shard never splits a document, so each shard starts with <|bos|>.
+Shards are written to a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from train.common import DoelError, sha256_file
+
+MAGIC = b"DOELTOKS"
+VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sIIQQII")
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    itemsize: int
+    n_tokens: int
+    n_docs: int
+    vocab_size: int
+    bos_id: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.itemsize == 2 else np.uint32)
+
+    def pack(self) -> bytes:
+        raw = _HEADER.pack(
+            MAGIC, VERSION, self.itemsize, self.n_tokens, self.n_docs, self.vocab_size, self.bos_id
+        )
+        return raw.ljust(HEADER_BYTES, b"\0")
+
+
+def itemsize_for(vocab_size: int) -> int:
+    """uint16 while every id fits, else uint32."""
+    return 2 if vocab_size <= 1 << 16 else 4
+
+
+def read_header(path: str | Path) -> ShardHeader:
+    path = Path(path)
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
+        raise DoelError(f"{path}: not a doel token shard (bad magic); re-run `doel-train prepare`")
+    magic, version, itemsize, n_tokens, n_docs, vocab, bos = _HEADER.unpack(raw[: _HEADER.size])
+    if version != VERSION:
+        raise DoelError(f"{path}: shard format version {version}, this doel reads {VERSION}")
+    if itemsize not in (2, 4):
+        raise DoelError(f"{path}: corrupt header (bytes per token {itemsize})")
+    expected = HEADER_BYTES + n_tokens * itemsize
+    if path.stat().st_size != expected:
+        raise DoelError(
+            f"{path}: truncated or corrupt: the header says {n_tokens} tokens ({expected} bytes) "
+            f"but the file has {path.stat().st_size} bytes; re-run `doel-train prepare`"
+        )
+    return ShardHeader(itemsize, n_tokens, n_docs, vocab, bos)
+
+
+def open_shard(path: str | Path) -> tuple[ShardHeader, np.ndarray]:
+    """Memory-map a shard's tokens (read-only)."""
+    h = read_header(path)
+    tokens = np.memmap(path, dtype=h.dtype, mode="r", offset=HEADER_BYTES, shape=(h.n_tokens,))
+    return h, tokens
+
+
+class ShardWriter:
+    """Append whole documents; a new shard starts when the next one would not fit."""
+
+    def __init__(self, out_dir: Path, split: str, vocab_size: int, bos_id: int, shard_tokens: int):
+        self.out_dir, self.split = Path(out_dir), split
+        self.vocab_size, self.bos_id, self.shard_tokens = vocab_size, bos_id, shard_tokens
+        self.itemsize = itemsize_for(vocab_size)
+        self.dtype = np.uint16 if self.itemsize == 2 else np.uint32
+        self.shards: list[dict] = []
+        self._file = None
+        self._tokens = self._docs = 0
+
+    def _open(self):
+        self._path = self.out_dir / f"{self.split}_{len(self.shards):06d}.bin"
+        self._tmp = self._path.with_name(self._path.name + ".tmp")
+        self._file = open(self._tmp, "wb")
+        self._file.write(b"\0" * HEADER_BYTES)  # filled in on close, when the counts are known
+        self._tokens = self._docs = 0
+
+    def add(self, ids: np.ndarray, doc_lengths: np.ndarray) -> None:
+        """Add whole documents: `ids` is their concatenation, `doc_lengths` their sizes."""
+        ends = np.cumsum(doc_lengths)
+        start_doc, start_tok = 0, 0
+        while start_doc < len(doc_lengths):
+            if self._file is None:
+                self._open()
+            room = self.shard_tokens - self._tokens
+            # Documents that fit whole in this shard (at least one if the shard is empty).
+            fit = int(np.searchsorted(ends[start_doc:] - start_tok, room, side="right"))
+            if fit == 0 and self._tokens == 0:
+                fit = 1
+            if fit == 0:
+                self._close()
+                continue
+            stop_tok = int(ends[start_doc + fit - 1])
+            chunk = ids[start_tok:stop_tok]
+            self._file.write(np.ascontiguousarray(chunk, dtype=self.dtype).tobytes())
+            self._tokens += len(chunk)
+            self._docs += fit
+            start_doc, start_tok = start_doc + fit, stop_tok
+            if self._tokens >= self.shard_tokens:
+                self._close()
+
+    def _close(self):
+        h = ShardHeader(self.itemsize, self._tokens, self._docs, self.vocab_size, self.bos_id)
+        self._file.seek(0)
+        self._file.write(h.pack())
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self._tmp, self._path)
+        self.shards.append(
+            {
+                "file": self._path.name,
+                "tokens": self._tokens,
+                "documents": self._docs,
+                "sha256": sha256_file(self._path),
+            }
+        )
+
+    def close(self) -> list[dict]:
+        if self._file is not None:
+            self._close()
+        return self.shards
