@@ -126,9 +126,9 @@ def test_vocab_smaller_than_byte_alphabet_is_refused():
 
 def test_config_from_toml_with_overrides(tmp_path):
     p = tmp_path / "tok.toml"
-    p.write_text('vocab_size = 4096\npre_tokenizer = "gpt2"\n')
+    p.write_text('vocab_size = 4096\nstyle = "gpt2"\n')
     cfg = load_config(TokenizerConfig, p, ["min_frequency=3"])
-    assert (cfg.vocab_size, cfg.pre_tokenizer, cfg.min_frequency) == (4096, "gpt2", 3)
+    assert (cfg.vocab_size, cfg.style, cfg.min_frequency) == (4096, "gpt2", 3)
     p.write_text("vocab_sise = 4096\n")
     with pytest.raises(DoelError, match="vocab_sise"):
         load_config(TokenizerConfig, p)

@@ -3,8 +3,11 @@ byte-fallback rate, per script (Bengali, Latin, other).
 
 Text is cut into runs of one script at whitespace (punctuation and digits stay with the run
 they sit in) and each run is encoded on its own, so every token is charged to one script.
-A byte-fallback token is one that holds part of a character: a byte-level token whose bytes
-are not valid UTF-8, a SentencePiece `<0xNN>` piece, or an unknown token.
+A byte-fallback token stands for bytes, not characters: a byte-level token that holds no whole
+character besides whitespace (only fragments of one), a SentencePiece or Llama `<0xNN>` piece,
+or an unknown token. Byte-level BPE also learns tokens that end or start in the middle of a
+character (" অনু" plus the first bytes of the next letter); those are counted separately as
+`partial_char_rate`.
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ class AnyTokenizer:
     name: str
     vocab_size: int
     encode_batch: Callable[[list[str]], list[list[int]]]
-    fallback: np.ndarray  # bool, one per id
+    fallback: np.ndarray  # bool, one per id: the token stands for bytes, not characters
+    partial: np.ndarray | None = None  # bool, one per id: it holds part of a character
+
+    def __post_init__(self):
+        if self.partial is None:
+            self.partial = self.fallback.copy()
 
 
 def script_of(chunk: str) -> str | None:
@@ -74,7 +82,8 @@ def script_runs(text: str) -> list[tuple[str, str, int]]:
 
 def fertility(tok: AnyTokenizer, texts: Iterable[str], batch: int = 2048) -> dict[str, dict]:
     """Per-script totals and ratios for the given texts."""
-    totals = {s: dict(characters=0, bytes=0, words=0, tokens=0, fallback=0) for s in SCRIPTS}
+    totals = {s: dict(characters=0, bytes=0, words=0, tokens=0, fallback=0, partial=0)
+              for s in SCRIPTS}
     pending: list[tuple[str, str, int]] = []
 
     def flush():
@@ -85,7 +94,9 @@ def fertility(tok: AnyTokenizer, texts: Iterable[str], batch: int = 2048) -> dic
             t["bytes"] += len(run.encode("utf-8"))
             t["words"] += words
             t["tokens"] += len(ids)
-            t["fallback"] += int(tok.fallback[np.asarray(ids, dtype=np.int64)].sum()) if ids else 0
+            ids = np.asarray(ids, dtype=np.int64)
+            t["fallback"] += int(tok.fallback[ids].sum())
+            t["partial"] += int(tok.partial[ids].sum())
         pending.clear()
 
     for text in texts:
@@ -107,6 +118,7 @@ def fertility(tok: AnyTokenizer, texts: Iterable[str], batch: int = 2048) -> dic
             "words_per_token": t["words"] / n,
             "tokens_per_word": t["tokens"] / max(t["words"], 1),
             "byte_fallback_rate": t["fallback"] / n,
+            "partial_char_rate": t["partial"] / n,
         }
     return report
 
@@ -129,7 +141,7 @@ def balance_warnings(report: dict[str, dict]) -> list[str]:
 
 
 def format_report(name: str, report: dict[str, dict]) -> str:
-    cols = ("chars/tok", "bytes/tok", "words/tok", "tok/word", "fallback")
+    cols = ("chars/tok", "bytes/tok", "words/tok", "tok/word", "fallback", "partial")
     lines = [f"fertility of {name}", f"{'script':<9}{'chars':>11}{'tokens':>10}"
              + "".join(f"{c:>11}" for c in cols)]
     for s, r in report.items():
@@ -137,6 +149,7 @@ def format_report(name: str, report: dict[str, dict]) -> str:
             f"{s:<9}{r['characters']:>11,}{r['tokens']:>10,}{r['chars_per_token']:>11.3f}"
             f"{r['bytes_per_token']:>11.3f}{r['words_per_token']:>11.3f}"
             f"{r['tokens_per_word']:>11.3f}{r['byte_fallback_rate']:>10.3%}"
+            f"{r['partial_char_rate']:>10.3%}"
         )
     return "\n".join(lines + balance_warnings(report))
 
@@ -172,35 +185,46 @@ def _invalid_utf8(raw: bytes) -> bool:
         return True
 
 
+def _bytes_only(raw: bytes) -> bool:
+    """Holds fragments of characters and nothing else but whitespace."""
+    return _invalid_utf8(raw) and not raw.decode("utf-8", errors="ignore").strip()
+
+
+def _byte_flags(token_bytes: dict[int, bytes], n: int) -> tuple[np.ndarray, np.ndarray]:
+    fallback, partial = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    for i, raw in token_bytes.items():
+        fallback[i], partial[i] = _bytes_only(raw), _invalid_utf8(raw)
+    return fallback, partial
+
+
 def _load_hf(p: Path, data: dict) -> AnyTokenizer:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(p))
     n = tok.get_vocab_size(with_added_tokens=True)
-    fallback = np.zeros(n, dtype=bool)
+    vocab = tok.get_vocab(with_added_tokens=False)
     byte_level = "ByteLevel" in json.dumps(data.get("decoder")) + json.dumps(data.get("pre_tokenizer"))
+    as_bytes = {i: bytes(BYTE_OF_CHAR[c] for c in t) for t, i in vocab.items()
+                if byte_level and all(c in BYTE_OF_CHAR for c in t)}
+    fallback, partial = _byte_flags(as_bytes, n)
     byte_piece = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
     unk = data["model"].get("unk_token")
-    for token, i in tok.get_vocab(with_added_tokens=False).items():
-        if byte_level and all(c in BYTE_OF_CHAR for c in token):
-            fallback[i] = _invalid_utf8(bytes(BYTE_OF_CHAR[c] for c in token))
-        elif byte_piece.match(token) or token == unk:
-            fallback[i] = True
+    for token, i in vocab.items():
+        if byte_piece.match(token) or token == unk:
+            fallback[i] = partial[i] = True
 
     def encode_batch(texts):
         return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
-    return AnyTokenizer(p.name, n, encode_batch, fallback)
+    return AnyTokenizer(p.name, n, encode_batch, fallback, partial)
 
 
 def _ranks_tokenizer(name, ranks: dict[bytes, int], pattern: str) -> AnyTokenizer:
     import tiktoken
 
     enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
-    fallback = np.zeros(enc.n_vocab, dtype=bool)
-    for raw, i in ranks.items():
-        fallback[i] = _invalid_utf8(raw)
-    return AnyTokenizer(name, enc.n_vocab, enc.encode_ordinary_batch, fallback)
+    fallback, partial = _byte_flags({i: raw for raw, i in ranks.items()}, enc.n_vocab)
+    return AnyTokenizer(name, enc.n_vocab, enc.encode_ordinary_batch, fallback, partial)
 
 
 # Split patterns of OpenAI's published encodings (regexes, cited as facts of those formats).

@@ -1,47 +1,63 @@
-"""Train a byte-level BPE tokenizer that is fair to Bangla, and write it as tokenizer.json.
+"""Train a BPE tokenizer that is fair to Bangla, and write it as tokenizer.json.
 
 Why the pre-tokenizer matters: Bengali vowel signs, the virama and the nukta are combining
 marks (\\p{M}), not letters. GPT-2-style split regexes use \\p{L} only, so they cut every
 Bengali word at each sign and BPE can never merge across the cut (about 1.4 characters a token).
-Here the letter class is [\\p{L}\\p{M} ZWNJ ZWJ], so a Bengali word stays one piece.
+Here the letter class is [\\p{L}\\p{M} ZWNJ ZWJ], so a Bengali word stays one piece, and a
+word keeps one trailing punctuation mark (danda, comma...) so "গেল।" can be a single token.
+
+Why BPE over characters with byte fallback (as Llama and Mistral do) rather than over bytes:
+every Bengali character is three UTF-8 bytes, and byte-level BPE spends merges on the bytes
+inside characters and on tokens that end in the middle of one. Over characters, every string
+still encodes (an unseen character becomes its <0xNN> byte tokens) and the vocabulary goes to
+real units: +0.2 characters/token on Bangla in benchmarks/results/tokenizer.md.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.common import DoelError, atomic_write_json
+from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.config import resolved
 from train.textio import Source, iter_source
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 N_RESERVED = 5
 SPECIAL_TOKENS = [BOS, EOS, PAD] + [f"<|reserved_{i}|>" for i in range(N_RESERVED)]
+BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 N_BYTES = 256
 
 _L = r"\p{L}\p{M}\x{200C}\x{200D}"  # letters, combining marks, ZWNJ, ZWJ
 PATTERNS = {
-    # Words keep their marks; an optional leading space or single punctuation character joins
-    # the word; digits (ASCII and Bengali) go in groups of up to three; other symbols in runs.
+    # Words keep their marks and one trailing punctuation mark; an optional leading space or
+    # punctuation character joins the word; digits (ASCII and Bengali) go in groups of up to
+    # three; other symbols in runs.
     "doel": (
-        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{_L}\p{{N}}]?[{_L}]+|\p{{N}}{{1,3}}"
+        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{_L}\p{{N}}]?[{_L}]+[,.।;:!?]?|\p{{N}}{{1,3}}"
         rf"| ?[^\s{_L}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ),
     # The GPT-2 split, kept as the baseline that shows the trap (~1.4 chars/token on Bangla).
     "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
 }
+# style -> (split pattern, byte-level BPE?)
+STYLES = {"doel": ("doel", False), "doel-bytelevel": ("doel", True), "gpt2": ("gpt2", True)}
+# Always whole tokens, whatever the corpus: the Bengali block, printable ASCII, a few marks.
+ALPHABET = [chr(c) for c in range(0x0980, 0x0A00) if unicodedata.category(chr(c)) != "Cn"]
+ALPHABET += [chr(c) for c in range(32, 127)] + list("\n\t।॥\u200c\u200d‘’“”—–…")
 
 
 @dataclass(frozen=True)
 class TokenizerConfig:
     vocab_size: int = 32768
     min_frequency: int = 2
-    pre_tokenizer: str = "doel"
+    style: str = "doel"  # doel | doel-bytelevel | gpt2 (the baseline that shows the trap)
     max_token_length: int = 24  # in characters; long tokens are rare and waste vocabulary
+    limit_alphabet: int = 1000  # rarer characters are spelled with byte tokens
     max_doc_chars: int = 10_000  # long documents are cut so one book cannot dominate the counts
     max_chars: int = 2_000_000_000  # training stops after this many characters
     text_field: str = "text"
@@ -53,27 +69,31 @@ class TokenizerConfig:
                 f"vocab_size={self.vocab_size} is smaller than the byte alphabet plus special "
                 f"tokens ({floor}); choose at least {floor}, typically 32768"
             )
-        if self.pre_tokenizer not in PATTERNS:
-            raise ValueError(f"pre_tokenizer={self.pre_tokenizer!r}: choose one of {list(PATTERNS)}")
-        for name in ("min_frequency", "max_token_length", "max_doc_chars", "max_chars"):
+        if self.style not in STYLES:
+            raise ValueError(f"style={self.style!r}: choose one of {list(STYLES)}")
+        for name in ("min_frequency", "max_token_length", "limit_alphabet", "max_doc_chars",
+                     "max_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def build_tokenizer(pre_tokenizer: str = "doel"):
-    """An untrained tokenizer with doel's normalizer, pre-tokenizer and decoder."""
+def build_tokenizer(style: str = "doel"):
+    """An untrained tokenizer with doel's normalizer, pre-tokenizer, model and decoder."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    tok = Tokenizer(models.BPE())
+    pattern, byte_level = STYLES[style]
+    split = pre_tokenizers.Split(Regex(PATTERNS[pattern]), behavior="isolated")
     # NFC keeps the nukta (U+09BC), ZWJ and ZWNJ; note it turns ড় ঢ় য় into base + nukta.
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        bl = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, bl])
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok = Tokenizer(models.BPE(byte_fallback=True))
+        tok.pre_tokenizer = split
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PATTERNS[pre_tokenizer]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
     return tok
 
 
@@ -125,16 +145,22 @@ def train_tokenizer(
 ) -> Path:
     """Train on the sources and write tokenizer.json (+ the Hugging Face side files and the
     resolved config) to out_dir. Returns the tokenizer.json path."""
-    from tokenizers import pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, pre_tokenizers, processors, trainers
 
-    tok = build_tokenizer(cfg.pre_tokenizer)
+    tok = build_tokenizer(cfg.style)
+    byte_level = STYLES[cfg.style][1]
+    if byte_level:
+        alphabet = {"initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
+    else:
+        alphabet = {"initial_alphabet": ALPHABET, "limit_alphabet": cfg.limit_alphabet}
     trainer = trainers.BpeTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=cfg.min_frequency,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        # Byte fallback needs the 256 <0xNN> tokens in the vocabulary, right after the specials.
+        special_tokens=SPECIAL_TOKENS + ([] if byte_level else BYTE_TOKENS),
         max_token_length=cfg.max_token_length,
         show_progress=progress,
+        **alphabet,
     )
     used: dict[str, dict[str, int]] = {}
 
@@ -155,10 +181,16 @@ def train_tokenizer(
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
     )
+    data = json.loads(tok.to_str())
+    # The byte tokens were passed as special only to reserve their ids; as added tokens they
+    # would be matched in text ("<0x41>") and skipped by decode, so they stay model-only.
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] not in BYTE_TOKENS]
+    text = json.dumps(data, ensure_ascii=False, indent=1)
+    Tokenizer.from_str(text)  # refuse to write a file that does not load
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "tokenizer.json"
-    tok.save(str(path))
+    atomic_write_bytes(path, text.encode("utf-8"))
     _write_hf_side_files(out)
     atomic_write_json(
         out / "doel_tokenizer.json",
