@@ -34,18 +34,28 @@ N_BYTES = 256
 
 _L = r"\p{L}\p{M}\x{200C}\x{200D}"  # letters, combining marks, ZWNJ, ZWJ
 PATTERNS = {
-    # Words keep their marks and one trailing punctuation mark; an optional leading space or
-    # punctuation character joins the word; digits (ASCII and Bengali) go in groups of up to
-    # three; other symbols in runs.
+    # Words keep their marks and one trailing punctuation mark; before a word may stand one
+    # space or punctuation character, or a space and one punctuation character (' "word',
+    # ' ‘কথা'); digits (ASCII and Bengali) go in groups of up to three; other symbols in runs.
     "doel": (
-        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{_L}\p{{N}}]?[{_L}]+[,.।;:!?]?|\p{{N}}{{1,3}}"
+        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|(?:[^\r\n{_L}\p{{N}}]| [^\s{_L}\p{{N}}])?[{_L}]+"
+        rf"[,.।;:!?]?|\p{{N}}{{1,3}}| ?[^\s{_L}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    # The plain fix: GPT-4's split with combining marks in the letter class (an ablation).
+    "marks": (
+        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{_L}\p{{N}}]?[{_L}]+|\p{{N}}{{1,3}}"
         rf"| ?[^\s{_L}\p{{N}}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ),
     # The GPT-2 split, kept as the baseline that shows the trap (~1.4 chars/token on Bangla).
     "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
 }
 # style -> (split pattern, byte-level BPE?)
-STYLES = {"doel": ("doel", False), "doel-bytelevel": ("doel", True), "gpt2": ("gpt2", True)}
+STYLES = {
+    "doel": ("doel", False),
+    "doel-bytelevel": ("doel", True),
+    "marks-bytelevel": ("marks", True),
+    "gpt2": ("gpt2", True),
+}
 # Always whole tokens, whatever the corpus: the Bengali block, printable ASCII, a few marks.
 ALPHABET = [chr(c) for c in range(0x0980, 0x0A00) if unicodedata.category(chr(c)) != "Cn"]
 ALPHABET += [chr(c) for c in range(32, 127)] + list("\n\t।॥\u200c\u200d‘’“”—–…")
@@ -55,7 +65,7 @@ ALPHABET += [chr(c) for c in range(32, 127)] + list("\n\t।॥\u200c\u200d‘�
 class TokenizerConfig:
     vocab_size: int = 32768
     min_frequency: int = 2
-    style: str = "doel"  # doel | doel-bytelevel | gpt2 (the baseline that shows the trap)
+    style: str = "doel"  # or an ablation: doel-bytelevel, marks-bytelevel, gpt2 (the trap)
     max_token_length: int = 24  # in characters; long tokens are rare and waste vocabulary
     limit_alphabet: int = 1000  # rarer characters are spelled with byte tokens
     max_doc_chars: int = 10_000  # long documents are cut so one book cannot dominate the counts
