@@ -61,9 +61,18 @@ def measure(tok, val: dict[str, list[str]]) -> dict:
     out = {}
     for lang, script in (("bn", "bengali"), ("en", "latin")):
         r = fertility(tok, val[lang])[script]
-        out[lang] = {k: r[k] for k in ("characters", "tokens", "chars_per_token",
-                                       "bytes_per_token", "words_per_token",
-                                       "byte_fallback_rate", "partial_char_rate")}
+        out[lang] = {
+            k: r[k]
+            for k in (
+                "characters",
+                "tokens",
+                "chars_per_token",
+                "bytes_per_token",
+                "words_per_token",
+                "byte_fallback_rate",
+                "partial_char_rate",
+            )
+        }
     out["bn_over_en"] = out["bn"]["chars_per_token"] / out["en"]["chars_per_token"]
     return out
 
@@ -79,8 +88,9 @@ def throughput(tok_path: Path, paths: list[str], repeats: int) -> dict:
         plain.append(n_plain / (time.perf_counter() - t))
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
-            meta = prepare(tok_path, paths, tmp, PrepareConfig(), progress=False,
-                           log=lambda *_: None)
+            meta = prepare(
+                tok_path, paths, tmp, PrepareConfig(), progress=False, log=lambda *_: None
+            )
             dt = time.perf_counter() - t
         n_ours = meta["splits"]["train"]["tokens"]
         ours.append(n_ours / dt)
@@ -112,8 +122,14 @@ def main() -> None:
     train_paths = [str(data / p) for p in splits["bn"]["train"] + splits["en"]["train"]]
     sources = resolve_sources(train_paths)
     mixed = language_weights(sources, len(splits["bn"]["train"]), args.bangla_share)
-    val = {lang: [d for s in resolve_sources([str(data / p) for p in splits[lang]["validation"]])
-                  for d in iter_source(s)] for lang in ("bn", "en")}
+    val = {
+        lang: [
+            d
+            for s in resolve_sources([str(data / p) for p in splits[lang]["validation"]])
+            for d in iter_source(s)
+        ]
+        for lang in ("bn", "en")
+    }
 
     results, work = {}, Path(tempfile.mkdtemp())
     trained = {
@@ -128,17 +144,34 @@ def main() -> None:
         cfg = TokenizerConfig(vocab_size=args.vocab_size, style=style)
         path = train_tokenizer(sources, cfg, work / str(i), weights, progress=False)
         results[name] = measure(load_any(path), val)
-        results[name] |= {"trained_here": True, "style": style, "train_seconds":
-                          round(time.perf_counter() - t, 1), "vocab_size": args.vocab_size}
-        print(f"{name}: bn {results[name]['bn']['chars_per_token']:.3f} "
-              f"en {results[name]['en']['chars_per_token']:.3f}", flush=True)
+        results[name] |= {
+            "trained_here": True,
+            "style": style,
+            "train_seconds": round(time.perf_counter() - t, 1),
+            "vocab_size": args.vocab_size,
+        }
+        print(
+            f"{name}: bn {results[name]['bn']['chars_per_token']:.3f} "
+            f"en {results[name]['en']['chars_per_token']:.3f}",
+            flush=True,
+        )
     for name, rel in REFERENCES.items():
         tok = load_any(data / "tokenizers" / rel)
-        results[name] = measure(tok, val) | {"trained_here": False, "file": rel,
-                                             "vocab_size": tok.vocab_size}
-    speed = throughput(work / "0" / "tokenizer.json",
-                       [str(data / p) for p in splits["bn"]["validation"]
-                        + splits["en"]["validation"] + splits["en"]["train"][:1]], args.repeats)
+        results[name] = measure(tok, val) | {
+            "trained_here": False,
+            "file": rel,
+            "vocab_size": tok.vocab_size,
+        }
+    speed = throughput(
+        work / "0" / "tokenizer.json",
+        [
+            str(data / p)
+            for p in splits["bn"]["validation"]
+            + splits["en"]["validation"]
+            + splits["en"]["train"][:1]
+        ],
+        args.repeats,
+    )
     ours = results["doel"]
     report = {
         "date": date.today().isoformat(),
@@ -169,9 +202,10 @@ def markdown(r: dict) -> str:
         "",
         "Characters per token on the validation split of `../shared/data/splits.json` "
         "(Bangla: Bengali-script text of the bn files; English: Latin-script text of the en "
-        f"files). Tokenizers marked * were trained here at {r['tokenizers']['doel']['vocab_size']:,}"
-        f" tokens on the train split, Bangla {r['bangla_share_of_training_characters']:.0%} "
-        "of the training characters (except the natural mix).",
+        "files). Tokenizers marked * were trained here at "
+        f"{r['tokenizers']['doel']['vocab_size']:,} tokens on the train split, Bangla "
+        f"{r['bangla_share_of_training_characters']:.0%} of the training characters "
+        "(except the natural mix).",
         "",
         "| tokenizer | vocab | bn chars/token | en chars/token | bn/en | bn byte fallback "
         "| bn partial-char tokens |",

@@ -1,1 +1,1 @@
-"""doel's serving stage: an export bundle over HTTP, without torch (arrives with the serve issue)."""
+"""doel's serving stage: an export bundle over HTTP without torch (the serve issue)."""

@@ -21,44 +21,85 @@ def run(*args, check=True, pre=""):
 
 
 def test_tokenizer_fertility_prepare_contract(tmp_path, sample_paths):
-    run("tokenizer", "--data", *sample_paths, "--vocab-size", "1024", "--out",
-        str(tmp_path / "tok"), "--quiet")
+    run(
+        "tokenizer",
+        "--data",
+        *sample_paths,
+        "--vocab-size",
+        "1024",
+        "--out",
+        str(tmp_path / "tok"),
+        "--quiet",
+    )
     tok = tmp_path / "tok" / "tokenizer.json"
     assert tok.is_file()
     out = run("fertility", "--tokenizer", str(tok), "--text", *sample_paths, "--json").stdout
     report = json.loads(out)
     assert set(report) >= {"bengali", "latin"}
     for r in report.values():
-        assert {"chars_per_token", "bytes_per_token", "words_per_token",
-                "byte_fallback_rate"} <= set(r)
-    run("prepare", "--tokenizer", str(tok), "--data", *sample_paths, "--out",
-        str(tmp_path / "shards"), "--weights", "bn=0.6", "en=0.4", "--val-fraction", "0.1",
-        "--quiet")
+        assert {
+            "chars_per_token",
+            "bytes_per_token",
+            "words_per_token",
+            "byte_fallback_rate",
+        } <= set(r)
+    run(
+        "prepare",
+        "--tokenizer",
+        str(tok),
+        "--data",
+        *sample_paths,
+        "--out",
+        str(tmp_path / "shards"),
+        "--weights",
+        "bn=0.6",
+        "en=0.4",
+        "--val-fraction",
+        "0.1",
+        "--quiet",
+    )
     meta = json.loads((tmp_path / "shards" / "meta.json").read_text())
     assert meta["sources"]["bn"]["requested_char_share"] == pytest.approx(0.6)
     assert meta["splits"]["val"]["documents"] > 0
 
 
 def test_python_dash_m_train_works():
-    proc = subprocess.run([sys.executable, "-m", "train", "--help"], capture_output=True,
-                          text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "train", "--help"], capture_output=True, text=True, cwd=ROOT
+    )
     assert proc.returncode == 0 and "fertility" in proc.stdout
 
 
 def test_user_errors_are_one_line_without_traceback(tmp_path):
-    proc = run("prepare", "--tokenizer", str(tmp_path / "x.json"), "--data", "a.txt", "--out",
-               str(tmp_path), check=False)
+    proc = run(
+        "prepare",
+        "--tokenizer",
+        str(tmp_path / "x.json"),
+        "--data",
+        "a.txt",
+        "--out",
+        str(tmp_path),
+        check=False,
+    )
     assert proc.returncode != 0
     assert proc.stderr.startswith("error: tokenizer not found") and "Traceback" not in proc.stderr
-    proc = run("tokenizer", "--data", "a.txt", "--out", str(tmp_path), "--vocab-size", "10",
-               check=False)
+    proc = run(
+        "tokenizer", "--data", "a.txt", "--out", str(tmp_path), "--vocab-size", "10", check=False
+    )
     assert "vocab_size=10" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_missing_extra_names_the_pip_install(tmp_path, sample_paths):
     # Pretend the train extra is not installed: importing `tokenizers` fails.
-    proc = run("tokenizer", "--data", *sample_paths, "--out", str(tmp_path), check=False,
-               pre="import sys; sys.modules['tokenizers'] = None; ")
+    proc = run(
+        "tokenizer",
+        "--data",
+        *sample_paths,
+        "--out",
+        str(tmp_path),
+        check=False,
+        pre="import sys; sys.modules['tokenizers'] = None; ",
+    )
     assert proc.returncode != 0
     assert "pip install 'doel[train]'" in proc.stderr and "'tokenizers'" in proc.stderr
 

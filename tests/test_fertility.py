@@ -26,7 +26,10 @@ def test_script_runs_cover_every_character(text):
 def test_runs_split_by_script():
     runs = script_runs("আমি ভাত খাই, I eat rice. আবার ১২টা")
     assert [(s, r) for s, r, _ in runs] == [
-        ("bengali", "আমি ভাত খাই,"), ("latin", " I eat rice."), ("bengali", " আবার ১২টা")]
+        ("bengali", "আমি ভাত খাই,"),
+        ("latin", " I eat rice."),
+        ("bengali", " আবার ১২টা"),
+    ]
     assert [w for _, _, w in runs] == [3, 3, 2]
 
 
@@ -35,9 +38,12 @@ def texts(paths):
 
 
 def test_ours_is_fair_and_the_gpt2_split_is_not(tmp_path, sample_paths, tokenizer_path):
-    gpt2_style = train_tokenizer(resolve_sources(sample_paths),
-                                 TokenizerConfig(vocab_size=2048, min_frequency=1,
-                                                 style="gpt2"), tmp_path, progress=False)
+    gpt2_style = train_tokenizer(
+        resolve_sources(sample_paths),
+        TokenizerConfig(vocab_size=2048, min_frequency=1, style="gpt2"),
+        tmp_path,
+        progress=False,
+    )
     ours = fertility(load_any(tokenizer_path), texts(sample_paths))
     theirs = fertility(load_any(gpt2_style), texts(sample_paths))
     assert ours["bengali"]["chars_per_token"] > 1.5 * theirs["bengali"]["chars_per_token"]
@@ -65,8 +71,13 @@ def test_sentencepiece_byte_fallback(tmp_path, sample_paths):
     import sentencepiece as spm
 
     spm.SentencePieceTrainer.Train(
-        input=sample_paths[1], model_prefix=str(tmp_path / "en"), vocab_size=400,
-        byte_fallback=True, character_coverage=1.0, minloglevel=2)
+        input=sample_paths[1],
+        model_prefix=str(tmp_path / "en"),
+        vocab_size=400,
+        byte_fallback=True,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
     r = fertility(load_any(tmp_path / "en.model"), texts(sample_paths))
     assert r["latin"]["byte_fallback_rate"] < 0.01  # it knows English characters
     # It saw only the few Bengali words in en.txt: most Bengali text falls back to bytes.

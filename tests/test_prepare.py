@@ -23,8 +23,14 @@ def quiet(*_):
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, tokenizer_path, sample_paths):
     out = tmp_path_factory.mktemp("shards")
-    meta = prepare(tokenizer_path, sample_paths, out, PrepareConfig(val_fraction=0.1,
-                   shard_tokens=3000), progress=False, log=quiet)
+    meta = prepare(
+        tokenizer_path,
+        sample_paths,
+        out,
+        PrepareConfig(val_fraction=0.1, shard_tokens=3000),
+        progress=False,
+        log=quiet,
+    )
     return out, meta
 
 
@@ -71,8 +77,9 @@ def test_meta_shows_characters_and_tokens_side_by_side(shards, tokenizer_path):
 
 
 def test_weights_are_shares_of_characters(tmp_path, tokenizer_path, sample_paths):
-    meta = prepare(tokenizer_path, sample_paths, tmp_path, weights=["bn=3", "en=1"],
-                   progress=False, log=quiet)
+    meta = prepare(
+        tokenizer_path, sample_paths, tmp_path, weights=["bn=3", "en=1"], progress=False, log=quiet
+    )
     bn, en = meta["sources"]["bn"], meta["sources"]["en"]
     assert bn["requested_char_share"] == 0.75
     # Whole documents of a few hundred characters: the share lands within one document.
@@ -81,14 +88,14 @@ def test_weights_are_shares_of_characters(tmp_path, tokenizer_path, sample_paths
     with pytest.raises(DoelError, match="no share for"):
         prepare(tokenizer_path, sample_paths, tmp_path, weights=["bn=1"], progress=False)
     with pytest.raises(DoelError, match="SOURCE one of"):
-        prepare(tokenizer_path, sample_paths, tmp_path, weights=["xx=1", "en=1"],
-                progress=False)
+        prepare(tokenizer_path, sample_paths, tmp_path, weights=["xx=1", "en=1"], progress=False)
 
 
 def test_exact_duplicates_are_dropped(tmp_path, tokenizer_path):
     (tmp_path / "d.txt").write_text("আমি ভাত খাই।\nএকটা অন্য কথা।\nআমি ভাত খাই।\n")
-    meta = prepare(tokenizer_path, [str(tmp_path / "d.txt")], tmp_path / "o", progress=False,
-                   log=quiet)
+    meta = prepare(
+        tokenizer_path, [str(tmp_path / "d.txt")], tmp_path / "o", progress=False, log=quiet
+    )
     assert meta["sources"]["d"]["duplicates_dropped"] == 1
     assert meta["splits"]["train"]["documents"] == 2
 
@@ -97,15 +104,33 @@ def test_validation_text_in_train_fails_loudly(tmp_path, tokenizer_path, sample_
     lines = Path(sample_paths[0]).read_text(encoding="utf-8").splitlines()
     (tmp_path / "val.txt").write_text(lines[3][:200] + " নতুন কথা\n" + "সম্পূর্ণ নতুন একটি বাক্য।\n")
     with pytest.raises(DoelError, match="validation text also sits in the training set"):
-        prepare(tokenizer_path, sample_paths, tmp_path / "o", val=[str(tmp_path / "val.txt")],
-                progress=False, log=quiet)
+        prepare(
+            tokenizer_path,
+            sample_paths,
+            tmp_path / "o",
+            val=[str(tmp_path / "val.txt")],
+            progress=False,
+            log=quiet,
+        )
     (tmp_path / "whole.txt").write_text(lines[5] + "\n")
     with pytest.raises(DoelError, match="1 validation documents appear there whole"):
-        prepare(tokenizer_path, sample_paths, tmp_path / "o", val=[str(tmp_path / "whole.txt")],
-                progress=False, log=quiet)
+        prepare(
+            tokenizer_path,
+            sample_paths,
+            tmp_path / "o",
+            val=[str(tmp_path / "whole.txt")],
+            progress=False,
+            log=quiet,
+        )
     (tmp_path / "clean.txt").write_text("এই লেখাটি প্রশিক্ষণের কোথাও নেই, একেবারে নতুন।\n")
-    meta = prepare(tokenizer_path, sample_paths, tmp_path / "o", val=[str(tmp_path / "clean.txt")],
-                   progress=False, log=quiet)
+    meta = prepare(
+        tokenizer_path,
+        sample_paths,
+        tmp_path / "o",
+        val=[str(tmp_path / "clean.txt")],
+        progress=False,
+        log=quiet,
+    )
     assert meta["overlap"]["in_train"] == 0 and meta["splits"]["val"]["documents"] == 1
 
 
@@ -170,8 +195,9 @@ def test_loader_refuses_another_tokenizer(shards, tmp_path, sample_paths):
     from train.tokenizer import TokenizerConfig, train_tokenizer
 
     out, _ = shards
-    other = train_tokenizer(resolve_sources(sample_paths[:1]), TokenizerConfig(vocab_size=512),
-                            tmp_path, progress=False)
+    other = train_tokenizer(
+        resolve_sources(sample_paths[:1]), TokenizerConfig(vocab_size=512), tmp_path, progress=False
+    )
     with pytest.raises(DoelError, match="different tokenizer"):
         TokenLoader(out, batch_size=2, seq_len=16, tokenizer=other)
     with pytest.raises(DoelError, match="no meta.json"):

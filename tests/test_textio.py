@@ -56,8 +56,13 @@ def test_source_names_are_unique(tmp_path):
         (tmp_path / sub).mkdir()
         (tmp_path / sub / "data.txt").write_text(f"{sub}\n")
     (tmp_path / "data.en").write_text("e\n")
-    srcs = resolve_sources([str(tmp_path / "x" / "data.txt"), str(tmp_path / "y" / "data.txt"),
-                            str(tmp_path / "data.en")])
+    srcs = resolve_sources(
+        [
+            str(tmp_path / "x" / "data.txt"),
+            str(tmp_path / "y" / "data.txt"),
+            str(tmp_path / "data.en"),
+        ]
+    )
     assert len({s.name for s in srcs}) == 3
     folder = resolve_sources([str(tmp_path / "x")])[0]
     assert folder.name == "x" and list(iter_source(folder)) == ["x"]

@@ -71,16 +71,28 @@ def test_nfc_keeps_the_nukta(tok):
         assert tok.normalizer.normalize_str(composed) == base + "\u09bc"
 
 
+def nfc(s: str) -> str:
+    return unicodedata.normalize("NFC", s)
+
+
+# doel applies Python's NFC before encoding (as prepare does): the tokenizers library's NFC
+# tables predate Unicode 10 and leave e.g. U+09FE after U+09BC out of canonical order.
 @settings(max_examples=300, deadline=None)
 @given(st.text(ANY, max_size=60))
 def test_roundtrip_any_unicode_string(tok, s):
-    assert tok.decode(tok.encode(s).ids) == unicodedata.normalize("NFC", s)
+    assert tok.decode(tok.encode(nfc(s)).ids) == nfc(s)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.text(st.one_of(BENGALI, st.sampled_from(" \u200c\u200d।,!?\n0123")), max_size=80))
 def test_roundtrip_bangla_heavy_strings(tok, s):
-    assert tok.decode(tok.encode(s).ids) == unicodedata.normalize("NFC", s)
+    assert tok.decode(tok.encode(nfc(s)).ids) == nfc(s)
+
+
+def test_the_libraries_own_nfc_is_stale_for_the_sandhi_mark(tok):
+    # Why doel normalizes in Python first: if this starts passing, the workaround can go.
+    s = "\u09fe\u09bc"
+    assert tok.normalizer.normalize_str(s) != nfc(s)
 
 
 def test_special_tokens(tok, tokenizer_path):
@@ -106,8 +118,9 @@ def test_loads_unchanged_in_transformers(tokenizer_path, tok):
     assert fast(text)["input_ids"] == tok.encode(text).ids
     assert auto(text)["input_ids"] == tok.encode(text).ids
     assert (auto.bos_token, auto.eos_token, auto.pad_token) == (BOS, EOS, PAD)
-    assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == \
-        unicodedata.normalize("NFC", text)
+    assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == unicodedata.normalize(
+        "NFC", text
+    )
 
 
 def test_resolved_config_is_saved(tokenizer_path):
@@ -139,5 +152,9 @@ def test_empty_corpus_is_an_error(tmp_path):
 
     (tmp_path / "empty.txt").write_text("\n\n   \n")
     with pytest.raises(DoelError, match="empty"):
-        train_tokenizer(resolve_sources([str(tmp_path / "empty.txt")]),
-                        TokenizerConfig(vocab_size=300), tmp_path / "out", progress=False)
+        train_tokenizer(
+            resolve_sources([str(tmp_path / "empty.txt")]),
+            TokenizerConfig(vocab_size=300),
+            tmp_path / "out",
+            progress=False,
+        )

@@ -26,8 +26,9 @@ def _cmd_tokenizer(args) -> None:
         sets.append(f"vocab_size={args.vocab_size}")
     cfg = load_config(TokenizerConfig, args.config, sets)
     sources = resolve_sources(args.data)
-    path = train_tokenizer(sources, cfg, args.out, parse_weights(args.weights, sources),
-                           progress=not args.quiet)
+    path = train_tokenizer(
+        sources, cfg, args.out, parse_weights(args.weights, sources), progress=not args.quiet
+    )
     print(f"wrote {path}")
 
 
@@ -52,8 +53,15 @@ def _cmd_prepare(args) -> None:
     if args.val_fraction is not None:
         sets.append(f"val_fraction={args.val_fraction}")
     cfg = load_config(PrepareConfig, args.config, sets)
-    prepare(args.tokenizer, args.data, args.out, cfg, args.weights, args.val or (),
-            progress=not args.quiet)
+    prepare(
+        args.tokenizer,
+        args.data,
+        args.out,
+        cfg,
+        args.weights,
+        args.val or (),
+        progress=not args.quiet,
+    )
 
 
 def _cmd_demo(args) -> None:
@@ -66,8 +74,12 @@ def _cmd_demo(args) -> None:
     out = Path(args.out)
     data = [str(SAMPLE_DIR / "bn.txt"), str(SAMPLE_DIR / "en.txt")]
     print(f"1/3 training a {args.vocab_size}-token tokenizer on the built-in sample ({data})")
-    path = train_tokenizer(resolve_sources(data), TokenizerConfig(vocab_size=args.vocab_size),
-                           out / "tokenizer", progress=False)
+    path = train_tokenizer(
+        resolve_sources(data),
+        TokenizerConfig(vocab_size=args.vocab_size),
+        out / "tokenizer",
+        progress=False,
+    )
     print(f"    wrote {path}\n2/3 fertility of the new tokenizer on the same sample")
     texts = [d for s in resolve_sources(data) for d in iter_source(s)]
     print(format_report(str(path), fertility(load_any(path), texts)))
@@ -84,16 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", nargs="+", required=True, help=".txt/.jsonl/.parquet, folder, hf:NAME")
     t.add_argument("--vocab-size", type=int, default=None, help="default 32768")
     t.add_argument("--out", required=True)
-    t.add_argument("--weights", nargs="*", default=[], metavar="SOURCE=SHARE",
-                   help="each source's share of the training characters")
+    t.add_argument(
+        "--weights",
+        nargs="*",
+        default=[],
+        metavar="SOURCE=SHARE",
+        help="each source's share of the training characters",
+    )
     t.add_argument("--config", help="TOML file of TokenizerConfig fields")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=_cmd_tokenizer)
 
     f = sub.add_parser("fertility", help="characters/bytes/words per token, per script")
-    f.add_argument("--tokenizer", required=True,
-                   help="tokenizer.json, tekken .json, .tiktoken, SentencePiece model, vocab.txt")
+    f.add_argument(
+        "--tokenizer",
+        required=True,
+        help="tokenizer.json, tekken .json, .tiktoken, SentencePiece model, vocab.txt",
+    )
     f.add_argument("--text", nargs="+", required=True)
     f.add_argument("--pattern", help="split regex for a .tiktoken file (default by its name)")
     f.add_argument("--json", action="store_true")
@@ -103,8 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokenizer", required=True)
     r.add_argument("--data", nargs="+", required=True)
     r.add_argument("--out", required=True)
-    r.add_argument("--weights", nargs="*", default=[], metavar="SOURCE=SHARE",
-                   help="each source's share of characters (others are downsampled to fit)")
+    r.add_argument(
+        "--weights",
+        nargs="*",
+        default=[],
+        metavar="SOURCE=SHARE",
+        help="each source's share of characters (others are downsampled to fit)",
+    )
     g = r.add_mutually_exclusive_group()
     g.add_argument("--val-fraction", type=float, default=None)
     g.add_argument("--val", nargs="+", help="validation files (checked for overlap with train)")

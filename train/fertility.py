@@ -82,8 +82,9 @@ def script_runs(text: str) -> list[tuple[str, str, int]]:
 
 def fertility(tok: AnyTokenizer, texts: Iterable[str], batch: int = 2048) -> dict[str, dict]:
     """Per-script totals and ratios for the given texts."""
-    totals = {s: dict(characters=0, bytes=0, words=0, tokens=0, fallback=0, partial=0)
-              for s in SCRIPTS}
+    totals = {
+        s: dict(characters=0, bytes=0, words=0, tokens=0, fallback=0, partial=0) for s in SCRIPTS
+    }
     pending: list[tuple[str, str, int]] = []
 
     def flush():
@@ -142,8 +143,10 @@ def balance_warnings(report: dict[str, dict]) -> list[str]:
 
 def format_report(name: str, report: dict[str, dict]) -> str:
     cols = ("chars/tok", "bytes/tok", "words/tok", "tok/word", "fallback", "partial")
-    lines = [f"fertility of {name}", f"{'script':<9}{'chars':>11}{'tokens':>10}"
-             + "".join(f"{c:>11}" for c in cols)]
+    lines = [
+        f"fertility of {name}",
+        f"{'script':<9}{'chars':>11}{'tokens':>10}" + "".join(f"{c:>11}" for c in cols),
+    ]
     for s, r in report.items():
         lines.append(
             f"{s:<9}{r['characters']:>11,}{r['tokens']:>10,}{r['chars_per_token']:>11.3f}"
@@ -203,9 +206,14 @@ def _load_hf(p: Path, data: dict) -> AnyTokenizer:
     tok = Tokenizer.from_file(str(p))
     n = tok.get_vocab_size(with_added_tokens=True)
     vocab = tok.get_vocab(with_added_tokens=False)
-    byte_level = "ByteLevel" in json.dumps(data.get("decoder")) + json.dumps(data.get("pre_tokenizer"))
-    as_bytes = {i: bytes(BYTE_OF_CHAR[c] for c in t) for t, i in vocab.items()
-                if byte_level and all(c in BYTE_OF_CHAR for c in t)}
+    byte_level = "ByteLevel" in json.dumps(data.get("decoder")) + json.dumps(
+        data.get("pre_tokenizer")
+    )
+    as_bytes = {
+        i: bytes(BYTE_OF_CHAR[c] for c in t)
+        for t, i in vocab.items()
+        if byte_level and all(c in BYTE_OF_CHAR for c in t)
+    }
     fallback, partial = _byte_flags(as_bytes, n)
     byte_piece = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
     unk = data["model"].get("unk_token")

@@ -48,8 +48,9 @@ class TokenLoader:
         if tokenizer is not None:
             check_tokenizer(meta, tokenizer, data_dir)
         self.bos_id = meta["tokenizer"]["bos_id"]
-        self.shards = [open_shard(self.data_dir / s["file"])[1]
-                       for s in meta["splits"][split]["shards"]]
+        self.shards = [
+            open_shard(self.data_dir / s["file"])[1] for s in meta["splits"][split]["shards"]
+        ]
         # Window w of shard i covers tokens [w*T, w*T + T + 1).
         counts = np.array([max((len(s) - 1) // seq_len, 0) for s in self.shards], dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(counts)])
@@ -86,8 +87,14 @@ class TokenLoader:
             yield self.next_batch()
 
     def state_dict(self) -> dict:
-        return {"split": self.split, "seed": self.seed, "seq_len": self.seq_len,
-                "batch_size": self.batch_size, "epoch": self.epoch, "cursor": self.cursor}
+        return {
+            "split": self.split,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("split", "seed", "seq_len", "batch_size"):

@@ -1,67 +1,72 @@
-"""Train/validation overlap by hashed word n-grams.
+"""Train/validation overlap by hashed n-grams of token ids.
 
-Every n-gram of words gets a 64-bit hash (a stable CRC of each word, mixed by position); with
-`sample` N only hashes divisible by N are kept, which scales to large corpora and still finds
-any shared passage a few times N words long.
+Every window of n tokens inside one document gets a 64-bit hash (position-weighted sum of the
+ids, vectorised over a whole batch); with `sample` N only hashes divisible by N are kept, which
+bounds memory on large corpora and still finds any shared passage a few times N tokens long.
+Documents shorter than n tokens are left to the exact-duplicate check.
 """
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 
-# Fixed odd multipliers, one per position in the n-gram (deterministic across runs).
-_MULT = np.random.default_rng(0x0D0E1).integers(1, 2**63, size=64, dtype=np.uint64) | np.uint64(1)
+# Fixed odd multipliers, one per position in the window (deterministic across runs).
+_MULT = np.random.default_rng(0x0D0E1).integers(1, 2**63, size=256, dtype=np.uint64) | np.uint64(1)
 
 
-def ngram_hashes(text: str, n: int) -> np.ndarray:
-    words = text.split()
-    if not words:
-        return np.zeros(0, dtype=np.uint64)
-    wh = np.fromiter((zlib.crc32(w.encode("utf-8")) for w in words), dtype=np.uint64,
-                     count=len(words))
-    if len(wh) < n:  # a short document is one n-gram of all its words
-        return np.array([int((wh * _MULT[: len(wh)]).sum())], dtype=np.uint64)
-    m = len(wh) - n + 1
-    out = np.zeros(m, dtype=np.uint64)
+def window_hashes(ids: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hashes of the n-token windows of concatenated documents, and each window's document."""
+    m = len(ids) - n + 1
+    if m <= 0:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    ids = ids.astype(np.uint64)
+    h = np.zeros(m, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for k in range(n):
-            out += wh[k : k + m] * _MULT[k % len(_MULT)]
-    return out
+            h += ids[k : k + m] * _MULT[k % len(_MULT)]
+    ends = np.cumsum(lengths)
+    doc = np.repeat(np.arange(len(lengths)), lengths)[:m]
+    inside = np.arange(m) + n <= ends[doc]  # the window does not run into the next document
+    return h[inside], doc[inside]
 
 
 class OverlapCheck:
-    def __init__(self, n: int = 13, sample: int = 1):
+    def __init__(self, n: int = 20, sample: int = 1):
         self.n, self.sample = n, np.uint64(sample)
-        self.train: set[int] = set()
-        self.val: list[tuple[str, np.ndarray]] = []
+        self._train: list[np.ndarray] = []
+        self._val: list[np.ndarray] = []
+        self._val_doc: list[np.ndarray] = []
+        self._val_text: list[str] = []
 
-    def _sampled(self, text: str) -> np.ndarray:
-        h = ngram_hashes(text, self.n)
-        return h if self.sample == 1 else h[h % self.sample == 0]
-
-    def add_train(self, text: str) -> None:
-        self.train.update(self._sampled(text).tolist())
-
-    def add_val(self, text: str) -> None:
-        self.val.append((text[:200], self._sampled(text)))
+    def add(self, split: str, ids: np.ndarray, lengths: np.ndarray, texts: list[str]) -> None:
+        h, doc = window_hashes(ids, lengths, self.n)
+        if self.sample != 1:
+            keep = h % self.sample == 0
+            h, doc = h[keep], doc[keep]
+        if split == "train":
+            self._train.append(h)
+        else:
+            self._val.append(h)
+            self._val_doc.append(doc + len(self._val_text))
+            self._val_text.extend(t[:200] for t in texts)
 
     def result(self) -> dict:
-        hits = total = 0
+        val = np.concatenate(self._val) if self._val else np.zeros(0, np.uint64)
+        train = np.unique(np.concatenate(self._train)) if self._train else val[:0]
+        hit = np.isin(val, train)
         per_doc = []
-        for text, h in self.val:
-            k = sum(1 for x in h.tolist() if x in self.train)
-            hits, total = hits + k, total + len(h)
-            if k:
-                per_doc.append({"share": k / len(h), "text": text})
-        per_doc.sort(key=lambda d: -d["share"])
+        if len(val):
+            doc = np.concatenate(self._val_doc)
+            hits = np.bincount(doc, weights=hit, minlength=len(self._val_text))
+            total = np.bincount(doc, minlength=len(self._val_text))
+            for i in np.flatnonzero(hits)[np.argsort(-(hits / np.maximum(total, 1))[hits > 0])]:
+                per_doc.append({"share": float(hits[i] / total[i]), "text": self._val_text[i]})
         return {
-            "ngram": self.n,
+            "ngram_tokens": self.n,
             "sample": int(self.sample),
-            "val_ngrams": total,
-            "in_train": hits,
-            "share": hits / total if total else 0.0,
+            "val_ngrams": int(len(val)),
+            "in_train": int(hit.sum()),
+            "share": float(hit.mean()) if len(val) else 0.0,
             "val_documents_with_overlap": len(per_doc),
             "worst": per_doc[:3],
         }

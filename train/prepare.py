@@ -10,8 +10,13 @@ or whole documents) fails the run.
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
 import time
+import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +34,8 @@ class PrepareConfig:
     val_fraction: float = 0.0  # share of documents held out (by a hash of their text)
     shard_tokens: int = 100_000_000
     text_field: str = "text"
-    ngram: int = 13  # words per n-gram in the overlap check
-    overlap_sample: int = 1  # keep 1 in N n-gram hashes (raise for very large corpora)
+    ngram: int = 20  # tokens per n-gram in the overlap check (about 80 characters)
+    overlap_sample: int = 1  # keep 1 in N n-gram hashes (8 bytes each; raise on huge corpora)
     max_val_overlap: float = 0.0  # largest tolerated share of validation n-grams seen in train
     batch_chars: int = 4_000_000  # characters encoded per batch
 
@@ -90,7 +95,11 @@ def prepare(
     if val and cfg.val_fraction:
         raise DoelError("give either --val PATH... or --val-fraction, not both")
     tok = load_tokenizer(tokenizer_path)
-    tok_file = Path(tokenizer_path) / "tokenizer.json" if Path(tokenizer_path).is_dir() else Path(tokenizer_path)
+    tok_file = (
+        Path(tokenizer_path) / "tokenizer.json"
+        if Path(tokenizer_path).is_dir()
+        else Path(tokenizer_path)
+    )
     bos = tok.token_to_id(BOS)
     if bos is None:
         raise DoelError(f"{tok_file} has no {BOS} token; train it with `doel-train tokenizer`")
@@ -102,69 +111,44 @@ def prepare(
     (out / "meta.json").unlink(missing_ok=True)  # meta.json marks a finished folder
     writers = {s: ShardWriter(out, s, vocab, bos, cfg.shard_tokens) for s in ("train", "val")}
     stats = {s.name: _new_stats(s) for s in sources + val_sources}
-    seen: set[bytes] = set()
-    dup_with_val = 0
     overlap = OverlapCheck(cfg.ngram, cfg.overlap_sample)
-    total_bytes = sum(Path(p).stat().st_size for s in sources + val_sources for p in s.paths
-                      if not p.startswith("hf:"))
-    bar = tqdm(total=total_bytes or None, unit="B", unit_scale=True, desc="prepare",
-               disable=not progress, smoothing=0.1)
+    check_overlap = bool(val) or cfg.val_fraction > 0  # with no validation split, no check
+    total = sum(
+        Path(p).stat().st_size
+        for s in sources + val_sources
+        for p in s.paths
+        if not p.startswith("hf:")
+    )
+    bar = tqdm(
+        total=total or None,
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=not progress,
+        smoothing=0.1,
+    )
     t0 = time.time()
-    pending: list[tuple[str, str, str]] = []  # (source, split, text)
-    pending_chars = 0
-
-    def flush():
-        encs = tok.encode_batch_fast([t for _, _, t in pending], add_special_tokens=True)
+    reader = _Reader(sources, val_sources, mix, cfg, stats, bar)
+    # Reading, hashing and splitting run in a thread while the tokenizer (which releases the
+    # GIL and uses every core) encodes the previous batch.
+    for batch in _in_background(reader.batches()):
+        encs = tok.encode_batch_fast([t for _, _, t in batch], add_special_tokens=True)
         for split in ("train", "val"):
-            idx = [i for i, (_, s, _) in enumerate(pending) if s == split]
+            idx = [i for i, (_, s, _) in enumerate(batch) if s == split]
             if not idx:
                 continue
-            lengths = np.fromiter((len(encs[i].ids) for i in idx), dtype=np.int64, count=len(idx))
-            ids = np.fromiter((t for i in idx for t in encs[i].ids), dtype=np.int64,
-                              count=int(lengths.sum()))
+            lengths = np.array([len(encs[i].ids) for i in idx], dtype=np.int64)
+            ids = np.fromiter(
+                chain.from_iterable(encs[i].ids for i in idx),
+                dtype=np.int64,
+                count=int(lengths.sum()),
+            )
             writers[split].add(ids, lengths)
-            for i, n in zip(idx, lengths):
-                st = stats[pending[i][0]]
-                st[f"{split}_tokens"] += int(n) - 1  # the <|bos|> is not the source's text
-        pending.clear()
-
-    def take(name: str, text: str, split: str):
-        nonlocal pending_chars
-        st = stats[name]
-        st[f"{split}_documents"] += 1
-        st[f"{split}_characters"] += len(text)
-        (overlap.add_val if split == "val" else overlap.add_train)(text)
-        pending.append((name, split, text))
-        pending_chars += len(text)
-        if pending_chars >= cfg.batch_chars:
-            flush()
-            pending_chars = 0
-
-    def keep(name: str, text: str) -> bool:
-        nonlocal dup_with_val
-        bar.update(len(text.encode("utf-8")) + 1)
-        h = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
-        if h in seen:
-            stats[name]["duplicates_dropped"] += 1
-            if name not in {s.name for s in val_sources} and h in val_hashes:
-                dup_with_val += 1
-            return False
-        seen.add(h)
-        split_of[name] = "val" if name in val_names else _split_of(h, cfg.val_fraction)
-        return True
-
-    val_names = {s.name for s in val_sources}
-    val_hashes: set[bytes] = set()
-    split_of: dict[str, str] = {}
-    # Explicit validation files go first so that a training copy of one of their documents is
-    # seen as overlap, not as a harmless duplicate.
-    for name, text in mix_documents(val_sources, None, cfg.text_field, keep=keep):
-        val_hashes.add(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest())
-        take(name, text, "val")
-    for name, text in mix_documents(sources, mix, cfg.text_field, keep=keep):
-        take(name, text, split_of[name])
-    if pending:
-        flush()
+            if check_overlap:
+                texts = [batch[i][2] for i in idx] if split == "val" else []
+                overlap.add(split, ids, lengths, texts)
+            for i, n in zip(idx, lengths.tolist()):
+                stats[batch[i][0]][f"{split}_tokens"] += n - 1  # <|bos|> is not the source's
     bar.close()
     shards = {s: w.close() for s, w in writers.items()}
     seconds = time.time() - t0
@@ -173,11 +157,81 @@ def prepare(
         raise DoelError(f"no text found in {data}: the corpus is empty")
     meta = _meta(tok_file, vocab, bos, cfg, mix, stats, shards, seconds)
     meta["overlap"] = overlap.result()
-    meta["overlap"]["exact_duplicates_of_validation_in_train"] = dup_with_val
+    meta["overlap"]["exact_duplicates_of_validation_in_train"] = reader.dup_with_val
     _check_overlap(meta["overlap"], cfg, log)
     atomic_write_json(out / "meta.json", meta)
     log(format_balance(meta))
     return meta
+
+
+class _Reader:
+    """Documents in batches of (source, split, text), exact duplicates dropped."""
+
+    def __init__(self, sources, val_sources, mix, cfg: PrepareConfig, stats: dict, bar):
+        self.sources, self.val_sources, self.mix, self.cfg = sources, val_sources, mix, cfg
+        self.stats, self.bar = stats, bar
+        self.val_names = {s.name for s in val_sources}
+        self.seen: set[bytes] = set()
+        self.val_hashes: set[bytes] = set()
+        self.dup_with_val = 0
+        self._split = "train"
+
+    def keep(self, name: str, text: str) -> bool:
+        raw = unicodedata.normalize("NFC", text).encode("utf-8")
+        self.bar.update(len(raw) + 1)
+        h = hashlib.blake2b(raw, digest_size=16).digest()
+        if h in self.seen:
+            self.stats[name]["duplicates_dropped"] += 1
+            if name not in self.val_names and h in self.val_hashes:
+                self.dup_with_val += 1
+            return False
+        self.seen.add(h)
+        if name in self.val_names:
+            self.val_hashes.add(h)
+            self._split = "val"
+        else:
+            self._split = _split_of(h, self.cfg.val_fraction)
+        return True
+
+    def batches(self) -> Iterator[list[tuple[str, str, str]]]:
+        batch, chars = [], 0
+        # Explicit validation files go first, so that a training copy of one of their
+        # documents counts as overlap, not as a harmless duplicate.
+        for group, weights in ((self.val_sources, None), (self.sources, self.mix)):
+            for name, text in mix_documents(group, weights, self.cfg.text_field, keep=self.keep):
+                # Python's NFC: the tokenizers library's tables predate Unicode 10 (they leave
+                # U+09FE, the Bengali sandhi mark, out of canonical order).
+                text = unicodedata.normalize("NFC", text)
+                split, st = self._split, self.stats[name]
+                st[f"{split}_documents"] += 1
+                st[f"{split}_characters"] += len(text)
+                batch.append((name, split, text))
+                chars += len(text)
+                if chars >= self.cfg.batch_chars:
+                    yield batch
+                    batch, chars = [], 0
+        if batch:
+            yield batch
+
+
+def _in_background(items: Iterator, depth: int = 2) -> Iterator:
+    """Run a generator in a thread, a few items ahead; its exceptions reach the caller."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def work():
+        try:
+            for item in items:
+                q.put(item)
+            q.put(done)
+        except BaseException as e:  # handed over to the consumer
+            q.put(e)
+
+    threading.Thread(target=work, daemon=True).start()
+    while (item := q.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def _new_stats(src: Source) -> dict:
@@ -199,13 +253,27 @@ def _meta(tok_file, vocab, bos, cfg, mix, stats, shards, seconds) -> dict:
         s["chars_per_token"] = c / t if t else 0.0
     itemsize = itemsize_for(vocab)
     return {
-        "format": {"magic": MAGIC.decode(), "version": VERSION, "header_bytes": HEADER_BYTES,
-                   "dtype": "uint16" if itemsize == 2 else "uint32", "byteorder": "little"},
-        "tokenizer": {"path": str(tok_file), "sha256": sha256_file(tok_file),
-                      "vocab_size": vocab, "bos_id": bos},
-        "splits": {split: {"tokens": sum(x["tokens"] for x in sh),
-                           "documents": sum(x["documents"] for x in sh), "shards": sh}
-                   for split, sh in shards.items()},
+        "format": {
+            "magic": MAGIC.decode(),
+            "version": VERSION,
+            "header_bytes": HEADER_BYTES,
+            "dtype": "uint16" if itemsize == 2 else "uint32",
+            "byteorder": "little",
+        },
+        "tokenizer": {
+            "path": str(tok_file),
+            "sha256": sha256_file(tok_file),
+            "vocab_size": vocab,
+            "bos_id": bos,
+        },
+        "splits": {
+            split: {
+                "tokens": sum(x["tokens"] for x in sh),
+                "documents": sum(x["documents"] for x in sh),
+                "shards": sh,
+            }
+            for split, sh in shards.items()
+        },
         "sources": stats,
         "config": resolved(cfg),
         "seconds": round(seconds, 3),
@@ -217,18 +285,21 @@ def _check_overlap(ov: dict, cfg: PrepareConfig, log) -> None:
     bad = ov["exact_duplicates_of_validation_in_train"] > 0 or ov["share"] > cfg.max_val_overlap
     if not bad:
         return
+    whole = ov["exact_duplicates_of_validation_in_train"]
     worst = "\n".join(f"  {w['share']:.0%} of: {w['text'][:100]!r}" for w in ov["worst"])
     raise DoelError(
         f"validation text also sits in the training set: {ov['share']:.2%} of validation "
-        f"{ov['ngram']}-grams appear in train, {ov['exact_duplicates_of_validation_in_train']} "
+        f"{ov['ngram_tokens']}-token n-grams appear in train, {whole} "
         f"validation documents appear there whole. Worst validation documents:\n{worst}\n"
         "Remove them from one side, or tolerate it with --set max_val_overlap=F."
     )
 
 
 def format_balance(meta: dict) -> str:
-    head = f"{'source':<28}{'docs':>9}{'chars':>13}{'share':>8}{'asked':>8}{'tokens':>12}" \
-           f"{'share':>8}{'ch/tok':>8}{'dups':>7}"
+    head = (
+        f"{'source':<28}{'docs':>9}{'chars':>13}{'share':>8}{'asked':>8}{'tokens':>12}"
+        f"{'share':>8}{'ch/tok':>8}{'dups':>7}"
+    )
     lines = ["language balance (shares of characters and of tokens, side by side)", head]
     for name, s in meta["sources"].items():
         asked = f"{s['requested_char_share']:.1%}" if s["requested_char_share"] is not None else "-"

@@ -1,4 +1,4 @@
-"""Read documents from corpora: .txt, .jsonl, .parquet files, folders of them, or `hf:NAME[:CONFIG]`.
+"""Read documents from .txt, .jsonl and .parquet files, folders of them, or `hf:NAME[:CONFIG]`.
 
 A .txt file holds one document a line, or, when it has blank lines, one document a block of
 lines separated by blank lines. Every reader yields stripped, non-empty strings; bad input
@@ -48,9 +48,11 @@ def resolve_sources(specs: list[str]) -> list[Source]:
             )
     # Names key the mixture weights and meta.json, so they must be unique: on a clash, fall
     # back to the file name, then parent/file name, then the path as given.
-    for rename in (lambda s: Path(s.paths[0]).name,
-                   lambda s: f"{Path(s.paths[0]).parent.name}/{Path(s.paths[0]).name}",
-                   lambda s: s.paths[0]):
+    for rename in (
+        lambda s: Path(s.paths[0]).name,
+        lambda s: f"{Path(s.paths[0]).parent.name}/{Path(s.paths[0]).name}",
+        lambda s: s.paths[0],
+    ):
         names = [s.name for s in sources]
         clash = {n for n in names if names.count(n) > 1}
         sources = [Source(rename(s), s.paths) if s.name in clash else s for s in sources]
@@ -88,7 +90,9 @@ def _iter_txt(path: str) -> Iterator[str]:
     with open(path, "rb") as f:
         head = f.read(1 << 20)
     if b"\0" in head:
-        raise DoelError(f"{path}: looks binary (NUL bytes), not text; pass .txt, .jsonl or .parquet")
+        raise DoelError(
+            f"{path}: looks binary (NUL bytes), not text; pass .txt, .jsonl or .parquet"
+        )
     # A blank line anywhere in the first MiB means paragraphs are separated by blank lines.
     by_block = b"\n\n" in head.replace(b"\r\n", b"\n")
     block: list[str] = []

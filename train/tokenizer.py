@@ -81,8 +81,13 @@ class TokenizerConfig:
             )
         if self.style not in STYLES:
             raise ValueError(f"style={self.style!r}: choose one of {list(STYLES)}")
-        for name in ("min_frequency", "max_token_length", "limit_alphabet", "max_doc_chars",
-                     "max_chars"):
+        for name in (
+            "min_frequency",
+            "max_token_length",
+            "limit_alphabet",
+            "max_doc_chars",
+            "max_chars",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
