@@ -37,7 +37,7 @@ def _cmd_fertility(args) -> None:
     from train.textio import iter_source, resolve_sources
 
     tok = load_any(args.tokenizer, args.pattern)
-    texts = (doc for src in resolve_sources(args.text) for doc in iter_source(src))
+    texts = (d for src in resolve_sources(args.text) for d in iter_source(src, args.text_field))
     report = fertility(tok, texts)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -88,24 +88,22 @@ def _cmd_demo(args) -> None:
     print(f"done: {out}/tokenizer/tokenizer.json and {out}/shards/meta.json")
 
 
+def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> None:
+    p.add_argument("--data", nargs="+", required=True, help=".txt/.jsonl/.parquet, folder, hf:NAME")
+    p.add_argument("--out", required=True)
+    p.add_argument("--weights", nargs="*", default=[], metavar="SOURCE=SHARE", help=weights_help)
+    p.add_argument("--config", help=f"TOML file of {config} fields")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--quiet", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="doel-train", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer -> DIR/tokenizer.json")
-    t.add_argument("--data", nargs="+", required=True, help=".txt/.jsonl/.parquet, folder, hf:NAME")
+    t = sub.add_parser("tokenizer", help="train a BPE tokenizer -> DIR/tokenizer.json")
     t.add_argument("--vocab-size", type=int, default=None, help="default 32768")
-    t.add_argument("--out", required=True)
-    t.add_argument(
-        "--weights",
-        nargs="*",
-        default=[],
-        metavar="SOURCE=SHARE",
-        help="each source's share of the training characters",
-    )
-    t.add_argument("--config", help="TOML file of TokenizerConfig fields")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    t.add_argument("--quiet", action="store_true")
+    _data_args(t, "TokenizerConfig", "each source's share of the training characters")
     t.set_defaults(func=_cmd_tokenizer)
 
     f = sub.add_parser("fertility", help="characters/bytes/words per token, per script")
@@ -116,26 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument("--text", nargs="+", required=True)
     f.add_argument("--pattern", help="split regex for a .tiktoken file (default by its name)")
+    f.add_argument("--text-field", default="text", help="JSONL field / Parquet column")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=_cmd_fertility)
 
     r = sub.add_parser("prepare", help="corpus -> packed token shards + meta.json")
     r.add_argument("--tokenizer", required=True)
-    r.add_argument("--data", nargs="+", required=True)
-    r.add_argument("--out", required=True)
-    r.add_argument(
-        "--weights",
-        nargs="*",
-        default=[],
-        metavar="SOURCE=SHARE",
-        help="each source's share of characters (others are downsampled to fit)",
-    )
+    _data_args(r, "PrepareConfig", "each source's share of characters (others downsampled)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--val-fraction", type=float, default=None)
     g.add_argument("--val", nargs="+", help="validation files (checked for overlap with train)")
-    r.add_argument("--config", help="TOML file of PrepareConfig fields")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=_cmd_prepare)
 
     d = sub.add_parser("demo", help="the main job on the built-in sample corpus")
