@@ -77,16 +77,31 @@ def measure(tok, val: dict[str, list[str]]) -> dict:
     return out
 
 
+def plain_shard_writer(tok_path: Path, paths: list[str], out: Path) -> int:
+    """The same job done plainly with the library: load, read, encode_batch, flatten, write."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_path))
+    docs = [d for s in resolve_sources(paths) for d in iter_source(s)]
+    ids = np.array([t for e in tok.encode_batch(docs) for t in e.ids], dtype=np.uint16)
+    ids.tofile(out)
+    return len(ids)
+
+
 def throughput(tok_path: Path, paths: list[str], repeats: int) -> dict:
     """doel's shard writing vs the plain library on the same documents, interleaved runs."""
     docs = [d for s in resolve_sources(paths) for d in iter_source(s)]
     tok = load_tokenizer(tok_path)
-    ours, plain = [], []
+    ours, plain, plain_writer = [], [], []
     for _ in range(repeats):
         t = time.perf_counter()
         n_plain = sum(len(e.ids) for e in tok.encode_batch(docs))
         plain.append(n_plain / (time.perf_counter() - t))
         with tempfile.TemporaryDirectory() as tmp:
+            t = time.perf_counter()
+            n = plain_shard_writer(tok_path, paths, Path(tmp) / "plain.bin")
+            plain_writer.append(n / (time.perf_counter() - t))
             t = time.perf_counter()
             meta = prepare(
                 tok_path, paths, tmp, PrepareConfig(), progress=False, log=lambda *_: None
@@ -94,16 +109,20 @@ def throughput(tok_path: Path, paths: list[str], repeats: int) -> dict:
             dt = time.perf_counter() - t
         n_ours = meta["splits"]["train"]["tokens"]
         ours.append(n_ours / dt)
+    med = statistics.median
     return {
         "documents": len(docs),
         "characters": sum(map(len, docs)),
         "tokens": n_ours,
-        "plain_encode_batch_tokens_per_s": statistics.median(plain),
-        "doel_prepare_tokens_per_s": statistics.median(ours),
-        "ratio": statistics.median(ours) / statistics.median(plain),
+        "plain_encode_batch_tokens_per_s": med(plain),
+        "plain_shard_writer_tokens_per_s": med(plain_writer),
+        "doel_prepare_tokens_per_s": med(ours),
+        "ratio": med(ours) / med(plain),
+        "ratio_vs_plain_shard_writer": med(ours) / med(plain_writer),
         "repeats": repeats,
-        "note": "prepare reads the files, drops duplicates, hashes n-grams and writes shards; "
-        "the plain side only encodes documents already in memory",
+        "note": "doel prepare reads the files, drops duplicates and writes shards with headers "
+        "and meta.json; the plain shard writer reads the files, calls encode_batch and writes "
+        "the ids; plain encode_batch only encodes documents already in memory",
     }
 
 
@@ -185,7 +204,10 @@ def main() -> None:
             "bn_chars_per_token": ours["bn"]["chars_per_token"] >= TARGETS["bn_chars_per_token"],
             "en_chars_per_token": ours["en"]["chars_per_token"] >= TARGETS["en_chars_per_token"],
             "bn_byte_fallback": ours["bn"]["byte_fallback_rate"] < TARGETS["bn_byte_fallback"],
-            "shards_at_least_as_fast_as_plain": speed["ratio"] >= 1.0,
+            "shards_at_least_as_fast_as_plain_encode_batch": speed["ratio"] >= 1.0,
+            "shards_at_least_as_fast_as_plain_shard_writer": (
+                speed["ratio_vs_plain_shard_writer"] >= 1.0
+            ),
         },
     }
     out = Path(args.out)
@@ -222,9 +244,11 @@ def markdown(r: dict) -> str:
     lines += [
         "",
         f"Shard writing on {s['characters']:,} characters ({s['tokens']:,} tokens), median of "
-        f"{s['repeats']}: doel prepare {s['doel_prepare_tokens_per_s']:,.0f} tokens/s, plain "
-        f"`Tokenizer.encode_batch` {s['plain_encode_batch_tokens_per_s']:,.0f} tokens/s, "
-        f"ratio **{s['ratio']:.2f}** ({s['note']}).",
+        f"{s['repeats']}, 2 cores: doel prepare {s['doel_prepare_tokens_per_s']:,.0f} tokens/s; "
+        f"a plain-library shard writer {s['plain_shard_writer_tokens_per_s']:,.0f} tokens/s "
+        f"(ratio **{s['ratio_vs_plain_shard_writer']:.2f}**); bare `Tokenizer.encode_batch` on "
+        f"documents in memory {s['plain_encode_batch_tokens_per_s']:,.0f} tokens/s (ratio "
+        f"**{s['ratio']:.2f}**). {s['note']}.",
         "",
         "Targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in m.items()) + ".",
         "",
