@@ -255,12 +255,3 @@ def load_tokenizer(path: str | Path):
         raise DoelError(f"{p}: not a valid tokenizer.json ({e})") from None
     tok.encode_special_tokens = True
     return tok
-
-
-def special_ids(tok) -> dict[str, int | None]:
-    return {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)}
-
-
-def tokenizer_summary(path: str | Path) -> dict:
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    return {"model": data["model"]["type"], "vocab_size": len(data["model"]["vocab"])}
