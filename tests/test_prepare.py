@@ -101,36 +101,23 @@ def test_exact_duplicates_are_dropped(tmp_path, tokenizer_path):
 
 
 def test_validation_text_in_train_fails_loudly(tmp_path, tokenizer_path, sample_paths):
+    def with_val(name: str, text: str) -> dict:
+        (tmp_path / name).write_text(text)
+        return prepare(
+            tokenizer_path,
+            sample_paths,
+            tmp_path / "o",
+            val=[str(tmp_path / name)],
+            progress=False,
+            log=quiet,
+        )
+
     lines = Path(sample_paths[0]).read_text(encoding="utf-8").splitlines()
-    (tmp_path / "val.txt").write_text(lines[3][:200] + " নতুন কথা\n" + "সম্পূর্ণ নতুন একটি বাক্য।\n")
     with pytest.raises(DoelError, match="validation text also sits in the training set"):
-        prepare(
-            tokenizer_path,
-            sample_paths,
-            tmp_path / "o",
-            val=[str(tmp_path / "val.txt")],
-            progress=False,
-            log=quiet,
-        )
-    (tmp_path / "whole.txt").write_text(lines[5] + "\n")
+        with_val("val.txt", lines[3][:200] + " নতুন কথা\n" + "সম্পূর্ণ নতুন একটি বাক্য।\n")
     with pytest.raises(DoelError, match="1 validation documents appear there whole"):
-        prepare(
-            tokenizer_path,
-            sample_paths,
-            tmp_path / "o",
-            val=[str(tmp_path / "whole.txt")],
-            progress=False,
-            log=quiet,
-        )
-    (tmp_path / "clean.txt").write_text("এই লেখাটি প্রশিক্ষণের কোথাও নেই, একেবারে নতুন।\n")
-    meta = prepare(
-        tokenizer_path,
-        sample_paths,
-        tmp_path / "o",
-        val=[str(tmp_path / "clean.txt")],
-        progress=False,
-        log=quiet,
-    )
+        with_val("whole.txt", lines[5] + "\n")
+    meta = with_val("clean.txt", "এই লেখাটি প্রশিক্ষণের কোথাও নেই, একেবারে নতুন।\n")
     assert meta["overlap"]["in_train"] == 0 and meta["splits"]["val"]["documents"] == 1
 
 

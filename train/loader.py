@@ -15,6 +15,7 @@ import numpy as np
 
 from train.common import DoelError, sha256_file
 from train.shards import open_shard
+from train.tokenizer import tokenizer_file
 
 
 def read_meta(data_dir: str | Path) -> dict:
@@ -29,8 +30,7 @@ def read_meta(data_dir: str | Path) -> dict:
 
 def check_tokenizer(meta: dict, tokenizer_path: str | Path, data_dir) -> None:
     """Shards are only meaningful with the tokenizer that made them."""
-    p = Path(tokenizer_path)
-    p = p / "tokenizer.json" if p.is_dir() else p
+    p = tokenizer_file(tokenizer_path)
     got = sha256_file(p)
     if got != meta["tokenizer"]["sha256"]:
         raise DoelError(

@@ -24,7 +24,7 @@ from train.config import resolved
 from train.overlap import OverlapCheck
 from train.shards import HEADER_BYTES, MAGIC, VERSION, ShardWriter, itemsize_for
 from train.textio import Source, resolve_sources
-from train.tokenizer import BOS, load_tokenizer, mix_documents
+from train.tokenizer import BOS, load_tokenizer, mix_documents, tokenizer_file
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,7 @@ def prepare(
     if val and cfg.val_fraction:
         raise DoelError("give either --val PATH... or --val-fraction, not both")
     tok = load_tokenizer(tokenizer_path)
-    tok_file = (
-        Path(tokenizer_path) / "tokenizer.json"
-        if Path(tokenizer_path).is_dir()
-        else Path(tokenizer_path)
-    )
+    tok_file = tokenizer_file(tokenizer_path)
     bos = tok.token_to_id(BOS)
     if bos is None:
         raise DoelError(f"{tok_file} has no {BOS} token; train it with `doel-train tokenizer`")
@@ -173,10 +169,13 @@ class _Reader:
         self.seen: set[bytes] = set()
         self.val_hashes: set[bytes] = set()
         self.dup_with_val = 0
-        self._split = "train"
+        self._split, self._text = "train", ""
 
     def keep(self, name: str, text: str) -> bool:
-        raw = unicodedata.normalize("NFC", text).encode("utf-8")
+        # Python's NFC: the tokenizers library's tables predate Unicode 10 (they leave U+09FE,
+        # the Bengali sandhi mark, out of canonical order). Dedup sees the normalized text too.
+        self._text = unicodedata.normalize("NFC", text)
+        raw = self._text.encode("utf-8")
         self.bar.update(len(raw) + 1)
         h = hashlib.blake2b(raw, digest_size=16).digest()
         if h in self.seen:
@@ -198,10 +197,7 @@ class _Reader:
         # documents counts as overlap, not as a harmless duplicate.
         for group, weights in ((self.val_sources, None), (self.sources, self.mix)):
             for name, text in mix_documents(group, weights, self.cfg.text_field, keep=self.keep):
-                # Python's NFC: the tokenizers library's tables predate Unicode 10 (they leave
-                # U+09FE, the Bengali sandhi mark, out of canonical order).
-                text = unicodedata.normalize("NFC", text)
-                split, st = self._split, self.stats[name]
+                text, split, st = self._text, self._split, self.stats[name]  # from keep()
                 st[f"{split}_documents"] += 1
                 st[f"{split}_characters"] += len(text)
                 batch.append((name, split, text))

@@ -236,15 +236,19 @@ def _write_hf_side_files(out: Path) -> None:
     atomic_write_json(out / "special_tokens_map.json", specials)
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """A tokenizer.json, or the one inside a folder."""
+    p = Path(path)
+    return p / "tokenizer.json" if p.is_dir() else p
+
+
 def load_tokenizer(path: str | Path):
     """Load a tokenizer.json (or a folder holding one) for encoding documents, with a clear
     error when it is missing. Text that spells a special token ("<|eos|>") is encoded as plain
     text, so no document can inject a control token and decode(encode(s)) == NFC(s) always."""
     from tokenizers import Tokenizer
 
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
+    p = tokenizer_file(path)
     if not p.is_file():
         raise DoelError(
             f"tokenizer not found: {p}; make one with `doel-train tokenizer --data ... --out DIR`"
