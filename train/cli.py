@@ -1,6 +1,7 @@
 """`doel-train` (or `python -m train`): a thin command line over train's functions.
 
-Commands: tokenizer, fertility, prepare, demo. Heavy imports happen inside each command, so a
+Commands: tokenizer, fertility, prepare, fit, check-gradients, eval, plot, demo. Heavy imports
+happen inside each command, so a
 missing extra is reported with the `pip install` line that fixes it.
 """
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
+# Presets: the repository's configs/ (a source checkout) or their copy inside the wheel.
+CONFIG_DIRS = (Path(__file__).parent.parent / "configs", Path(__file__).parent / "configs")
 EXTRA_HINT = "pip install 'doel[train]'"
 
 
@@ -64,6 +67,67 @@ def _cmd_prepare(args) -> None:
     )
 
 
+def resolve_config(name: str | None) -> Path | None:
+    """A TOML path, or a preset name from configs/ (tiny, small, bangla-0.4b, demo)."""
+    if name is None or Path(name).is_file():
+        return Path(name) if name else None
+    for folder in CONFIG_DIRS:
+        if (folder / f"{name}.toml").is_file():
+            return folder / f"{name}.toml"
+    presets = sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.toml")})
+    from train.common import DoelError
+
+    raise DoelError(f"config {name!r} is neither a file nor a preset; presets: {presets}")
+
+
+def _train_config(args):
+    from train.config import load_config
+    from train.trainer import TrainConfig
+
+    sets = list(args.set)
+    for flag, key in (("steps", "steps"), ("checkpoint_every", "checkpoint_every")):
+        if getattr(args, flag, None) is not None:
+            sets.append(f"{key}={getattr(args, flag)}")
+    return load_config(TrainConfig, resolve_config(args.config), sets)
+
+
+def _cmd_fit(args) -> None:
+    from train.fit import fit
+
+    fit(_train_config(args), args.data, args.out, tokenizer=args.tokenizer, fresh=args.fresh)
+
+
+def _cmd_check_gradients(args) -> None:
+    import torch
+
+    from train.fit import gradient_gate
+    from train.loader import TokenLoader
+    from train.model import Llama
+    from train.trainer import autocast, resolve_device, resolve_dtype
+
+    cfg = _train_config(args)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = Llama(cfg.model)
+    loader = TokenLoader(args.data, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    gradient_gate(model, loader, device, lambda: autocast(device, dtype), print)
+
+
+def _cmd_eval(args) -> None:
+    from train.evaluate import evaluate_checkpoint, format_eval
+
+    result = evaluate_checkpoint(args.checkpoint, args.text, max_chars=args.max_chars)
+    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_eval(result))
+
+
+def _cmd_plot(args) -> None:
+    from train.metrics import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+
+
 def _cmd_demo(args) -> None:
     """The main job on the built-in sample: tokenizer -> fertility report -> token shards."""
     from train.fertility import fertility, format_report, load_any
@@ -97,6 +161,18 @@ def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> No
     p.add_argument("--quiet", action="store_true")
 
 
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="small", help="TOML file or preset name (default small)")
+    p.add_argument("--data", required=True, help="shard folder made by `doel-train prepare`")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override, e.g. lr=1e-3 or model.hidden_size=256",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="doel-train", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -125,6 +201,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val-fraction", type=float, default=None)
     g.add_argument("--val", nargs="+", help="validation files (checked for overlap with train)")
     r.set_defaults(func=_cmd_prepare)
+
+    fi = sub.add_parser("fit", help="train a model on token shards (resumes RUN_DIR)")
+    _train_args(fi)
+    fi.add_argument("--out", required=True, help="run folder (checkpoints/, final/, metrics)")
+    fi.add_argument("--steps", type=int)
+    fi.add_argument("--checkpoint-every", type=int)
+    fi.add_argument("--tokenizer", help="default: the one named in the shards' meta.json")
+    fi.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    fi.set_defaults(func=_cmd_fit)
+
+    cg = sub.add_parser("check-gradients", help="run the gradient-flow gate alone")
+    _train_args(cg)
+    cg.set_defaults(func=_cmd_check_gradients)
+
+    e = sub.add_parser("eval", help="held-out nats/token and bits/char per language")
+    e.add_argument("checkpoint", help="a model folder in Hugging Face layout")
+    e.add_argument("--text", nargs="+", required=True, help="held-out text files")
+    e.add_argument("--max-chars", type=int, default=None, help="cap per language")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_eval)
+
+    pl = sub.add_parser("plot", help="loss and throughput curves of a run -> PNG")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", help="default RUN_DIR/curves.png")
+    pl.set_defaults(func=_cmd_plot)
 
     d = sub.add_parser("demo", help="the main job on the built-in sample corpus")
     d.add_argument("--out", default="out/demo")

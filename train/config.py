@@ -41,8 +41,51 @@ def _coerce(value: str, annotation: Any) -> Any:
     return value
 
 
+def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
+    """Construct `cls` from a dict, recursing into fields that are dataclasses themselves."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise DoelError(f"{where}: unknown config keys {unknown}; known: {sorted(fields)}")
+    kwargs = {}
+    for key, value in values.items():
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise DoelError(f"{where}: {key} must be a table ([{key}])")
+            value = _build(hints[key], value, f"{where} [{key}]")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise DoelError(f"invalid config ({where}): {e}") from None
+
+
+def _set(values: dict[str, Any], cls: type, item: str) -> None:
+    """Apply one `a.b=value` override to the nested dict `values`, typed by `cls`'s fields."""
+    dotted, sep, raw = item.partition("=")
+    keys = dotted.split(".")
+    target, owner = values, cls
+    for i, key in enumerate(keys):
+        hints = typing.get_type_hints(owner) if dataclasses.is_dataclass(owner) else {}
+        if not sep or key not in hints:
+            known = sorted(hints)
+            raise DoelError(f"--set {item!r}: expected KEY=VALUE with KEY one of {known}")
+        if i == len(keys) - 1:
+            if dataclasses.is_dataclass(hints[key]):
+                raise DoelError(f"--set {item!r}: {key} is a table; set one of its fields")
+            try:
+                target[key] = _coerce(raw, hints[key])
+            except ValueError as e:
+                raise DoelError(f"--set {dotted}: {e}") from None
+        else:
+            target = target.setdefault(key, {})
+            owner = hints[key]
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
-    """Build `cls` from an optional TOML file plus `key=value` overrides."""
+    """Build `cls` from an optional TOML file plus `key=value` (or `table.key=value`)
+    overrides."""
     values: dict[str, Any] = {}
     if path is not None:
         try:
@@ -51,23 +94,9 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise DoelError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise DoelError(f"{path}: not valid TOML ({e})") from None
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise DoelError(f"{path}: unknown config keys {unknown}; known: {sorted(fields)}")
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or key not in fields:
-            raise DoelError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
-        try:
-            values[key] = _coerce(raw, hints[key])
-        except ValueError as e:
-            raise DoelError(f"--set {key}: {e}") from None
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as e:
-        raise DoelError(f"invalid config: {e}") from None
+        _set(values, cls, item)
+    return _build(cls, values, str(path) if path else "config")
 
 
 def resolved(cfg: Any) -> dict[str, Any]:

@@ -1,0 +1,288 @@
+"""`doel-train fit`: shards → a trained model in Hugging Face layout, resumable exactly.
+
+Order of a run: resolve device and dtype → build or resume (latest checkpoint in RUN_DIR) →
+gradient-flow gate on the first batch (refuses to train on failure) → steps with periodic
+logging, validation and atomic checkpoints → RUN_DIR/final/. Running the same command again
+continues from the last checkpoint; `fresh=True` starts over.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.common import DoelError, atomic_write_json
+from train.config import resolved
+from train.gradflow import check_gradient_flow
+from train.hf import save_model
+from train.loader import TokenLoader, read_meta
+from train.metrics import MetricsLog, format_duration, peak_flops
+from train.model import Llama
+from train.trainer import (
+    TrainConfig,
+    autocast,
+    build_optimizer,
+    evaluate,
+    lr_at,
+    resolve_device,
+    resolve_dtype,
+    train_step,
+)
+
+
+class GradientFlowError(DoelError):
+    pass
+
+
+class NonFiniteLossError(DoelError):
+    pass
+
+
+def _tokenizer_for(meta: dict, tokenizer, data_dir) -> Path | None:
+    path = Path(tokenizer) if tokenizer else Path(meta["tokenizer"]["path"])
+    if path.is_file():
+        return path
+    if tokenizer:
+        raise DoelError(f"tokenizer not found: {tokenizer}")
+    return None  # the shards' tokenizer moved: the model folder will lack tokenizer.json
+
+
+def _batches(loader, device, n):
+    return [
+        (torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+        for x, y in (loader.next_batch() for _ in range(n))
+    ]
+
+
+def gradient_gate(model, loader, device, ctx, log) -> None:
+    """Run the gate on the next batch without consuming it from the loader."""
+    state = loader.state_dict()
+    ((x, y),) = _batches(loader, device, 1)
+    loader.load_state_dict(state)
+
+    def loss_fn(m, batch):
+        with ctx():
+            return m(*batch)
+
+    report = check_gradient_flow(model, (x, y), loss_fn=loss_fn)
+    log(report.format())
+    if not report.ok:
+        raise GradientFlowError("refusing to train: the gradient-flow gate failed (above)")
+
+
+def _describe(model, cfg: TrainConfig, device, dtype, log) -> dict:
+    flops = model.flops_per_token(cfg.seq_len)
+    peak, source = peak_flops(device, dtype)
+    n = model.num_parameters()
+    log(
+        f"model: {n / 1e6:.2f}M parameters ({model.num_parameters(True) / 1e6:.2f}M without "
+        f"the embedding); {cfg.tokens_per_step:,} tokens a step; device {device}, {dtype}"
+    )
+    log(
+        f"FLOPs/token = 6·(matmul weights, head included) + 6·L·H·D·T (causal attention) = "
+        f"{flops['dense'] / 1e6:.1f}M + {flops['attention'] / 1e6:.1f}M = "
+        f"{flops['total'] / 1e6:.1f}M; peak {peak / 1e12 if peak else float('nan'):.1f} "
+        f"TFLOP/s ({source})"
+    )
+    return {"flops_per_token": flops["total"], "peak_flops": peak}
+
+
+def _prepare_run_dir(out, cfg, fresh: bool) -> Path | None:
+    out = Path(out)
+    if fresh:
+        for name in ("checkpoints", "final", "metrics.jsonl"):
+            path = out / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(True)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "train_config.json", resolved(cfg))
+    return latest_checkpoint(out)
+
+
+def fit(cfg: TrainConfig, data_dir, out_dir, tokenizer=None, fresh=False, log=print) -> Path:
+    """Train per `cfg` on the shards in `data_dir`; returns the final model folder."""
+    out = Path(out_dir)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    ctx = lambda: autocast(device, dtype)  # noqa: E731
+    meta = read_meta(data_dir)
+    if meta["tokenizer"]["vocab_size"] > cfg.model.vocab_size:
+        raise DoelError(
+            f"the shards use a vocabulary of {meta['tokenizer']['vocab_size']} tokens but "
+            f"model.vocab_size is {cfg.model.vocab_size}; raise it (--set model.vocab_size=...)"
+        )
+    tok_path = _tokenizer_for(meta, tokenizer, data_dir)
+    resume_from = _prepare_run_dir(out, cfg, fresh)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = Llama(cfg.model)
+    optimizer = build_optimizer(model, cfg, device)
+    loader = TokenLoader(data_dir, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    step, tokens_seen = 0, 0
+    if resume_from is not None:
+        _, state = load_checkpoint(resume_from, model, optimizer, device=device)
+        loader.load_state_dict(state["loader"])
+        step, tokens_seen = state["step"], state.get("tokens_seen", 0)
+        log(f"resuming from {resume_from} (step {step})")
+    info = _describe(model, cfg, device, dtype, log)
+    gradient_gate(model, loader, device, ctx, log)
+    fwd = torch.compile(model) if cfg.compile else model
+    metrics = MetricsLog(out / "metrics.jsonl", resume_step=step if resume_from else None)
+    run = _Run(cfg, model, fwd, optimizer, loader, device, ctx, metrics, out, tok_path, info, log)
+    try:
+        run.loop(step, tokens_seen, meta)
+    finally:
+        metrics.close()
+    final = out / "final"
+    tmp = out / ".tmp-final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tmp, tokenizer=tok_path, extra_json={"train_config.json": resolved(cfg)})
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    log(f"final model: {final}")
+    return final
+
+
+class _Run:
+    """The step loop and its bookkeeping (kept apart so `fit` reads as the recipe)."""
+
+    def __init__(
+        self, cfg, model, fwd, optimizer, loader, device, ctx, metrics, out, tok, info, log
+    ):
+        self.cfg, self.model, self.fwd, self.optimizer = cfg, model, fwd, optimizer
+        self.loader, self.device, self.ctx, self.metrics = loader, device, ctx, metrics
+        self.out, self.tok, self.info, self.log = out, tok, info, log
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.last_ckpt = None
+
+    def loop(self, step: int, tokens_seen: int, meta: dict) -> None:
+        cfg = self.cfg
+        t_train, t_mark, step_mark, start_step = 0.0, time.perf_counter(), step, step
+        projected = False
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            batches = _batches(self.loader, self.device, cfg.grad_accum)
+            out = train_step(
+                self.fwd, self.optimizer, batches, lr_at(step, cfg), cfg.grad_clip, self.ctx
+            )
+            finite = torch.isfinite(out["loss"])
+            self.bad_step = torch.where(~finite & (self.bad_step < 0), step + 1, self.bad_step)
+            step, tokens_seen = step + 1, tokens_seen + out["tokens"]
+            t_train += time.perf_counter() - t0
+            last = step == cfg.steps or (cfg.time_limit and t_train >= cfg.time_limit)
+            if step % cfg.log_every == 0 or last:
+                self._check_finite()
+                dt = time.perf_counter() - t_mark
+                self._log_step(
+                    step,
+                    out,
+                    (step - step_mark) * cfg.tokens_per_step / dt,
+                    dt / (step - step_mark),
+                    tokens_seen,
+                )
+                if not projected and step - start_step >= 3:
+                    self._projection(step, dt / (step - step_mark))
+                    projected = True
+            if cfg.eval_every and (step % cfg.eval_every == 0 or last):
+                self._validate(step, meta)
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last):
+                self._save(step, tokens_seen)
+            if step % cfg.log_every == 0 or last:
+                t_mark, step_mark = time.perf_counter(), step
+            if last:
+                break
+
+    def _check_finite(self) -> None:
+        bad = int(self.bad_step)
+        if bad >= 0:
+            keep = (
+                f"the last good checkpoint is {self.last_ckpt}"
+                if self.last_ckpt
+                else ("no checkpoint was written before it")
+            )
+            raise NonFiniteLossError(
+                f"the loss became non-finite at step {bad}; stopping. {keep}. Lower lr, "
+                "check the data, or run `doel-train check-gradients`"
+            )
+
+    def _log_step(self, step, out, tokens_per_s, sec_per_step, tokens_seen) -> None:
+        cfg, info = self.cfg, self.info
+        loss, gnorm = float(out["loss"]), float(out["grad_norm"])
+        mfu = (
+            tokens_per_s * info["flops_per_token"] / info["peak_flops"]
+            if info["peak_flops"]
+            else float("nan")
+        )
+        eta = format_duration((cfg.steps - step) * sec_per_step)
+        lr = lr_at(step - 1, cfg)
+        self.log(
+            f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
+            f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | ETA {eta}"
+        )
+        self.metrics.write(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": gnorm,
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "tokens": tokens_seen,
+                "time": time.time(),
+            }
+        )
+
+    def _projection(self, step, sec_per_step) -> None:
+        total = self.cfg.steps * sec_per_step
+        cost = ""
+        if self.device.type == "cuda":
+            cost = (
+                f", about ${total / 3600 * self.cfg.hourly_price:,.2f} at "
+                f"${self.cfg.hourly_price:.2f}/h"
+            )
+        self.log(
+            f"projected: {self.cfg.steps} steps × {sec_per_step:.3f} s = {format_duration(total)}"
+            f" for {self.cfg.steps * self.cfg.tokens_per_step / 1e6:,.1f}M tokens{cost}; "
+            f"{format_duration((self.cfg.steps - step) * sec_per_step)} left"
+        )
+
+    def _validate(self, step, meta) -> None:
+        try:
+            val = TokenLoader(
+                self.loader.data_dir, "val", self.cfg.batch_size, self.cfg.seq_len, seed=0
+            )
+        except (DoelError, KeyError):
+            return  # no (or too small a) validation split: nothing to report
+        n = min(self.cfg.eval_batches, val.n_windows // self.cfg.batch_size)
+        loss = evaluate(self.fwd, (val.next_batch() for _ in range(n)), self.device, self.ctx)
+        chars = sum(s.get("val_characters", 0) for s in meta["sources"].values())
+        toks = sum(s.get("val_tokens", 0) for s in meta["sources"].values())
+        bpc = loss * toks / chars / math.log(2) if chars else float("nan")
+        self.log(f"validation at step {step}: {loss:.4f} nats/token, ≈{bpc:.3f} bits/char")
+        self.metrics.write({"kind": "val", "step": step, "loss": loss, "bits_per_char": bpc})
+
+    def _save(self, step, tokens_seen) -> None:
+        self._check_finite()
+        state = {
+            "loader": self.loader.state_dict(),
+            "tokens_seen": tokens_seen,
+            "config": resolved(self.cfg),
+        }
+        self.last_ckpt = save_checkpoint(
+            self.out,
+            step,
+            self.model,
+            self.optimizer,
+            state,
+            tokenizer=self.tok,
+            keep=self.cfg.keep_checkpoints,
+        )

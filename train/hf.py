@@ -1,0 +1,100 @@
+"""Model folders in Hugging Face layout: `config.json`, `model.safetensors`, `tokenizer.json`,
+`generation_config.json`. `transformers.LlamaForCausalLM.from_pretrained(folder)` loads what
+`save_model` writes, and `load_model` reads what transformers' `save_pretrained` writes.
+
+A tied head is stored once (as `model.embed_tokens.weight`), as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from train.common import DoelError, atomic_write_json
+from train.model import Llama, ModelConfig
+
+WEIGHTS = "model.safetensors"
+
+
+def generation_config(cfg: ModelConfig) -> dict:
+    return {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "do_sample": True,
+        "temperature": 0.8,
+        "top_k": 50,
+        "max_length": cfg.max_position_embeddings,
+    }
+
+
+def state_dict_for_save(model: Llama) -> dict[str, torch.Tensor]:
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    for _, dropped in model.tied_parameters:
+        sd.pop(dropped, None)
+    return sd
+
+
+def save_model(
+    model: Llama,
+    folder: str | Path,
+    tokenizer: str | Path | None = None,
+    extra_json: dict[str, dict] | None = None,
+) -> Path:
+    """Write the HF-layout folder (not atomically: callers that need that write to a temporary
+    folder and rename it, as `train/checkpoint.py` does)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
+    atomic_write_json(folder / "config.json", model.config.to_hf())
+    atomic_write_json(folder / "generation_config.json", generation_config(model.config))
+    if tokenizer is not None:
+        tokenizer = Path(tokenizer)
+        src_dir = tokenizer.parent if tokenizer.is_file() else tokenizer
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (src_dir / name).is_file():
+                shutil.copyfile(src_dir / name, folder / name)
+    for name, obj in (extra_json or {}).items():
+        atomic_write_json(folder / name, obj)
+    return folder
+
+
+def read_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise DoelError(f"{folder}: no config.json; expected a model folder in Hugging Face layout")
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text(encoding="utf-8")))
+    except ValueError as e:
+        raise DoelError(f"{path}: {e}") from None
+
+
+def load_model(folder: str | Path, device: str | torch.device = "cpu") -> Llama:
+    """Build the model from `config.json` and load `model.safetensors` strictly: a missing or
+    unexpected tensor is an error, never a silently random weight."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = read_config(folder)
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise DoelError(f"{folder}: no {WEIGHTS} (sharded or .bin checkpoints are not supported)")
+    sd = load_file(str(weights), device=str(device))
+    with torch.device(device):
+        model = Llama(cfg)
+    expected = set(model.state_dict()) - {b for _, b in model.tied_parameters}
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
+        # Some writers store the tied head too; accept it only if it equals the embedding.
+        if not torch.equal(sd.pop("lm_head.weight"), sd["model.embed_tokens.weight"]):
+            raise DoelError(f"{weights}: tie_word_embeddings is set but lm_head differs")
+        unexpected.remove("lm_head.weight")
+    if missing or unexpected:
+        raise DoelError(f"{weights}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(sd, strict=False)
+    return model
