@@ -1,0 +1,342 @@
+"""Evaluate a checkpoint honestly: held-out bits per character per language, set against a
+random-initialised twin of the same model and against general-purpose compressors, plus a few
+greedy and sampled continuations to read.
+
+Why bits per character and not perplexity: nats per token depend on the tokenizer (a tokenizer
+with longer tokens gets a higher loss per token for the same text), so only a per-character
+(or per-byte) figure compares models across tokenizers, and compares them with xz and bzip2.
+Characters are counted after NFC, the normalisation the tokenizer applies, and the <|bos|> that
+starts every document is context only: it is never scored and never counted.
+
+The two reference points make a number mean something: the random twin (~ln V nats per token)
+is what "learned nothing" looks like, and a model that does not beat `xz -9e` on the same text
+has learned less than a dictionary coder does. `causal_leak` checks the one bug that makes
+every figure here look too good: a model that can see the token it is asked to predict.
+"""
+
+from __future__ import annotations
+
+import bz2
+import lzma
+import math
+import unicodedata
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from train.model import IGNORE_INDEX, Llama
+
+BENGALI = (0x0980, 0x09FF)  # the Bengali Unicode block, shared by Bangla and Assamese
+DEFAULT_PROMPTS = [
+    "আমাদের গ্রামের নাম",
+    "বাংলাদেশের রাজধানী ঢাকা",
+    "সকালে বৃষ্টি হলে আমরা",
+    "The village of Nadipara",
+    "Once upon a time, in a small town by the river,",
+]
+
+
+def _device_of(model: torch.nn.Module, device) -> torch.device:
+    return torch.device(device) if device is not None else next(model.parameters()).device
+
+
+def windows(ids: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Cut one document's ids into windows of at most seq_len + 1 tokens that overlap by one.
+
+    Window k holds ids[k·seq_len : (k+1)·seq_len + 1]: its inputs are all but the last token and
+    its targets all but the first, so every token after the first is a target exactly once and
+    the targets number len(ids) - 1. A chunk carries no context from the one before beyond its
+    first token, so a document longer than one window scores a little worse than it would with
+    the full context; scoring it in one window (seq_len >= len(ids) - 1) avoids that.
+    """
+    return [list(ids[s : s + seq_len + 1]) for s in range(0, len(ids) - 1, seq_len)]
+
+
+@torch.no_grad()
+def score_ids(
+    model: Llama, docs: Sequence[Sequence[int]], seq_len: int, batch_size: int = 8, device=None
+) -> tuple[float, int]:
+    """Total cross entropy (nats) and number of scored tokens over token-id documents."""
+    if not 1 <= seq_len <= model.config.max_position_embeddings:
+        raise ValueError(
+            f"seq_len {seq_len} must lie in [1, {model.config.max_position_embeddings}] "
+            "(the model's max_position_embeddings)"
+        )
+    device = _device_of(model, device)
+    pad = model.config.pad_token_id
+    # Longest first, so a batch holds windows of similar length and little padding.
+    wins = sorted((w for d in docs for w in windows(d, seq_len)), key=len, reverse=True)
+    was_training = model.training
+    model.eval()
+    nats, tokens = 0.0, 0
+    try:
+        for i in range(0, len(wins), batch_size):
+            batch = wins[i : i + batch_size]
+            width = len(batch[0]) - 1
+            x = torch.full((len(batch), width), pad, dtype=torch.long)
+            y = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+            for row, w in enumerate(batch):
+                # Right padding is safe under causal attention: no real position sees it,
+                # and its targets are ignored.
+                x[row, : len(w) - 1] = torch.tensor(w[:-1])
+                y[row, : len(w) - 1] = torch.tensor(w[1:])
+            loss = model(x.to(device), y.to(device), reduction="sum")
+            nats += float(loss)
+            tokens += sum(len(w) - 1 for w in batch)
+    finally:
+        model.train(was_training)
+    return nats, tokens
+
+
+def bits_per_char(
+    model: Llama, tokenizer, texts: Sequence[str], seq_len: int, batch_size: int = 8, device=None
+) -> dict:
+    """Held-out loss of `model` on documents: nats per token, bits per NFC character and per
+    UTF-8 byte (the <|bos|> excluded from both), with the counts behind them. `device` defaults
+    to the model's own."""
+    texts = [unicodedata.normalize("NFC", t) for t in texts]
+    texts = [t for t in texts if t]
+    docs = [e.ids for e in tokenizer.encode_batch(texts)] if texts else []
+    nats, tokens = score_ids(model, docs, seq_len, batch_size, device)
+    chars = sum(len(t) for t in texts)
+    nbytes = sum(len(t.encode("utf-8")) for t in texts)
+    bits = nats / math.log(2)
+    return {
+        "nats_per_token": nats / tokens if tokens else float("nan"),
+        "bits_per_char": bits / chars if chars else float("nan"),
+        "bits_per_byte": bits / nbytes if nbytes else float("nan"),
+        "tokens": tokens,
+        "chars": chars,
+        "documents": len(texts),
+    }
+
+
+def read_texts(paths: Sequence[str], max_chars: int | None = None) -> list[str]:
+    """Documents of the files (any format textio reads), stopping once max_chars are read."""
+    from train.textio import iter_documents
+
+    texts, total = [], 0
+    for path in paths:
+        for doc in iter_documents(str(path)):
+            if max_chars is not None and total >= max_chars:
+                return texts
+            texts.append(doc)
+            total += len(doc)
+    return texts
+
+
+def bengali_share(text: str) -> float:
+    """Share of Bengali-script characters among the letters and marks of text. Digits, spaces
+    and punctuation are left out: both languages use them, so they would only dilute."""
+    letters = [c for c in text if unicodedata.category(c)[0] in "LM"]
+    if not letters:
+        return 0.0
+    return sum(BENGALI[0] <= ord(c) <= BENGALI[1] for c in letters) / len(letters)
+
+
+def guess_language(path: str, sample_chars: int = 100_000) -> str:
+    """'bn' when most letters in the first sample_chars of the file are Bengali, else 'en'."""
+    return "bn" if bengali_share("\n".join(read_texts([path], sample_chars))) >= 0.5 else "en"
+
+
+def group_by_language(paths: Sequence[str]) -> dict[str, list[str]]:
+    """Files grouped by their guessed language, in the order given."""
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        groups.setdefault(guess_language(path), []).append(str(path))
+    return groups
+
+
+def per_language(
+    model: Llama,
+    tokenizer,
+    paths_by_language: dict[str, list[str]],
+    seq_len: int,
+    batch_size: int = 8,
+    device=None,
+    max_chars: int | None = None,
+) -> dict[str, dict]:
+    """`bits_per_char` for each language's files (at most max_chars characters a language)."""
+    return {
+        lang: bits_per_char(
+            model, tokenizer, read_texts(paths, max_chars), seq_len, batch_size, device
+        )
+        for lang, paths in paths_by_language.items()
+    }
+
+
+def random_twin(model: Llama, seed: int = 0) -> Llama:
+    """A freshly initialised model with the same config, dtype and device. The global RNG is
+    left as it was, so asking for a twin does not change what the caller samples next."""
+    p = next(model.parameters())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        twin = Llama(model.config)  # built on CPU, so the seed fixes it on any device
+    return twin.to(device=p.device, dtype=p.dtype).eval()
+
+
+def compressor_bits_per_char(texts: Sequence[str]) -> dict[str, float]:
+    """Bits per character that xz -9e and bzip2 -9 need for the NFC texts joined by newlines.
+    The denominator is the documents' characters without the joining newlines, as in
+    `bits_per_char`; the compressors' headers (tens of bytes) are included, which matters
+    only on tiny samples."""
+    texts = [unicodedata.normalize("NFC", t) for t in texts]
+    chars = sum(len(t) for t in texts)
+    data = "\n".join(texts).encode("utf-8")
+    sizes = {
+        "xz -9e": len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)),
+        "bzip2 -9": len(bz2.compress(data, compresslevel=9)),
+    }
+    return {name: 8 * n / chars if chars else float("nan") for name, n in sizes.items()}
+
+
+def token_logprobs(model: Llama, idx: torch.Tensor) -> torch.Tensor:
+    """Log-softmax of the logits, (B, T, V) float32: position t predicts token t + 1."""
+    return F.log_softmax(model(idx).float(), dim=-1)
+
+
+@torch.no_grad()
+def causal_leak(model, idx: torch.Tensor, positions: Sequence[int] | None = None) -> float:
+    """The largest change in any predicted log-probability at positions <= t when only the
+    token at t + 1 is replaced, over t in `positions` (default: every t). 0 (to float
+    rounding) for a causal model.
+
+    Why whole distributions and not the loss against the next token: the loss at position t has
+    token t + 1 as its target, so it changes legitimately when that token does; the predicted
+    distribution at t must not, and comparing all of it checks every possible target at once.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        base = token_logprobs(model, idx)
+        vocab, worst = base.size(-1), 0.0
+        for t in positions if positions is not None else range(idx.size(1) - 1):
+            bent = idx.clone()
+            bent[:, t + 1] = (bent[:, t + 1] + 1) % vocab  # a different, valid token
+            diff = (token_logprobs(model, bent) - base)[:, : t + 1].abs().max()
+            worst = max(worst, float(diff))
+    finally:
+        model.train(was_training)
+    return worst
+
+
+def continuations(
+    model: Llama,
+    tokenizer,
+    prompts: Sequence[str] | None = None,
+    max_new_tokens: int = 40,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+) -> list[dict]:
+    """Greedy and sampled continuations of each prompt (text after the prompt, specials
+    dropped). Each sample uses its own generator seeded with `seed`, so a prompt's sample does
+    not depend on which prompts came before it."""
+    device = _device_of(model, None)
+    eos = model.config.eos_token_id
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for prompt in DEFAULT_PROMPTS if prompts is None else prompts:
+            ids = tokenizer.encode(unicodedata.normalize("NFC", prompt)).ids
+            idx = torch.tensor([ids], device=device)
+            gen = torch.Generator(device=device).manual_seed(seed)
+            greedy = model.generate(idx, max_new_tokens, temperature=0.0, eos_token_id=eos)
+            sampled = model.generate(
+                idx,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                generator=gen,
+                eos_token_id=eos,
+            )
+            new = {"greedy": greedy, "sampled": sampled}
+            # Only the new tokens are decoded, so the prompt is never echoed back.
+            out.append(
+                {"prompt": prompt}
+                | {
+                    k: tokenizer.decode(v[0, len(ids) :].tolist(), skip_special_tokens=True)
+                    for k, v in new.items()
+                }
+            )
+    finally:
+        model.train(was_training)
+    return out
+
+
+def evaluate_checkpoint(
+    folder: str | Path,
+    text_paths: Sequence[str] | dict[str, list[str]],
+    seq_len: int | None = None,
+    max_chars: int | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    prompts: Sequence[str] | None = None,
+    max_new_tokens: int = 40,
+    seed: int = 0,
+) -> dict:
+    """Everything above for a model folder in Hugging Face layout (with its tokenizer.json).
+    text_paths is a list of files (grouped by guessed language) or {language: files}; at most
+    max_chars characters are read per language; seq_len defaults to the model's context."""
+    from train.common import DoelError
+    from train.hf import load_model
+    from train.tokenizer import load_tokenizer
+
+    model = load_model(folder, device=device).eval()
+    tokenizer = load_tokenizer(folder)
+    if tokenizer.get_vocab_size() > model.config.vocab_size:
+        raise DoelError(
+            f"{folder}: tokenizer.json has {tokenizer.get_vocab_size()} tokens but the model "
+            f"only {model.config.vocab_size}; they do not belong together"
+        )
+    seq_len = seq_len or model.config.max_position_embeddings
+    groups = text_paths if isinstance(text_paths, dict) else group_by_language(text_paths)
+    twin = random_twin(model, seed)
+    languages = {}
+    for lang, paths in groups.items():
+        texts = read_texts(paths, max_chars)
+        languages[lang] = {
+            "files": [str(p) for p in paths],
+            "model": bits_per_char(model, tokenizer, texts, seq_len, batch_size),
+            "twin": bits_per_char(twin, tokenizer, texts, seq_len, batch_size),
+            "compressors": compressor_bits_per_char(texts),
+        }
+    return {
+        "checkpoint": str(folder),
+        "seq_len": seq_len,
+        "vocab_size": model.config.vocab_size,
+        "parameters": model.num_parameters(),
+        "languages": languages,
+        "continuations": continuations(model, tokenizer, prompts, max_new_tokens, seed=seed),
+    }
+
+
+def format_eval(result: dict) -> str:
+    """A Markdown table of the figures per language, then the continuations."""
+    lines = [
+        f"{result['checkpoint']}: {result['parameters']:,} parameters, vocabulary "
+        f"{result['vocab_size']:,}, windows of {result['seq_len']} tokens "
+        f"(random twin: ln V = {math.log(result['vocab_size']):.3f} nats/token)",
+        "",
+        "| language | documents | characters | nats/token | bits/char | twin bits/char "
+        "| xz -9e bits/char | bzip2 -9 bits/char |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lang, r in result["languages"].items():
+        m, c = r["model"], r["compressors"]
+        lines.append(
+            f"| {lang} | {m['documents']:,} | {m['chars']:,} | {m['nats_per_token']:.3f} "
+            f"| {m['bits_per_char']:.3f} | {r['twin']['bits_per_char']:.3f} "
+            f"| {c['xz -9e']:.3f} | {c['bzip2 -9']:.3f} |"
+        )
+    for sample in result.get("continuations", []):
+        lines += [
+            "",
+            f"prompt:  {sample['prompt']}",
+            f"greedy:  {sample['greedy']!r}",
+            f"sampled: {sample['sampled']!r}",
+        ]
+    return "\n".join(lines)
