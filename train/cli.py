@@ -1,8 +1,8 @@
 """`doel-train` (or `python -m train`): a thin command line over train's functions.
 
 Commands: tokenizer, fertility, prepare, fit, check-gradients, eval, plot, demo. Heavy imports
-happen inside each command, so a
-missing extra is reported with the `pip install` line that fixes it.
+happen inside each command, so a missing extra is reported with the `pip install` line that
+fixes it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,152 @@
+"""Whole runs of the tiny preset: the run folder, exact resume (also after a real kill -9),
+non-finite loss handling, atomic checkpoints, the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train.checkpoint import latest_checkpoint, list_checkpoints
+from train.config import load_config
+from train.fit import NonFiniteLossError, fit
+from train.metrics import plot_run, read_metrics
+from train.prepare import PrepareConfig, prepare
+from train.trainer import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, tokenizer_path, sample_paths) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    prepare(tokenizer_path, sample_paths, out, PrepareConfig(val_fraction=0.1), progress=False)
+    return out
+
+
+def tiny(*sets) -> TrainConfig:
+    return load_config(TrainConfig, ROOT / "configs" / "tiny.toml", ["log_every=1", *sets])
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def train_losses(run_dir) -> list[tuple[int, float]]:
+    return [
+        (r["step"], r["loss"])
+        for r in read_metrics(run_dir / "metrics.jsonl")
+        if r["kind"] == "train"
+    ]
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_run_writes_an_hf_folder_and_resumes_bit_identically(tmp_path, shards):
+    cfg = tiny("steps=8", "checkpoint_every=4", "eval_every=4")
+    whole = fit(cfg, shards, tmp_path / "whole", log=lambda s: None)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in whole.iterdir()
+    }
+
+    def killer(line):  # dies while logging step 6: the step-4 checkpoint is the last one
+        if line.startswith("step      6/"):
+            raise Killed
+
+    with pytest.raises(Killed):
+        fit(cfg, shards, tmp_path / "resumed", log=killer)
+    assert latest_checkpoint(tmp_path / "resumed").name == "step-000004"
+    lines = []
+    resumed = fit(cfg, shards, tmp_path / "resumed", log=lines.append)
+    assert any("resuming from" in line and "step 4" in line for line in lines)
+    a, b = weights(whole), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert train_losses(tmp_path / "whole") == train_losses(tmp_path / "resumed")
+    assert [s for s, _ in train_losses(tmp_path / "resumed")] == list(range(1, 9))
+
+
+def test_keeps_the_last_k_checkpoints_and_ignores_half_written_ones(tmp_path, shards):
+    run = tmp_path / "run"
+    fit(tiny("steps=6", "checkpoint_every=1", "keep_checkpoints=2"), shards, run, log=lambda s: 0)
+    assert [p.name for p in list_checkpoints(run)] == ["step-000005", "step-000006"]
+    # A save killed before its rename leaves only a hidden temporary folder: never resumed from.
+    (run / "checkpoints" / ".tmp-step-000007-123").mkdir()
+    assert latest_checkpoint(run).name == "step-000006"
+    state = json.loads((run / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["loader"]["cursor"] > 0
+    assert state["config"]["model"]["hidden_size"] == 64
+
+
+def test_fresh_starts_over(tmp_path, shards):
+    run = tmp_path / "run"
+    fit(tiny("steps=2", "checkpoint_every=2"), shards, run, log=lambda s: 0)
+    lines = []
+    fit(tiny("steps=2", "checkpoint_every=2"), shards, run, fresh=True, log=lines.append)
+    assert not any("resuming" in line for line in lines)
+    assert [s for s, _ in train_losses(run)] == [1, 2]
+
+
+def test_a_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, shards):
+    run = tmp_path / "run"
+    # lr 1e38 makes the first update overflow float32: the step-2 loss is NaN.
+    cfg = tiny("steps=6", "checkpoint_every=1", "lr=1e38", "grad_clip=0", "warmup_steps=0")
+    with pytest.raises(NonFiniteLossError, match="step 2") as err:
+        fit(cfg, shards, run, log=lambda s: 0)
+    assert "step-000001" in str(err.value)
+    assert [p.name for p in list_checkpoints(run)] == ["step-000001"]
+    assert not (run / "final").exists()
+
+
+def test_plot_draws_the_curves(tmp_path, shards):
+    run = tmp_path / "run"
+    fit(tiny("steps=4", "eval_every=2"), shards, run, log=lambda s: 0)
+    png = plot_run(run)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _fit_cmd(shards, out, *sets):
+    args = [sys.executable, "-m", "train", "fit", "--config", "tiny", "--data", str(shards)]
+    args += ["--out", str(out), "--steps", "16", "--checkpoint-every", "4"]
+    # A model big enough that steps take a noticeable time, so the kill lands mid-run.
+    for s in ("model.hidden_size=256", "model.num_hidden_layers=4", "seq_len=128", *sets):
+        args += ["--set", s]
+    return args
+
+
+def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_weights(tmp_path, shards):
+    env = os.environ | {"OMP_NUM_THREADS": "2"}
+    subprocess.run(
+        _fit_cmd(shards, tmp_path / "whole"), check=True, env=env, capture_output=True, cwd=ROOT
+    )
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _fit_cmd(shards, killed),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while latest_checkpoint(killed) is None and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (killed / "final").exists()
+    rerun = subprocess.run(
+        _fit_cmd(shards, killed), env=env, capture_output=True, text=True, cwd=ROOT
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resuming from" in rerun.stdout
+    a, b = weights(tmp_path / "whole" / "final"), weights(killed / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)

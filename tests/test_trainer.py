@@ -1,0 +1,113 @@
+"""Trainer parts: the schedule, token-normalised gradient accumulation, one step, the config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from train.common import DoelError
+from train.config import load_config
+from train.model import Llama, ModelConfig
+from train.trainer import TrainConfig, build_optimizer, lr_at, train_step
+
+MODEL = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
+
+
+def cfg(**kw) -> TrainConfig:
+    return TrainConfig(**({"model": MODEL, "seq_len": 16, "steps": 100} | kw))
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_lr_schedule_shape(schedule):
+    c = cfg(schedule=schedule, lr=1e-3, min_lr_ratio=0.1, warmup_steps=10, decay_fraction=0.3)
+    lrs = [lr_at(s, c) for s in range(c.steps)]
+    assert all(0 < a < b for a, b in zip(lrs[:9], lrs[1:10]))  # warmup rises
+    assert lrs[9] == pytest.approx(1e-3)  # and reaches the peak
+    assert max(lrs) == pytest.approx(1e-3)
+    after = lrs[10:]
+    assert all(b <= a + 1e-15 for a, b in zip(after, after[1:]))  # never rises again
+    if schedule == "constant":
+        assert lrs[-1] == pytest.approx(1e-3)
+    else:
+        assert lrs[-1] == pytest.approx(1e-4)  # ends at lr * min_lr_ratio
+    if schedule == "wsd":
+        assert lrs[69] == pytest.approx(1e-3) and lrs[71] < 1e-3  # decays over the last 30%
+
+
+def grads_after(micro_batches):
+    torch.manual_seed(0)
+    model = Llama(MODEL)
+    n = sum(int((y != -100).sum()) for _, y in micro_batches)
+    for x, y in micro_batches:
+        (model(x, y, reduction="sum") / n).backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_accumulating_k_micro_batches_equals_one_k_times_batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (6, 16), generator=g)
+    y = torch.randint(0, 64, (6, 16), generator=g)
+    y[0, :10] = -100  # uneven token counts per micro-batch: a mean of means would be wrong
+    y[4, 3:] = -100
+    whole = grads_after([(x, y)])
+    split = grads_after([(x[i : i + 2], y[i : i + 2]) for i in (0, 2, 4)])
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7, msg=name)
+    # ...and the naive mean of per-micro-batch means really differs here (the test can fail).
+    torch.manual_seed(0)
+    model = Llama(MODEL)
+    for i in (0, 2, 4):
+        (model(x[i : i + 2], y[i : i + 2]) / 3).backward()
+    naive = model.lm_head.weight.grad
+    assert not torch.allclose(naive, whole["lm_head.weight"], rtol=1e-3, atol=1e-6)
+
+
+def test_train_step_reports_the_token_mean_and_learns():
+    torch.manual_seed(0)
+    c = cfg(lr=1e-2)
+    model = Llama(MODEL)
+    opt = build_optimizer(model, c, torch.device("cpu"))
+    x = torch.randint(0, 64, (4, 16))
+    y = torch.roll(x, -1, 1)
+    with torch.no_grad():
+        expected = float(model(x, y))
+    first = train_step(model, opt, [(x[:2], y[:2]), (x[2:], y[2:])], lr=1e-2)
+    assert float(first["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert first["tokens"] == 64 and math.isfinite(float(first["grad_norm"]))
+    for _ in range(30):
+        last = train_step(model, opt, [(x, y)], lr=1e-2)
+    assert float(last["loss"]) < 0.5 * expected
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_weight_decay_skips_norms():
+    model = Llama(MODEL)
+    opt = build_optimizer(model, cfg(weight_decay=0.1), torch.device("cpu"))
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() == 1 for p in plain["params"]) and len(plain["params"]) == 5
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("seq_len=0", "seq_len"),
+        ("schedule=linear", "schedule"),
+        ("dtype=float16", "dtype"),
+        ("min_lr_ratio=2", "min_lr_ratio"),
+        ("seq_len=4096", "max_position_embeddings"),
+    ],
+)
+def test_bad_train_config_names_the_field(override, field):
+    with pytest.raises(DoelError, match=field):
+        load_config(TrainConfig, None, [override])
