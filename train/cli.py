@@ -12,7 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-SAMPLE_DIR = Path(__file__).parent / "sample"
 # Presets: the repository's configs/ (a source checkout) or their copy inside the wheel.
 CONFIG_DIRS = (Path(__file__).parent.parent / "configs", Path(__file__).parent / "configs")
 EXTRA_HINT = "pip install 'doel[train]'"
@@ -129,27 +128,9 @@ def _cmd_plot(args) -> None:
 
 
 def _cmd_demo(args) -> None:
-    """The main job on the built-in sample: tokenizer -> fertility report -> token shards."""
-    from train.fertility import fertility, format_report, load_any
-    from train.prepare import PrepareConfig, prepare
-    from train.textio import iter_source, resolve_sources
-    from train.tokenizer import TokenizerConfig, train_tokenizer
+    from train.demo import run_demo
 
-    out = Path(args.out)
-    data = [str(SAMPLE_DIR / "bn.txt"), str(SAMPLE_DIR / "en.txt")]
-    print(f"1/3 training a {args.vocab_size}-token tokenizer on the built-in sample ({data})")
-    path = train_tokenizer(
-        resolve_sources(data),
-        TokenizerConfig(vocab_size=args.vocab_size),
-        out / "tokenizer",
-        progress=False,
-    )
-    print(f"    wrote {path}\n2/3 fertility of the new tokenizer on the same sample")
-    texts = [d for s in resolve_sources(data) for d in iter_source(s)]
-    print(format_report(str(path), fertility(load_any(path), texts)))
-    print("3/3 packing token shards (10% of documents held out for validation)")
-    prepare(path, data, out / "shards", PrepareConfig(val_fraction=0.1), progress=False)
-    print(f"done: {out}/tokenizer/tokenizer.json and {out}/shards/meta.json")
+    run_demo(args.out, args.vocab_size, args.config, args.set)
 
 
 def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> None:
@@ -230,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the built-in sample corpus")
     d.add_argument("--out", default="out/demo")
     d.add_argument("--vocab-size", type=int, default=4096)
+    d.add_argument("--config", default="demo", help="training preset or TOML (default demo)")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     d.set_defaults(func=_cmd_demo)
     return p
 
