@@ -105,7 +105,66 @@ def test_missing_extra_names_the_pip_install(tmp_path, sample_paths):
 
 
 def test_demo_runs_the_main_job(tmp_path):
-    proc = run("demo", "--out", str(tmp_path), "--vocab-size", "1024")
+    short = ["--set", "steps=12", "--set", "eval_every=6", "--set", "checkpoint_every=6"]
+    proc = run("demo", "--out", str(tmp_path), "--vocab-size", "1024", *short)
     assert "fertility of" in proc.stdout and "language balance" in proc.stdout
     assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
     assert (tmp_path / "shards" / "meta.json").is_file()
+    assert "every one has a finite, nonzero gradient" in proc.stdout  # the gate ran
+    assert "| bn |" in proc.stdout and "| en |" in proc.stdout  # the evaluation table
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "curves.png").is_file()
+
+
+def test_fit_check_gradients_eval_plot_commands(tmp_path, tokenizer_path, sample_paths):
+    shards = tmp_path / "shards"
+    run(
+        "prepare",
+        "--tokenizer",
+        str(tokenizer_path),
+        "--data",
+        *sample_paths,
+        "--out",
+        str(shards),
+        "--quiet",
+    )
+    gate = run("check-gradients", "--config", "tiny", "--data", str(shards))
+    assert "every one has a finite, nonzero gradient" in gate.stdout
+    bad = run(
+        "check-gradients",
+        "--config",
+        "tiny",
+        "--data",
+        str(shards),
+        "--set",
+        "model.vocab_size=64",
+        check=False,
+    )
+    assert bad.returncode != 0 and "model.vocab_size" in bad.stderr
+    run(
+        "fit",
+        "--config",
+        "tiny",
+        "--data",
+        str(shards),
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "4",
+    )
+    ev = run("eval", str(tmp_path / "run" / "final"), "--text", *sample_paths, "--json")
+    result = json.loads(ev.stdout)
+    assert set(result["languages"]) == {"bn", "en"}
+    run("plot", str(tmp_path / "run"))
+    assert (tmp_path / "run" / "curves.png").is_file()
+    missing = run(
+        "fit",
+        "--config",
+        "no-such-preset",
+        "--data",
+        str(shards),
+        "--out",
+        str(tmp_path / "x"),
+        check=False,
+    )
+    assert missing.returncode != 0 and "presets" in missing.stderr

@@ -99,12 +99,13 @@ def _cmd_fit(args) -> None:
 def _cmd_check_gradients(args) -> None:
     import torch
 
-    from train.fit import gradient_gate
-    from train.loader import TokenLoader
+    from train.fit import check_vocab, gradient_gate
+    from train.loader import TokenLoader, read_meta
     from train.model import Llama
     from train.trainer import autocast, resolve_device, resolve_dtype
 
     cfg = _train_config(args)
+    check_vocab(read_meta(args.data), cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)

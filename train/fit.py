@@ -43,6 +43,14 @@ class NonFiniteLossError(DoelError):
     pass
 
 
+def check_vocab(meta: dict, cfg: TrainConfig) -> None:
+    if meta["tokenizer"]["vocab_size"] > cfg.model.vocab_size:
+        raise DoelError(
+            f"the shards use a vocabulary of {meta['tokenizer']['vocab_size']} tokens but "
+            f"model.vocab_size is {cfg.model.vocab_size}; raise it (--set model.vocab_size=...)"
+        )
+
+
 def _tokenizer_for(meta: dict, tokenizer, data_dir) -> Path | None:
     path = Path(tokenizer) if tokenizer else Path(meta["tokenizer"]["path"])
     if path.is_file():
@@ -110,11 +118,7 @@ def fit(cfg: TrainConfig, data_dir, out_dir, tokenizer=None, fresh=False, log=pr
     dtype = resolve_dtype(cfg.dtype, device)
     ctx = lambda: autocast(device, dtype)  # noqa: E731
     meta = read_meta(data_dir)
-    if meta["tokenizer"]["vocab_size"] > cfg.model.vocab_size:
-        raise DoelError(
-            f"the shards use a vocabulary of {meta['tokenizer']['vocab_size']} tokens but "
-            f"model.vocab_size is {cfg.model.vocab_size}; raise it (--set model.vocab_size=...)"
-        )
+    check_vocab(meta, cfg)
     tok_path = _tokenizer_for(meta, tokenizer, data_dir)
     resume_from = _prepare_run_dir(out, cfg, fresh)
     if device.type == "cuda":
