@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= out/demo
 
-.PHONY: demo test lint format bench-tokenizer clean
+.PHONY: demo test lint format bench-tokenizer bench-train clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ format: $(BIN)/.installed
 
 bench-tokenizer: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_tokenizer.py
+
+bench-train: $(BIN)/.installed
+	$(BIN)/python benchmarks/bench_train.py
 
 clean:
 	rm -rf $(VENV) out

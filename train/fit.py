@@ -73,14 +73,32 @@ def gradient_gate(model, loader, device, ctx, log) -> None:
     ((x, y),) = _batches(loader, device, 1)
     loader.load_state_dict(state)
 
-    def loss_fn(m, batch):
+    def loss_fn(m, batch):  # the training step's own call, so a compiled graph is reused
         with ctx():
-            return m(*batch)
+            return m(*batch, reduction="sum") / batch[1].numel()
 
     report = check_gradient_flow(model, (x, y), loss_fn=loss_fn)
     log(report.format())
     if not report.ok:
         raise GradientFlowError("refusing to train: the gradient-flow gate failed (above)")
+
+
+def _compiled(model, loader, device, ctx, log):
+    """torch.compile the model, or say loudly why the run falls back to eager (e.g. no C
+    compiler for inductor's CPU kernels)."""
+    log("compiling the model (the first step takes longer)")
+    compiled = torch.compile(model)
+    state = loader.state_dict()
+    ((x, y),) = _batches(loader, device, 1)
+    loader.load_state_dict(state)
+    try:
+        with ctx():
+            compiled(x, y, reduction="sum").backward()
+    except Exception as e:  # noqa: BLE001 (inductor raises many kinds)
+        log(f"WARNING: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eager")
+        compiled = model
+    model.zero_grad(set_to_none=True)
+    return compiled
 
 
 def _describe(model, cfg: TrainConfig, device, dtype, log) -> dict:
@@ -137,8 +155,8 @@ def fit(cfg: TrainConfig, data_dir, out_dir, tokenizer=None, fresh=False, log=pr
         step, tokens_seen = state["step"], state.get("tokens_seen", 0)
         log(f"resuming from {resume_from} (step {step})")
     info = _describe(model, cfg, device, dtype, log)
-    gradient_gate(model, loader, device, ctx, log)
-    fwd = torch.compile(model) if cfg.compile else model
+    fwd = _compiled(model, loader, device, ctx, log) if cfg.compile else model
+    gradient_gate(fwd, loader, device, ctx, log)  # on the exact (compiled) model that trains
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=step if resume_from else None)
     run = _Run(cfg, model, fwd, optimizer, loader, device, ctx, metrics, out, tok_path, info, log)
     try:
@@ -267,7 +285,8 @@ class _Run:
         except (DoelError, KeyError):
             return  # no (or too small a) validation split: nothing to report
         n = min(self.cfg.eval_batches, val.n_windows // self.cfg.batch_size)
-        loss = evaluate(self.fwd, (val.next_batch() for _ in range(n)), self.device, self.ctx)
+        # Eager model: a compiled one would recompile for no_grad/eval mode.
+        loss = evaluate(self.model, (val.next_batch() for _ in range(n)), self.device, self.ctx)
         chars = sum(s.get("val_characters", 0) for s in meta["sources"].values())
         toks = sum(s.get("val_tokens", 0) for s in meta["sources"].values())
         bpc = loss * toks / chars / math.log(2) if chars else float("nan")

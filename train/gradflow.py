@@ -43,6 +43,15 @@ class GradientReport:
         return "\n".join(lines)
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile (`_orig_mod`) and DDP-style (`module`) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 def _default_loss(model: nn.Module, batch) -> torch.Tensor:
     if isinstance(batch, dict):
         return model(**batch)
@@ -62,7 +71,8 @@ def check_gradient_flow(
     `requires_grad=False` is an offender too (pre-training trains everything; a forgotten
     freeze is a silent failure) unless `allow_frozen`. Gradients are cleared afterwards, so the
     check leaves no trace on the model."""
-    ties = list(getattr(model, "tied_parameters", [])) if ties is None else ties
+    inner = unwrap(model)  # names as the user knows them, not `_orig_mod.` / `module.`
+    ties = list(getattr(inner, "tied_parameters", [])) if ties is None else ties
     model.zero_grad(set_to_none=True)
     loss = (loss_fn or _default_loss)(model, batch)
     if loss.dim() != 0:
@@ -71,7 +81,7 @@ def check_gradient_flow(
     if loss.requires_grad:
         loss.backward()
     # remove_duplicate=False: a tied tensor is judged under each of its names.
-    named = list(model.named_parameters(remove_duplicate=False))
+    named = list(inner.named_parameters(remove_duplicate=False))
     report = GradientReport(checked=0, loss=loss_value)
     for name, p in named:
         if not p.requires_grad:
