@@ -1,0 +1,5 @@
+"""`python -m export ...` is the same as `doel-export ...`."""
+
+from export.cli import main
+
+main()

@@ -1,0 +1,177 @@
+"""`export_checkpoint`: checkpoint folder → a self-contained bundle that serving runs without torch:
+
+    BUNDLE/model.onnx (+ model.onnx.data)   the decoder with KV cache
+    BUNDLE/model.ort                        with --mobile: the same graph for ONNX Runtime Mobile
+    BUNDLE/tokenizer.json                   the checkpoint's tokenizer, unchanged
+    BUNDLE/genai_config.json                (builder engine) lets onnxruntime-genai run it too
+    BUNDLE/manifest.json                    I/O names and shapes, vocabulary, special ids, context
+                                            length, quantization, sha256 of every file, the
+                                            source config's hash and the parity figures
+
+Everything is written into a hidden folder beside BUNDLE and renamed at the end, after every check
+passed, so a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from export import graph, parity
+from export.checkpoint import Checkpoint, inspect_checkpoint
+from export.common import ExportError, file_table, staging, write_json
+from export.runner import OnnxLM
+
+FORMAT_VERSION = 1
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits implements
+MAX_WINDOW = 512  # tokens per forward when measuring the loss
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    quant: str = "int4"
+    mobile: bool = False
+    block_size: int = 32
+    engine: str = "auto"
+    texts: tuple[str, ...] = ()
+    max_loss_increase: float | None = None  # nats/token; None: the default bound per quant
+    eval_tokens: int = 4096
+    force: bool = False
+    tokenizer: str | None = None
+    log: object = field(default=print, compare=False)
+
+    def __post_init__(self):
+        if self.quant not in graph.BITS:
+            raise ExportError(f"--quant must be one of {sorted(graph.BITS)}, got {self.quant!r}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ExportError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
+        if self.engine not in ("auto", "genai", "optimum"):
+            raise ExportError(f"--engine must be auto, genai or optimum, got {self.engine!r}")
+        if self.eval_tokens < 16:
+            raise ExportError(f"--eval-tokens must be at least 16, got {self.eval_tokens}")
+
+
+def io_table(lm: OnnxLM) -> dict:
+    def rows(args):
+        return [{"name": a.name, "shape": list(a.shape), "dtype": a.type} for a in args]
+
+    return {"inputs": rows(lm.session.get_inputs()), "outputs": rows(lm.session.get_outputs())}
+
+
+def versions() -> dict:
+    names = ("onnx", "onnxruntime", "onnxruntime-genai", "optimum-onnx", "transformers", "torch")
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def prove(ckpt: Checkpoint, opts: ExportOptions, model: Path) -> tuple[dict, OnnxLM]:
+    """Parity figures of the graph `model`; raises ExportError when one is past its bound."""
+    lm = OnnxLM(model, ckpt.kv_heads, ckpt.head_dim)
+    ref_model, ref_logits = parity.torch_reference(ckpt)
+    prompts = parity.prompt_ids(ckpt)
+    texts = parity.eval_texts(ckpt, opts.texts, opts.eval_tokens)
+    window = min(ckpt.context_length, MAX_WINDOW)
+    figures = {
+        "definition": "max |onnx - reference| / max |reference| over all logits of the prompts",
+        "prompts": len(prompts),
+        "prompt_tokens": int(sum(p.shape[1] for p in prompts)),
+        "logits_vs_torch": parity.logits_parity(lm, ref_logits, prompts),
+        "kv_cache_vs_full": parity.kv_parity(lm, prompts),
+        "loss": parity.loss_increase(lm, ref_logits, texts, window),
+    }
+    figures["logits_vs_torch"]["bound"] = parity.LOGITS_BOUND if opts.quant == "fp32" else None
+    figures["kv_cache_vs_full"]["bound"] = parity.KV_BOUND[opts.quant]
+    del ref_model
+    parity.check(figures, opts.quant, opts.max_loss_increase)
+    return figures, lm
+
+
+def manifest(ckpt: Checkpoint, opts: ExportOptions, engine: str, lm: OnnxLM, **extra) -> dict:
+    cfg = ckpt.config
+    return {
+        "format": "doel-export",
+        "format_version": FORMAT_VERSION,
+        "model": "model.onnx",
+        "mobile_model": "model.ort" if opts.mobile else None,
+        "engine": engine,
+        "architecture": ckpt.architecture,
+        **io_table(lm),
+        "kv_cache": {
+            "layers": len(lm.past_names) // 2,
+            "kv_heads": ckpt.kv_heads,
+            "head_dim": ckpt.head_dim,
+            "layout": "[batch, kv_heads, sequence, head_dim], past_key_values.{i}.key/.value in, "
+            "present.{i}.key/.value out",
+            "position_ids_input": "position_ids" in lm.input_names,
+        },
+        "vocab_size": ckpt.vocab_size,
+        "tokenizer_vocab_size": ckpt.tokenizer_vocab_size,
+        "special_tokens": ckpt.special_tokens,
+        "context_length": ckpt.context_length,
+        "quantization": graph.quantization_info(opts.quant, opts.block_size, engine),
+        "source": {
+            "path": str(ckpt.folder.resolve()),
+            "config_sha256": ckpt.config_sha256,
+            "num_hidden_layers": cfg.get("num_hidden_layers", cfg.get("n_layer")),
+            "hidden_size": cfg.get("hidden_size", cfg.get("n_embd")),
+        },
+        "versions": versions(),
+        **extra,
+    }
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptions) -> dict:
+    """Export, prove, write the bundle; return its manifest. Raises ExportError on bad input or a
+    failed check, leaving `out` untouched."""
+    log, out = opts.log, Path(out)
+    ckpt = inspect_checkpoint(checkpoint, opts.tokenizer)
+    engine = graph.choose_engine(ckpt, opts.engine)
+    t0 = time.perf_counter()
+    with staging(out, opts.force) as stage:
+        log(f"building the {opts.quant} graph of {ckpt.architecture} with the {engine} engine")
+        model = graph.build_graph(ckpt, stage, opts.quant, opts.block_size, engine)
+        build_s = time.perf_counter() - t0
+        shutil.copyfile(ckpt.tokenizer, stage / "tokenizer.json")
+        log("checking parity against PyTorch")
+        figures, lm = prove(ckpt, opts, model)
+        if opts.mobile:
+            log("converting to ORT format for ONNX Runtime Mobile")
+            ort_model = graph.convert_to_ort(model, stage)
+            ort_lm = OnnxLM(ort_model, ckpt.kv_heads, ckpt.head_dim)
+            figures["ort_format_vs_onnx"] = parity.ort_parity(lm, ort_lm, parity.prompt_ids(ckpt))
+        timing = {"build_s": build_s, "total_s": time.perf_counter() - t0}
+        result = manifest(ckpt, opts, engine, lm, parity=figures, timing=timing)
+        result["files"] = file_table(stage)  # manifest.json itself is the one file not listed
+        write_json(stage / "manifest.json", result)
+    return result
+
+
+def bundle_bytes(manifest: dict) -> int:
+    return sum(f["bytes"] for f in manifest["files"].values())
+
+
+def summary(out: Path, m: dict) -> str:
+    """A few lines for people: where, how big, how close."""
+    p, loss = m["parity"], m["parity"]["loss"]
+    lines = [
+        f"wrote {out} ({bundle_bytes(m) / 1e6:.1f} MB, {m['quantization']['scheme']}, "
+        f"{m['engine']} engine, {m['timing']['total_s']:.1f} s)",
+        f"  logits vs PyTorch: max rel err {p['logits_vs_torch']['max_rel_err']:.2e}, "
+        f"top-1 agreement {p['logits_vs_torch']['top1_agreement']:.3f}",
+        f"  KV-cache path vs full forward: max rel err {p['kv_cache_vs_full']['max_rel_err']:.2e}",
+        f"  held-out loss increase: {loss['increase_nats_per_token']:+.4f} nats/token, "
+        f"{loss['increase_bits_per_char']:+.4f} bits/char over {loss['tokens']} tokens",
+    ]
+    if "ort_format_vs_onnx" in p:
+        lines.append(
+            f"  ORT format vs ONNX: max rel err {p['ort_format_vs_onnx']['max_rel_err']:.2e}"
+        )
+    return "\n".join(lines)

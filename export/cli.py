@@ -1,0 +1,78 @@
+"""`doel-export` (or `python -m export`): a thin command line over `export_checkpoint`.
+
+Heavy imports happen inside `main`, so a missing extra is reported with the `pip install` line
+that fixes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from export.common import ExportError  # standard library only, so it imports without the extra
+
+EXTRA_HINT = "pip install 'doel[export]'"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="doel-export",
+        description="checkpoint -> ONNX with KV cache -> int8 / int4 -> ORT format, each "
+        "checked against PyTorch",
+    )
+    p.add_argument("checkpoint", help="model folder in Hugging Face layout (e.g. RUN/final)")
+    p.add_argument("--out", required=True, help="bundle folder to write")
+    p.add_argument("--quant", choices=("fp32", "int8", "int4"), default="int4")
+    p.add_argument("--mobile", action="store_true", help="also write model.ort (ORT Mobile)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--block-size", type=int, default=32, help="int8/int4 block (default 32)")
+    p.add_argument(
+        "--text",
+        nargs="+",
+        default=[],
+        help="held-out .txt/.jsonl for the loss check (default: the built-in sample)",
+    )
+    p.add_argument("--eval-tokens", type=int, default=4096, help="tokens scored (default 4096)")
+    p.add_argument(
+        "--max-loss-increase",
+        type=float,
+        help="nats/token over fp32 that fails the export (default int8 0.02, int4 0.10)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("auto", "genai", "optimum"),
+        default="auto",
+        help="graph writer: auto = onnxruntime-genai's fused builder for Llama, else optimum",
+    )
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's)")
+    p.add_argument("--json", action="store_true", help="print the manifest")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        from export.bundle import ExportOptions, export_checkpoint, summary
+
+        opts = ExportOptions(
+            quant=args.quant,
+            mobile=args.mobile,
+            block_size=args.block_size,
+            engine=args.engine,
+            texts=tuple(args.text),
+            max_loss_increase=args.max_loss_increase,
+            eval_tokens=args.eval_tokens,
+            force=args.force,
+            tokenizer=args.tokenizer,
+            log=lambda msg: print(msg, file=sys.stderr),
+        )
+        result = export_checkpoint(args.checkpoint, args.out, opts)
+    except ModuleNotFoundError as e:
+        sys.exit(
+            f"doel-export needs the {e.name!r} package, part of the export extra: {EXTRA_HINT}"
+        )
+    except ExportError as e:
+        sys.exit(f"error: {e}")
+    print(json.dumps(result, indent=2) if args.json else summary(Path(args.out), result))

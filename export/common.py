@@ -1,0 +1,69 @@
+"""Small helpers of the export stage: the user-facing error, hashing, and the staging folder that
+makes a bundle appear whole or not at all.
+
+The export stage imports nothing from `train/`: stages talk only through files, so a bundle can
+be made from any Hugging Face folder on a machine that has only the export extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class ExportError(Exception):
+    """An error caused by the user's input or a failed check; its message says what to do. The
+    command line prints it without a traceback."""
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_table(folder: Path) -> dict[str, dict]:
+    """Size and sha256 of every file in the folder (flat: a bundle has no subfolders)."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def staging(out: Path, force: bool) -> Iterator[Path]:
+    """Yield an empty hidden folder beside `out`; when the block succeeds, it becomes `out`.
+
+    On any error the staging folder is removed and `out` is left as it was, so a failed export
+    never leaves a partial bundle. With `force`, an existing `out` is replaced only after the new
+    bundle is complete (moved aside, the new one renamed in, the old one deleted).
+    """
+    if out.exists() and not force:
+        raise ExportError(f"{out} exists; pass --force to replace it or choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
