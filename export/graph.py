@@ -103,6 +103,10 @@ def build_genai(ckpt: Checkpoint, out: Path, quant: str, block_size: int) -> Pat
 
     work, cache = out / ".genai", out / ".genai-cache"
     options = [f"block_size={block_size}", f"accuracy_level={ACCURACY_LEVEL}", "is_symmetric=1"]
+    # A tied head would otherwise share one quantized matrix with the embedding, which 0.15.2
+    # only implements for 4 bits (at 8 it writes a graph that does not load); kept apart, the
+    # embedding stays fp32 as on untied models.
+    options.append("shared_embeddings=0")
     with _quiet("onnxruntime-genai's model builder"):
         args = (None, str(ckpt.folder), str(work), quant, "cpu", str(cache))
         extra = builder.parse_extra_options(*args, options if BITS[quant] else [])

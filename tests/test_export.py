@@ -1,0 +1,250 @@
+"""Export: bundles from a tiny trained checkpoint through both engines, checked here against
+doel's own PyTorch model (a second reference, independent of the transformers model the export
+checks itself against), plus every refusal of bad input and the all-or-nothing write."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime_genai")
+
+from export.bundle import ExportOptions, export_checkpoint  # noqa: E402
+from export.cli import main  # noqa: E402
+from export.common import ExportError, sha256_file  # noqa: E402
+from export.runner import OnnxLM  # noqa: E402
+from train.hf import load_model, save_model  # noqa: E402
+from train.model import Llama, ModelConfig  # noqa: E402
+
+TINY = ModelConfig(
+    vocab_size=2048,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+
+
+def _quiet(**kw) -> ExportOptions:
+    return ExportOptions(log=lambda _msg: None, eval_tokens=1024, **kw)
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory, tokenizer_path, tok, sample_paths) -> Path:
+    """The tiny model after 250 Adam steps on the sample, so that quantization costs loss."""
+    torch.manual_seed(0)
+    ids = [i for p in sample_paths for i in tok.encode(Path(p).read_text(encoding="utf-8")).ids]
+    data = torch.tensor(ids)
+    model = Llama(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(250):
+        starts = torch.randint(0, len(data) - 65, (8,))
+        batch = torch.stack([data[s : s + 65] for s in starts])
+        loss = model(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 6.0  # ln 2048 = 7.6: it learned something
+    return save_model(model, tmp_path_factory.mktemp("ckpt") / "final", tokenizer=tokenizer_path)
+
+
+@pytest.fixture(scope="session")
+def fp32_bundle(ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundles") / "fp32"
+    export_checkpoint(ckpt, out, _quiet(quant="fp32"))
+    return out
+
+
+def _doel_logits(ckpt: Path, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return load_model(ckpt)(torch.from_numpy(ids)).numpy()
+
+
+def _lm(bundle: Path, name: str = "model.onnx") -> OnnxLM:
+    return OnnxLM(bundle / name, TINY.num_key_value_heads, TINY.head_dim)
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _nbits_attrs(model: Path) -> set[tuple[int, int]]:
+    import onnx
+
+    graph = onnx.load(str(model), load_external_data=False).graph
+    found = set()
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: a.i for a in node.attribute}
+            found.add((attrs["bits"], attrs["block_size"]))
+    return found
+
+
+def test_fp32_bundle_matches_pytorch_and_describes_itself(fp32_bundle, ckpt, tok):
+    m = json.loads((fp32_bundle / "manifest.json").read_text())
+    assert m["engine"] == "genai" and m["quantization"]["scheme"] == "fp32"
+    # Every file is listed with its true hash; the tokenizer is the checkpoint's, unchanged.
+    listed = set(m["files"])
+    assert listed == {p.name for p in fp32_bundle.iterdir()} - {"manifest.json"}
+    for name, entry in m["files"].items():
+        assert entry["sha256"] == sha256_file(fp32_bundle / name)
+    assert sha256_file(fp32_bundle / "tokenizer.json") == sha256_file(ckpt / "tokenizer.json")
+    assert m["source"]["config_sha256"] == sha256_file(ckpt / "config.json")
+    assert m["vocab_size"] == TINY.vocab_size and m["context_length"] == 256
+    assert m["special_tokens"]["bos"] == {"id": 0, "token": "<|bos|>"}
+    lm = _lm(fp32_bundle)
+    assert [i["name"] for i in m["inputs"]] == lm.input_names
+    assert m["kv_cache"]["layers"] == TINY.num_hidden_layers
+    # Independent of the export's own check: doel's model, a prompt the export never saw.
+    ids = np.array([tok.encode("নদীর ধারে একটি ছোট গ্রাম ছিল, and a boat.").ids])
+    want = _doel_logits(ckpt, ids)
+    assert _rel(lm.logits(ids), want) < 1e-4
+    assert _rel(lm.logits_with_cache(ids, 3), want) < 1e-4
+    p = m["parity"]
+    assert (
+        p["logits_vs_torch"]["max_rel_err"] < 1e-4 and p["kv_cache_vs_full"]["max_rel_err"] < 1e-4
+    )
+    assert abs(p["loss"]["increase_nats_per_token"]) < 1e-4 and p["loss"]["tokens"] >= 1000
+
+
+def test_batch_axis_is_dynamic(fp32_bundle, ckpt):
+    ids = np.random.default_rng(1).integers(3, TINY.vocab_size, size=(2, 20))
+    both = _lm(fp32_bundle).logits(ids)
+    assert _rel(both, _doel_logits(ckpt, ids)) < 1e-4
+    assert _rel(both[1:], _lm(fp32_bundle).logits(ids[1:])) < 1e-5
+
+
+def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp32_bundle, tmp_path):
+    out = tmp_path / "int4"
+    m = export_checkpoint(ckpt, out, _quiet(quant="int4", mobile=True))
+    assert _nbits_attrs(out / "model.onnx") == {(4, 32)}
+    loss = m["parity"]["loss"]
+    # Quantization costs loss on a trained model, but little: the bound is 0.10 nats/token.
+    assert 0 < loss["increase_nats_per_token"] < 0.10
+    assert loss["increase_bits_per_char"] == pytest.approx(
+        loss["increase_nats_per_token"] * loss["tokens"] / loss["chars"] / np.log(2)
+    )
+    assert {f["text"] for f in loss["files"]} == {"bn.txt", "en.txt"}
+    ids = np.arange(5, 45)[None]
+    assert np.array_equal(_lm(out, "model.ort").logits(ids), _lm(out).logits(ids))
+    assert m["parity"]["ort_format_vs_onnx"]["max_rel_err"] <= 1e-5
+    size = sum(f["bytes"] for n, f in m["files"].items() if n.startswith("model.onnx"))
+    fp32 = sum(p.stat().st_size for p in fp32_bundle.glob("model.onnx*"))
+    assert size < fp32  # the fp32 embedding table is most of a model this small
+
+
+def test_optimum_engine_fp32_and_int8_with_a_block_size(ckpt, tmp_path, tok):
+    fp32 = export_checkpoint(ckpt, tmp_path / "o32", _quiet(quant="fp32", engine="optimum"))
+    assert fp32["engine"] == "optimum" and fp32["kv_cache"]["position_ids_input"]
+    ids = np.array([tok.encode("The river was wide and slow.").ids])
+    want = _doel_logits(ckpt, ids)
+    lm = _lm(tmp_path / "o32")
+    assert _rel(lm.logits(ids), want) < 1e-4 and _rel(lm.logits_with_cache(ids, 2), want) < 1e-4
+    m = export_checkpoint(
+        ckpt, tmp_path / "o8", _quiet(quant="int8", engine="optimum", block_size=16)
+    )
+    assert _nbits_attrs(tmp_path / "o8" / "model.onnx") == {(8, 16)}
+    assert m["quantization"]["block_size"] == 16
+    assert abs(m["parity"]["loss"]["increase_nats_per_token"]) < 0.02
+
+
+def test_an_architecture_the_builder_does_not_know_goes_through_optimum(tmp_path, tokenizer_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=2048,
+        n_positions=128,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    shutil.copy(tokenizer_path, tmp_path / "gpt2" / "tokenizer.json")
+    m = export_checkpoint(tmp_path / "gpt2", tmp_path / "b", _quiet(quant="fp32"))
+    assert m["engine"] == "optimum" and m["architecture"] == "GPT2LMHeadModel"
+    assert m["parity"]["logits_vs_torch"]["max_rel_err"] < 1e-4
+    assert m["parity"]["kv_cache_vs_full"]["max_rel_err"] < 1e-4
+
+
+def _break(ckpt: Path, tmp: Path, how: str) -> Path:
+    bad = tmp / "bad"
+    shutil.copytree(ckpt, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    if how == "no config":
+        (bad / "config.json").unlink()
+    elif how == "pickled weights":
+        (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
+    elif how == "big tokenizer":
+        cfg["vocab_size"] = 1024
+    elif how == "bert":
+        cfg.update(architectures=["BertForMaskedLM"], model_type="bert")
+    elif how == "no tokenizer":
+        (bad / "tokenizer.json").unlink()
+    (bad / "config.json").write_text(json.dumps(cfg)) if how != "no config" else None
+    return bad
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("no config", "has no config.json; expected a model folder in Hugging Face layout"),
+        ("pickled weights", "only pickled weights"),
+        ("big tokenizer", "has 2048 tokens but the model's vocab_size is 1024"),
+        ("bert", "unsupported architecture BertForMaskedLM"),
+        ("no tokenizer", "pass --tokenizer PATH"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(ckpt, tmp_path, how, message):
+    bad = _break(ckpt, tmp_path, how)
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(bad, tmp_path / "out", _quiet(quant="fp32"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_not_a_folder_and_bad_options(tmp_path, ckpt):
+    with pytest.raises(ExportError, match="is not a folder"):
+        export_checkpoint(tmp_path / "missing", tmp_path / "out", _quiet(quant="fp32"))
+    with pytest.raises(ExportError, match="--block-size must be one of"):
+        _quiet(quant="int4", block_size=24)
+
+
+def test_failed_check_leaves_the_old_bundle_and_no_partial_one(ckpt, fp32_bundle, tmp_path):
+    out = tmp_path / "b"
+    shutil.copytree(fp32_bundle, out)
+    before = sha256_file(out / "manifest.json")
+    with pytest.raises(ExportError, match=r"raises the held-out loss by 0\.0\d+ nats/token"):
+        export_checkpoint(ckpt, out, _quiet(quant="int4", force=True, max_loss_increase=0.0))
+    assert sha256_file(out / "manifest.json") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_cli_refuses_an_existing_bundle_and_replaces_it_with_force(ckpt, tmp_path, capsys):
+    out = tmp_path / "b"
+    out.mkdir()
+    with pytest.raises(SystemExit, match="exists; pass --force"):
+        main([str(ckpt), "--out", str(out), "--quant", "fp32"])
+    main([str(ckpt), "--out", str(out), "--quant", "int8", "--force", "--eval-tokens", "512"])
+    assert "max rel err" in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["quantization"]["bits"] == 8
+
+
+def test_cli_names_the_extra_when_a_package_is_missing(ckpt, tmp_path, monkeypatch):
+    import sys
+
+    for name in ("onnxruntime_genai", "onnxruntime_genai.models"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import` of them now fails
+    with pytest.raises(SystemExit, match=r"pip install 'doel\[export\]'"):
+        main([str(ckpt), "--out", str(tmp_path / "b"), "--quant", "fp32"])
+    assert not any(tmp_path.iterdir())
