@@ -74,4 +74,27 @@ def run_demo(out: str | Path, vocab_size: int = 4096, config: str = "demo", sets
 
     print(f"6/6 curves: {plot_run(out / 'run')}")
     print(f"done: the model in Hugging Face layout is {final}")
+    export_demo(final, out / "bundle-int4", heldout)
     return final
+
+
+def export_demo(final: Path, bundle: Path, heldout: list[str]) -> Path | None:
+    """After training: the int4 bundle that serving runs, with its size and parity figures (the
+    loss increase measured on the held-out paragraphs)."""
+    print(f"export: int4 bundle for serving and phones -> {bundle}")
+    try:
+        from export.bundle import ExportOptions, export_checkpoint, summary
+
+        opts = ExportOptions(
+            quant="int4",
+            mobile=True,
+            force=True,
+            texts=tuple(heldout),
+            log=lambda m: print(f"    {m}"),
+        )
+        manifest = export_checkpoint(final, bundle, opts)
+    except ModuleNotFoundError as e:  # a machine with the train extra only
+        print(f"    skipped: it needs {e.name!r}: pip install 'doel[export]'")
+        return None
+    print(summary(bundle, manifest))
+    return bundle
