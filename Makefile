@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= out/demo
 
-.PHONY: demo test lint format bench-tokenizer bench-train clean
+.PHONY: demo test lint format bench-tokenizer bench-train bench-export clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench-tokenizer: $(BIN)/.installed
 
 bench-train: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_train.py
+
+bench-export: $(BIN)/.installed
+	$(BIN)/python benchmarks/bench_export.py
 
 clean:
 	rm -rf $(VENV) out
