@@ -182,9 +182,7 @@ def _break(ckpt: Path, tmp: Path, how: str) -> Path:
     bad = tmp / "bad"
     shutil.copytree(ckpt, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    if how == "no config":
-        (bad / "config.json").unlink()
-    elif how == "pickled weights":
+    if how == "pickled weights":
         (bad / "model.safetensors").rename(bad / "pytorch_model.bin")
     elif how == "big tokenizer":
         cfg["vocab_size"] = 1024
@@ -192,7 +190,9 @@ def _break(ckpt: Path, tmp: Path, how: str) -> Path:
         cfg.update(architectures=["BertForMaskedLM"], model_type="bert")
     elif how == "no tokenizer":
         (bad / "tokenizer.json").unlink()
-    (bad / "config.json").write_text(json.dumps(cfg)) if how != "no config" else None
+    (bad / "config.json").write_text(json.dumps(cfg))
+    if how == "no config":
+        (bad / "config.json").unlink()
     return bad
 
 
