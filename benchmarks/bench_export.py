@@ -6,8 +6,10 @@ precision is exported by `doel-export` in its own process (so its peak memory is
 - file size, export time (build and total) and peak RSS of the export;
 - the parity figures the export wrote into its manifest;
 - decode speed: greedy, batch 1, a 128-token prompt then 64 new tokens, 2 threads, best of 2,
-  through `export.runner.OnnxLM` (a plain numpy loop, KV cache concatenated by the graph), against
-  transformers' `generate` in PyTorch eager fp32 with its KV cache, in the same process.
+  through `export.runner.OnnxLM`, two numpy loops: plain (the graph concatenates the KV cache,
+  copying it every step) and shared (one preallocated buffer per layer bound as both past and
+  present, what serving should do), against transformers' `generate` in PyTorch eager fp32 with
+  its KV cache, in the same process.
 
 With random weights the logits are nearly uniform, so the loss increase and top-1 agreement say
 little about a trained model; they show the checks running at full size.
@@ -90,15 +92,15 @@ def onnx_decode(bundle: Path, ckpt_cfg: dict, ids: list[int]) -> dict:
     kv = ckpt_cfg["num_key_value_heads"]
     head_dim = ckpt_cfg["hidden_size"] // ckpt_cfg["num_attention_heads"]
     results = {}
-    for name in ("model.onnx", "model.ort"):
+    loops = [("onnx", "model.onnx", "greedy"), ("onnx_shared", "model.onnx", "greedy_shared")]
+    loops.append(("ort_shared", "model.ort", "greedy_shared"))
+    for label, name, loop in loops:
         if not (bundle / name).is_file():
             continue
-        lm = OnnxLM(bundle / name, kv, head_dim, threads=THREADS)
-        lm.greedy(ids[:8], 4)  # warm-up
-        runs = [lm.greedy(ids, NEW_TOKENS) for _ in range(2)]
-        best = max(runs, key=lambda r: r[2])
-        results[name] = {"tokens": best[0], "prefill_s": best[1], "decode_tok_s": best[2]}
-        del lm
+        run = getattr(OnnxLM(bundle / name, kv, head_dim, threads=THREADS), loop)
+        run(ids[:8], 4)  # warm-up
+        best = max((run(ids, NEW_TOKENS) for _ in range(2)), key=lambda r: r[2])
+        results[label] = {"tokens": best[0], "prefill_s": best[1], "decode_tok_s": best[2]}
     return results
 
 
@@ -153,8 +155,7 @@ def row(quant: str, ex: dict, speed: dict, torch_tok_s: float, torch_tokens: lis
         "loss_increase_bits_per_char": p["loss"]["increase_bits_per_char"],
         "ort_vs_onnx_max_rel_err": p.get("ort_format_vs_onnx", {}).get("max_rel_err"),
     }
-    for name, s in speed.items():
-        key = "onnx" if name == "model.onnx" else "ort"
+    for key, s in speed.items():
         r[f"{key}_prefill_s"] = s["prefill_s"]
         r[f"{key}_decode_tok_s"] = s["decode_tok_s"]
         r[f"{key}_speedup_vs_torch"] = s["decode_tok_s"] / torch_tok_s
@@ -173,15 +174,16 @@ def markdown(result: dict) -> str:
         "parameters, "
         f"fp32 safetensors {result['checkpoint_mb']:.0f} MB. Decode: greedy, batch 1, "
         f"{PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, {THREADS} threads, best of 2; "
-        "ONNX through a plain numpy loop (`export.runner.OnnxLM`).",
+        "ONNX through numpy loops (`export.runner.OnnxLM`).",
         "",
         f"PyTorch eager fp32 (transformers `generate`, KV cache): prefill {t['prefill_s']:.2f} s, "
         f"decode **{t['decode_tok_s']:.1f} tokens/s**.",
         "",
         "| quant | engine | model.onnx MB | export s (build / total) | peak RSS MB | logits max "
         "rel err vs torch | top-1 agree | KV vs full | loss increase nats/token (bits/char) | "
-        "prefill s | decode tok/s | vs PyTorch eager |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "prefill s | decode tok/s, plain loop | decode tok/s, shared KV buffer | vs PyTorch "
+        "eager (shared) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
@@ -190,7 +192,8 @@ def markdown(result: dict) -> str:
             f"{r['logits_max_rel_err']:.2e} | {r['top1_agreement']:.3f} | "
             f"{r['kv_vs_full_max_rel_err']:.1e} | {r['loss_increase_nats_per_token']:+.4f} "
             f"({r['loss_increase_bits_per_char']:+.4f}) | {r['onnx_prefill_s']:.2f} | "
-            f"**{r['onnx_decode_tok_s']:.1f}** | {r['onnx_speedup_vs_torch']:.2f}× |"
+            f"{r['onnx_decode_tok_s']:.1f} | **{r['onnx_shared_decode_tok_s']:.1f}** | "
+            f"{r['onnx_shared_speedup_vs_torch']:.2f}× |"
         )
     for r in result["rows"]:
         if r.get("ort_mb"):
@@ -198,7 +201,8 @@ def markdown(result: dict) -> str:
                 "",
                 f"ORT format ({r['quant']}, `--mobile`): model.ort {r['ort_mb']:.0f} MB, max rel "
                 f"err vs the ONNX model {r['ort_vs_onnx_max_rel_err']:.1e}, decode "
-                f"{r['ort_decode_tok_s']:.1f} tokens/s on this x86 machine.",
+                f"{r['ort_shared_decode_tok_s']:.1f} tokens/s on this x86 machine (shared KV "
+                "buffer).",
             ]
     lines += [
         "",

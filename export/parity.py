@@ -37,7 +37,7 @@ SAMPLE_DIR = Path(__file__).resolve().parent.parent / "train" / "sample"
 
 def torch_reference(ckpt: Checkpoint):
     """The checkpoint in PyTorch fp32, through transformers (which loads doel's folders
-    unchanged), and a function from ids [B, T] to numpy logits."""
+    unchanged), as a function from ids [B, T] to numpy logits."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -47,7 +47,7 @@ def torch_reference(ckpt: Checkpoint):
         with torch.no_grad():
             return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
 
-    return model, logits
+    return logits
 
 
 def prompt_ids(ckpt: Checkpoint) -> list[np.ndarray]:

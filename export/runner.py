@@ -87,6 +87,42 @@ class OnnxLM:
         t2 = time.perf_counter()
         return made, t1 - t0, (new_tokens - 1) / max(t2 - t1, 1e-9)
 
+    def greedy_shared(self, ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+        """`greedy` for the builder's graphs, with one preallocated KV buffer per layer bound as
+        both past and present: GroupQueryAttention writes the new entries in place, where the
+        plain loop copies the whole cache every step (the manifest's past_present_share_buffer).
+        """
+        import onnxruntime as ort
+
+        shape = (1, self.kv_heads, len(ids) + new_tokens, self.head_dim)
+        kv = {
+            n: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+            for n in self.past_names
+        }
+        binding = self.session.io_binding()
+        for name, buf in kv.items():
+            binding.bind_ortvalue_input(name, buf)
+
+        def run(tokens: list[int], total: int) -> int:
+            binding.bind_cpu_input("input_ids", np.array([tokens], np.int64))
+            binding.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+            # Outputs come back in bind order, and logits change shape after the prefill, so
+            # they are rebound first on every step.
+            binding.clear_binding_outputs()
+            binding.bind_output("logits")
+            for name, buf in kv.items():
+                binding.bind_ortvalue_output(name.replace("past_key_values.", "present.", 1), buf)
+            self.session.run_with_iobinding(binding)
+            return int(binding.get_outputs()[0].numpy()[0, -1].argmax())
+
+        t0 = time.perf_counter()
+        made = [run(ids, len(ids))]
+        t1 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            made.append(run([made[-1]], len(ids) + len(made)))
+        t2 = time.perf_counter()
+        return made, t1 - t0, (new_tokens - 1) / max(t2 - t1, 1e-9)
+
 
 def windows(ids: list[int], size: int) -> list[list[int]]:
     """Windows of at most size + 1 tokens overlapping by one: every token after the first is a

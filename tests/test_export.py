@@ -116,6 +116,15 @@ def test_fp32_bundle_matches_pytorch_and_describes_itself(fp32_bundle, ckpt, tok
     assert abs(p["loss"]["increase_nats_per_token"]) < 1e-4 and p["loss"]["tokens"] >= 1000
 
 
+def test_greedy_decoding_equals_pytorch_with_and_without_a_shared_kv_buffer(fp32_bundle, ckpt, tok):
+    ids = tok.encode("আমাদের গ্রামের নাম").ids
+    with torch.no_grad():
+        want = load_model(ckpt).generate(torch.tensor([ids]), 24)[0, len(ids) :].tolist()
+    lm = _lm(fp32_bundle)
+    assert lm.greedy(ids, 24)[0] == want
+    assert lm.greedy_shared(ids, 24)[0] == want
+
+
 def test_batch_axis_is_dynamic(fp32_bundle, ckpt):
     ids = np.random.default_rng(1).integers(3, TINY.vocab_size, size=(2, 20))
     both = _lm(fp32_bundle).logits(ids)
@@ -218,6 +227,26 @@ def test_not_a_folder_and_bad_options(tmp_path, ckpt):
         export_checkpoint(tmp_path / "missing", tmp_path / "out", _quiet(quant="fp32"))
     with pytest.raises(ExportError, match="--block-size must be one of"):
         _quiet(quant="int4", block_size=24)
+    (tmp_path / "t.csv").write_text("a,b\n")
+    for text, message in (("nope.txt", "no such file"), ("t.csv", "give .txt or .jsonl")):
+        with pytest.raises(ExportError, match=message):
+            export_checkpoint(
+                ckpt, tmp_path / "out", _quiet(quant="fp32", texts=(str(tmp_path / text),))
+            )
+    assert not (tmp_path / "out").exists()
+
+
+def test_held_out_text_is_cut_at_the_token_budget_with_exact_characters(ckpt, tmp_path):
+    from export.checkpoint import inspect_checkpoint
+    from export.parity import eval_texts
+
+    long = "নদীর ধারে একটি ছোট গ্রাম ছিল। " * 40
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": long}) + "\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("one line\nanother line here\n", encoding="utf-8")
+    a, b = eval_texts(inspect_checkpoint(ckpt), [tmp_path / "a.jsonl", tmp_path / "b.txt"], 60)
+    assert sum(len(d) - 1 for d in a["docs"]) == 30  # half the budget each, cut mid-document
+    assert 0 < a["chars"] < len(long.strip())
+    assert len(b["docs"]) == 2 and b["chars"] == len("one line") + len("another line here")
 
 
 def test_failed_check_leaves_the_old_bundle_and_no_partial_one(ckpt, fp32_bundle, tmp_path):
