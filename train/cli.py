@@ -117,8 +117,12 @@ def _cmd_check_gradients(args) -> None:
 
 def _cmd_eval(args) -> None:
     from train.evaluate import evaluate_checkpoint, format_eval
+    from train.tasks import parse_task_specs
 
-    result = evaluate_checkpoint(args.checkpoint, args.text, max_chars=args.max_chars)
+    tasks = parse_task_specs(args.tasks)
+    result = evaluate_checkpoint(
+        args.checkpoint, args.text, max_chars=args.max_chars, tasks=tasks, limit=args.limit
+    )
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_eval(result))
 
 
@@ -197,10 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     _train_args(cg)
     cg.set_defaults(func=_cmd_check_gradients)
 
-    e = sub.add_parser("eval", help="held-out nats/token and bits/char per language")
+    e = sub.add_parser("eval", help="bits/char per language, zero-shot tasks")
     e.add_argument("checkpoint", help="a model folder in Hugging Face layout")
     e.add_argument("--text", nargs="+", required=True, help="held-out text files")
     e.add_argument("--max-chars", type=int, default=None, help="cap per language")
+    e.add_argument(
+        "--tasks",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="zero-shot tasks, e.g. hellaswag=val.jsonl piqa=DIR arc_easy=arc_easy.jsonl",
+    )
+    e.add_argument("--limit", type=int, default=None, help="first N items of each task")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_eval)
 

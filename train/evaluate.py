@@ -277,12 +277,17 @@ def evaluate_checkpoint(
     prompts: Sequence[str] | None = None,
     max_new_tokens: int = 40,
     seed: int = 0,
+    tasks: dict[str, str] | None = None,
+    limit: int | None = None,
 ) -> dict:
     """Everything above for a model folder in Hugging Face layout (with its tokenizer.json).
     text_paths is a list of files (grouped by guessed language) or {language: files}; at most
-    max_chars characters are read per language; seq_len defaults to the model's context."""
+    max_chars characters are read per language; seq_len defaults to the model's context.
+    tasks: {name: file or folder} of zero-shot tasks (`train/tasks.py`), the first `limit`
+    items of each."""
     from train.common import DoelError
     from train.hf import load_model
+    from train.scoring import run_tasks
     from train.tokenizer import load_tokenizer
 
     model = load_model(folder, device=device).eval()
@@ -310,6 +315,7 @@ def evaluate_checkpoint(
         "vocab_size": model.config.vocab_size,
         "parameters": model.num_parameters(),
         "languages": languages,
+        "tasks": run_tasks(model, tokenizer, tasks or {}, limit, batch_size),
         "continuations": continuations(model, tokenizer, prompts, max_new_tokens, seed=seed),
     }
 
@@ -332,6 +338,15 @@ def format_eval(result: dict) -> str:
             f"| {m['bits_per_char']:.3f} | {r['twin']['bits_per_char']:.3f} "
             f"| {c['xz -9e']:.3f} | {c['bzip2 -9']:.3f} |"
         )
+    if result.get("tasks"):
+        from train.scoring import format_tasks
+
+        lines += [
+            "",
+            "Zero-shot tasks (± bootstrap standard error):",
+            "",
+            format_tasks(result["tasks"]),
+        ]
     for sample in result.get("continuations", []):
         lines += [
             "",
