@@ -1,0 +1,248 @@
+"""The model card: README.md in a model folder, with the Hugging Face metadata block (language,
+license, library_name, tags, pipeline_tag, model-index) and what a reader needs to trust the
+weights: architecture and size, the tokenizer's fertility per script, the training data mix in
+characters and tokens, tokens seen, hardware, time and cost, and the evaluation.
+
+Everything is read from files the other stages write (config.json, tokenizer.json,
+train_config.json, model.safetensors' header) or passed in; a section whose input is missing
+says so instead of guessing. Fertility is measured on the built-in sample (train/sample/), so
+every card reports it on the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from train.common import atomic_write_bytes
+
+SAMPLE = Path(__file__).resolve().parent / "sample"
+TASK_NAMES = {
+    "hellaswag": "HellaSwag",
+    "piqa": "PIQA",
+    "arc_easy": "ARC-Easy",
+    "arc_challenge": "ARC-Challenge",
+    "winogrande": "WinoGrande",
+    "copa": "COPA",
+    "openbook_qa": "OpenBookQA",
+    "commonsense_qa": "CommonsenseQA",
+    "siqa": "SocialIQA",
+    "boolq": "BoolQ",
+    "bn_tydiqa": "TyDi QA GoldP Bengali (4-way)",
+    "bn_blanck": "BLanCK (4-way)",
+}
+
+
+def stored_parameters(folder: Path) -> int:
+    """Parameters in model.safetensors, from its header alone (a tied matrix is stored once)."""
+    with open(folder / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    total = 0
+    for name, t in header.items():
+        if name != "__metadata__":
+            size = 1
+            for d in t["shape"]:
+                size *= d
+            total += size
+    return total
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _yaml_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid YAML scalar
+
+
+def metadata_block(name: str, license: str, eval_result: dict | None) -> list[str]:
+    """The YAML front matter; model-index holds the task accuracies when there are any."""
+    lines = ["---", "language:", "- bn", "- en", f"license: {license}"]
+    lines += ["library_name: transformers", "pipeline_tag: text-generation", "tags:"]
+    lines += ["- doel", "- llama", "- bangla", "- text-generation"]
+    tasks = (eval_result or {}).get("tasks") or {}
+    if tasks:
+        lines += ["model-index:", f"- name: {_yaml_str(name)}", "  results:"]
+        for task, r in tasks.items():
+            lines += [
+                "  - task:",
+                "      type: text-generation",
+                "    dataset:",
+                f"      name: {_yaml_str(TASK_NAMES.get(task, task))}",
+                f"      type: {_yaml_str(task)}",
+                "    metrics:",
+                f'    - {{type: acc, value: {r["acc"]:.4f}, name: "accuracy, 0-shot"}}',
+                f'    - {{type: acc_norm, value: {r["acc_norm"]:.4f}, name: "acc_norm, 0-shot"}}',
+            ]
+    return [*lines, "---"]
+
+
+def architecture_section(folder: Path) -> list[str]:
+    cfg = _read_json(folder / "config.json") or {}
+    rows = [
+        ("parameters (stored, tied once)", f"{stored_parameters(folder):,}"),
+        ("layers", cfg.get("num_hidden_layers")),
+        ("hidden size", cfg.get("hidden_size")),
+        ("MLP size (SwiGLU)", cfg.get("intermediate_size")),
+        (
+            "query / key-value heads",
+            f"{cfg.get('num_attention_heads')} / {cfg.get('num_key_value_heads')}",
+        ),
+        ("context (tokens)", cfg.get("max_position_embeddings")),
+        ("vocabulary", f"{cfg.get('vocab_size', 0):,}"),
+        ("tied embeddings", cfg.get("tie_word_embeddings")),
+        ("rotary theta", cfg.get("rope_theta")),
+    ]
+    return [
+        "## Architecture",
+        "",
+        "Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU); loads in "
+        "`transformers.LlamaForCausalLM` unchanged.",
+        "",
+        "| | |",
+        "|---|---:|",
+        *(f"| {k} | {v} |" for k, v in rows),
+    ]
+
+
+def tokenizer_section(folder: Path) -> list[str]:
+    from train.fertility import fertility, load_any
+    from train.textio import iter_documents
+
+    if not (folder / "tokenizer.json").is_file():
+        return ["## Tokenizer", "", "No tokenizer.json in the folder."]
+    texts = [d for p in sorted(SAMPLE.glob("*.txt")) for d in iter_documents(str(p))]
+    report = fertility(load_any(folder / "tokenizer.json"), texts)
+    lines = [
+        "## Tokenizer",
+        "",
+        "Byte-fallback BPE that keeps Bengali combining marks inside words; every document starts "
+        "with `<|bos|>`. Fertility on doel's built-in Bangla + English sample:",
+        "",
+        "| script | characters | tokens | chars/token | tokens/word | byte fallback |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for script, r in report.items():
+        lines.append(
+            f"| {script} | {r['characters']:,} | {r['tokens']:,} | {r['chars_per_token']:.2f} "
+            f"| {r['tokens_per_word']:.2f} | {r['byte_fallback_rate']:.2%} |"
+        )
+    return lines
+
+
+def data_section(meta: dict | None) -> list[str]:
+    """The training split's mix per source: characters and tokens, and their shares."""
+    if not meta or not meta.get("sources"):
+        return ["## Training data", "", "Not recorded (no shards meta.json was given)."]
+    src = meta["sources"]
+    chars = {k: s.get("train_characters", s.get("characters", 0)) for k, s in src.items()}
+    toks = {k: s.get("train_tokens", s.get("tokens", 0)) for k, s in src.items()}
+    tc, tt = max(sum(chars.values()), 1), max(sum(toks.values()), 1)
+    lines = [
+        "## Training data",
+        "",
+        "Training split per source (validation documents excluded):",
+        "",
+        "| source | characters | share | tokens | share | chars/token |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for k in src:
+        cpt = chars[k] / toks[k] if toks[k] else float("nan")
+        lines.append(
+            f"| {k} | {chars[k]:,} | {chars[k] / tc:.1%} | {toks[k]:,} | {toks[k] / tt:.1%} "
+            f"| {cpt:.2f} |"
+        )
+    lines.append(f"| **total** | {tc:,} | 100% | {tt:,} | 100% | {tc / tt:.2f} |")
+    return lines
+
+
+def training_section(folder, train_state, hardware, seconds, hourly_price) -> list[str]:
+    from train.metrics import format_duration
+
+    cfg = (train_state or {}).get("config") or _read_json(folder / "train_config.json") or {}
+    rows = []
+    if train_state:
+        rows += [("steps", f"{train_state.get('step', 0):,}")]
+        rows += [("tokens seen", f"{train_state.get('tokens_seen', 0):,}")]
+    for key in ("seq_len", "batch_size", "grad_accum", "lr", "schedule", "dtype"):
+        if key in cfg:
+            rows.append((key, cfg[key]))
+    rows.append(("hardware", hardware or "not recorded"))
+    rows.append(("time", format_duration(seconds) if seconds is not None else "not recorded"))
+    if seconds is not None and hourly_price:
+        cost = seconds / 3600 * hourly_price
+        rows.append(("estimated cost", f"${cost:,.2f} (at ${hourly_price:g}/hour)"))
+    return ["## Training", "", "| | |", "|---|---:|", *(f"| {k} | {v} |" for k, v in rows)]
+
+
+def evaluation_section(eval_result: dict | None) -> list[str]:
+    if not eval_result:
+        return ["## Evaluation", "", "Not evaluated yet (`doel-train eval FOLDER --text ...`)."]
+    lines = ["## Evaluation", ""]
+    if eval_result.get("languages"):
+        lines += [
+            "Held-out bits per character (lower is better), against a random-initialised twin "
+            "and general-purpose compressors:",
+            "",
+            "| language | characters | bits/char | twin | xz -9e | bzip2 -9 |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for lang, r in eval_result["languages"].items():
+            m, c = r["model"], r["compressors"]
+            lines.append(
+                f"| {lang} | {m['chars']:,} | {m['bits_per_char']:.3f} "
+                f"| {r['twin']['bits_per_char']:.3f} | {c['xz -9e']:.3f} | {c['bzip2 -9']:.3f} |"
+            )
+        lines.append("")
+    if eval_result.get("tasks"):
+        from train.scoring import format_tasks
+
+        lines += [
+            "Zero-shot multiple choice by log-likelihood (± bootstrap standard error; acc_norm "
+            "divides by the choice's characters):",
+            "",
+            format_tasks(eval_result["tasks"]),
+        ]
+    return lines
+
+
+def write_model_card(
+    folder: str | Path,
+    *,
+    meta: dict | None = None,
+    train_state: dict | None = None,
+    eval_result: dict | None = None,
+    hardware: str | None = None,
+    seconds: float | None = None,
+    hourly_price: float | None = None,
+    license: str = "apache-2.0",
+) -> Path:
+    """Write FOLDER/README.md. meta: the shards' meta.json; train_state: {"step",
+    "tokens_seen", "config"} (trainer_state.json); eval_result: `evaluate_checkpoint`'s dict;
+    seconds of training at hourly_price dollars an hour give the cost."""
+    folder = Path(folder)
+    name = folder.resolve().name if folder.name != "final" else folder.resolve().parent.name
+    usage = [
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoTokenizer, LlamaForCausalLM",
+        f'tok = AutoTokenizer.from_pretrained("{name}")',
+        f'model = LlamaForCausalLM.from_pretrained("{name}")',
+        "```",
+    ]
+    parts = [
+        metadata_block(name, license, eval_result),
+        [f"# {name}", "", "A Bangla-first language model trained with doel."],
+        architecture_section(folder),
+        tokenizer_section(folder),
+        data_section(meta),
+        training_section(folder, train_state, hardware, seconds, hourly_price),
+        evaluation_section(eval_result),
+        usage,
+    ]
+    path = folder / "README.md"
+    atomic_write_bytes(path, ("\n\n".join("\n".join(p) for p in parts) + "\n").encode("utf-8"))
+    return path
