@@ -150,6 +150,16 @@ def test_bad_inputs_say_what_to_do(tmp_path):
     write_jsonl(tmp_path / "odd.jsonl", [{"question": "x"}])
     with pytest.raises(DoelError, match="unknown task format"):
         tasks.load_task("odd", tmp_path / "odd.jsonl")
+    write_jsonl(
+        tmp_path / "bad.jsonl",
+        [{"query": "q", "choices": ["a", "b"], "gold": 0}] * 2
+        + [{"query": "q", "choices": ["a", "b"], "gold": 2}],
+    )
+    with pytest.raises(DoelError, match="bad.jsonl: item 3: gold 2 is not an index"):
+        tasks.load_task("copa", tmp_path / "bad.jsonl")
+    write_jsonl(tmp_path / "hs.jsonl", [{"ctx": "c", "endings": ["a"], "activity_label": "x"}])
+    with pytest.raises(DoelError, match="item 1: missing field 'label'"):
+        tasks.load_task("hellaswag", tmp_path / "hs.jsonl")
     with pytest.raises(DoelError, match="no such file"):
         tasks.load_task("x", tmp_path / "missing.jsonl")
     with pytest.raises(DoelError, match="NAME=PATH"):

@@ -78,6 +78,20 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _items(path: Path, docs: list, make) -> list[Item]:
+    """make(doc) for every doc; a malformed one names the file and the item."""
+    items = []
+    for n, doc in enumerate(docs, 1):
+        try:
+            items.append(make(doc))
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise DoelError(
+                f"{path}: item {n}: {what}; see train/tasks.py for the formats"
+            ) from None
+    return items
+
+
 def hellaswag_clean(text: str) -> str:
     """HellaSwag's WikiHow artifacts removed as lm-eval's hellaswag task does: strip, " [title]"
     becomes a full stop, other [bracketed] markers go, then one pass of double spaces to one."""
@@ -112,7 +126,7 @@ def load_piqa(path: Path) -> list[Item]:
     gold = [int(x) for x in labels.read_text(encoding="utf-8").split()]
     if len(gold) != len(docs):
         raise DoelError(f"{jsonl} has {len(docs)} items but {labels} {len(gold)} labels")
-    return [piqa_item(d, g) for d, g in zip(docs, gold)]
+    return _items(jsonl, list(zip(docs, gold)), lambda dg: piqa_item(*dg))
 
 
 def foundry_item(doc: dict, delimiter: str) -> Item:
@@ -195,11 +209,12 @@ def _load_jsonl_task(name: str, path: Path) -> list[Item]:
         raise DoelError(f"{path} holds no items")
     keys = set(docs[0])
     if {"ctx", "endings"} <= keys or {"ctx_a", "endings"} <= keys:
-        return [hellaswag_item(d) for d in docs]
+        return _items(path, docs, hellaswag_item)
     if {"goal", "sol1", "sol2"} <= keys:
         return load_piqa(path)
     if {"query", "choices", "gold"} <= keys or {"context_options", "continuation"} <= keys:
-        return [foundry_item(d, FOUNDRY_DELIMITERS.get(name, "")) for d in docs]
+        delimiter = FOUNDRY_DELIMITERS.get(name, "")
+        return _items(path, docs, lambda d: foundry_item(d, delimiter))
     raise DoelError(
         f"{path}: unknown task format (keys {sorted(keys)}); expected HellaSwag (ctx, endings, "
         "label), PIQA (goal, sol1, sol2), or query/choices/gold or context_options/continuation"
