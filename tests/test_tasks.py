@@ -284,6 +284,15 @@ def test_task_accuracy_follows_the_models_ranking(model, tok):
     assert scoring.task_accuracy(model, tok, best)["acc"] == 1.0
     assert scoring.task_accuracy(model, tok, worst)["acc"] == 0.0
 
+    class Wrapped(torch.nn.Module):  # as DDP holds a model (fit may pass one)
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    assert scoring.task_accuracy(Wrapped(model), tok, worst) == scoring.task_accuracy(
+        model, tok, worst
+    )
+
 
 def test_eval_cli_runs_tasks(tok, tokenizer_path, sample_paths, tmp_path, capsys):
     from train.cli import main

@@ -85,6 +85,9 @@ def loglikelihoods(
     """log P(continuation | context) in nats for each (context, continuation) request."""
     from tqdm import tqdm
 
+    from train.gradflow import unwrap
+
+    model = unwrap(model)  # torch.compile / DDP wrappers: score with the eager module inside
     limit = model.config.max_position_embeddings
     seqs = []
     for n, (ctx, cont) in enumerate(encode_requests(tokenizer, requests)):
