@@ -10,8 +10,9 @@
    transformers' Llama): item-by-item agreement of the verdicts and the largest log-likelihood
    difference.
 
-Writes benchmarks/results/eval_small.{json,md}. Run: `python benchmarks/bench_eval.py
-[--model DIR] [--limits hellaswag=2000 ...] [--crosscheck-limits hellaswag=1000 ...]`.
+Writes benchmarks/results/eval_small.{json,md} and the model card they give, eval_small_card.md.
+Run: `python benchmarks/bench_eval.py [--model DIR] [--limits hellaswag=2000 ...]
+[--crosscheck-limits hellaswag=1000 ...]`.
 """
 
 from __future__ import annotations
@@ -138,6 +139,36 @@ def crosscheck(folder: Path, data: Path, task: str, ours: list, n: int, device: 
     }
 
 
+def model_card(folder: Path, rep: dict, out: Path) -> None:
+    """The card `write_model_card` writes for this model and evaluation (into a copy of the
+    folder), from the run's metrics.jsonl and the shards' meta.json when they are there."""
+    import shutil
+    import tempfile
+
+    from train.metrics import read_metrics
+    from train.modelcard import write_model_card
+
+    run, meta_path = folder.parent, folder.parent.parent / "shards" / "meta.json"
+    steps = (
+        [m for m in read_metrics(run / "metrics.jsonl") if m.get("kind") == "train"]
+        if (run / "metrics.jsonl").is_file()
+        else []
+    )
+    state = {"step": steps[-1]["step"], "tokens_seen": steps[-1]["tokens"]} if steps else None
+    seconds = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else None
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = shutil.copytree(folder, Path(tmp) / run.name)
+        card = write_model_card(
+            copy,
+            meta=json.loads(meta_path.read_text()) if meta_path.is_file() else None,
+            train_state=state,
+            eval_result={"languages": rep["held_out"]["languages"], "tasks": rep["tasks"]},
+            hardware=f"{os.cpu_count()} CPU cores ({platform.machine()})",
+            seconds=seconds,
+        )
+        shutil.copyfile(card, out)
+
+
 def markdown(rep: dict) -> str:
     from train.evaluate import format_eval
 
@@ -232,7 +263,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(rep, indent=2, ensure_ascii=False))
     (args.out / f"{args.name}.md").write_text(markdown(rep))
-    print(f"wrote {args.out / args.name}.json and .md", flush=True)
+    model_card(args.model, rep, args.out / f"{args.name}_card.md")
+    print(f"wrote {args.out / args.name}.json, .md and _card.md", flush=True)
 
 
 if __name__ == "__main__":
