@@ -1,0 +1,376 @@
+"""The verification suite proves itself: each silent-failure class is planted in the tiny preset
+and the suite must flag exactly the check that owns it (plus, where named, the checks that the
+same defect honestly breaks too), while a short training run of the same broken setup still
+shows a falling loss: the loss curve alone does not reveal any of them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.checks import VerifyConfig
+from train.config import load_config
+from train.loader import TokenLoader
+from train.model import IGNORE_INDEX, Llama
+from train.prepare import PrepareConfig, prepare
+from train.textio import resolve_sources
+from train.tokenizer import TokenizerConfig, train_tokenizer
+from train.trainer import TrainConfig, build_optimizer, lr_at, train_step
+from train.verify import CHECKS, VerificationError, run_suite, verify_before_training
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL = list(CHECKS)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, tokenizer_path, sample_paths) -> Path:
+    out = tmp_path_factory.mktemp("verify-shards")
+    prepare(tokenizer_path, sample_paths, out, PrepareConfig(val_fraction=0.1), progress=False)
+    return out
+
+
+def tiny(*sets) -> TrainConfig:
+    return load_config(TrainConfig, ROOT / "configs" / "tiny.toml", list(sets))
+
+
+def failed(report) -> set[str]:
+    return set(report.failed)
+
+
+def suite(shards, checks=None, cfg=None, **kw):
+    return run_suite(cfg or tiny(), shards, "full", checks=checks, log=lambda s: None, **kw)
+
+
+def loss_curve(
+    shards, model_factory=None, optimizer_factory=None, loader=None, steps=12, resume_at=None
+) -> list[float]:
+    """The broken setup trained the normal way: train_step, the run's schedule, real batches.
+    With `resume_at`, the loader is saved and restored there, as a resumed run would."""
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = (model_factory or (lambda c: Llama(c.model)))(cfg)
+    opt = (optimizer_factory or (lambda m: build_optimizer(m, cfg, torch.device("cpu"))))(model)
+    loader = loader or TokenLoader(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    losses = []
+    for step in range(steps):
+        if step == resume_at:
+            loader.load_state_dict(loader.state_dict())
+        x, y = (torch.from_numpy(a) for a in loader.next_batch())
+        losses.append(float(train_step(model, opt, [(x, y)], lr_at(step, cfg), 1.0)["loss"]))
+    return losses
+
+
+def assert_falls(losses: list[float]) -> None:
+    head, tail = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert tail < 0.97 * head, f"the loss should still fall: {losses}"
+
+
+# ---------------------------------------------------------------- the healthy preset
+
+
+def test_healthy_tiny_config_passes_every_check_and_writes_the_report(shards, tmp_path):
+    report = run_suite(tiny(), shards, "full", out_dir=tmp_path, log=lambda s: None)
+    assert [r.name for r in report.results] == ALL
+    assert all(r.passed is True for r in report.results), report.format()
+    data = json.loads((tmp_path / "verify.json").read_text())
+    assert data["ok"] and [c["status"] for c in data["checks"]] == ["pass"] * len(ALL)
+    assert data["checks"][0]["numbers"]["parameters"] == 21
+    md = (tmp_path / "verify.md").read_text()
+    assert md.count("| **pass** |") == len(ALL) and "| check | status |" in md
+
+
+def test_fast_subset_runs_before_training_and_leaves_no_trace(shards):
+    cfg = tiny()
+    torch.manual_seed(0)
+    model = Llama(cfg.model)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    loader = TokenLoader(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    lines = []
+    report = verify_before_training(
+        cfg, model, model, opt, loader, torch.device("cpu"), torch.float32, lines.append
+    )
+    assert report.ok and "resume" not in [r.name for r in report.results]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert loader.state_dict()["cursor"] == 0 and not opt.state
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    assert any("verification (fast" in line for line in lines)
+
+
+def test_before_training_refuses_a_run_whose_optimizer_misses_a_parameter(shards):
+    cfg = tiny()
+    model = Llama(cfg.model)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    opt.param_groups[1]["params"] = opt.param_groups[1]["params"][1:]  # a norm left out
+    loader = TokenLoader(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    with pytest.raises(VerificationError, match="step"):
+        verify_before_training(
+            cfg, model, model, opt, loader, torch.device("cpu"), torch.float32, lambda s: None
+        )
+
+
+# ---------------------------------------------------------------- planted kernels
+
+
+class ZeroWeightGrad(torch.autograd.Function):
+    """x @ w.T whose backward returns zeros for w (a fused kernel that forgot to write it)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, torch.zeros_like(w)
+
+
+class WrongWeightGrad(torch.autograd.Function):
+    """x @ w.T whose weight gradient pairs the wrong features: finite, the right size, wrong."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.flatten(0, -2).t() @ x.flip(-1).flatten(0, -2)
+
+
+class SlowBackward(torch.autograd.Function):
+    """x @ w.T with a correct backward that redoes its weight-gradient matmul 40 times."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2, x2 = g.flatten(0, -2), x.flatten(0, -2)
+        for _ in range(40):
+            gw = g2.t() @ x2
+        return g @ w, gw
+
+
+def with_kernel(fn, where=lambda m: m.model.layers[0].mlp.down_proj):
+    def factory(cfg):
+        model = Llama(cfg.model)
+        lin = where(model)
+        lin.forward = lambda x: fn.apply(x, lin.weight)
+        return model
+
+    return factory
+
+
+@pytest.mark.parametrize(
+    "kernel, expected",
+    [
+        # gradient_flow owns "all zeros"; parity sees the same kernel differ from the reference.
+        (ZeroWeightGrad, {"gradient_flow", "parity"}),
+        # Finite and nonzero: only the float64 reference catches it.
+        (WrongWeightGrad, {"parity"}),
+    ],
+)
+def test_a_kernel_with_a_broken_backward(shards, kernel, expected):
+    factory = with_kernel(kernel)
+    report = suite(shards, model_factory=factory)
+    assert failed(report) == expected, report.format()
+    row = {r.name: r for r in report.results}["parity"]
+    assert "model kernels vs plain model" in row.detail and "down_proj" in row.detail
+    assert_falls(loss_curve(shards, factory))
+
+
+def test_a_slow_backward_fails_the_throughput_floor(shards):
+    factory = with_kernel(SlowBackward, lambda m: m.lm_head)
+    report = suite(shards, model_factory=factory)
+    assert failed(report) == {"throughput"}, report.format()
+    numbers = {r.name: r for r in report.results}["throughput"].numbers
+    assert numbers["backward_over_forward"] > 5
+    assert_falls(loss_curve(shards, factory))
+
+
+# ---------------------------------------------------------------- planted model and optimizer
+
+
+def frozen_layer(cfg):
+    model = Llama(cfg.model)
+    model.model.layers[1].self_attn.requires_grad_(False)
+    return model
+
+
+def untied_head(cfg):
+    model = Llama(cfg.model)  # the config still declares the tie
+    model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    return model
+
+
+class DoubleShift(Llama):
+    """Shifts the (already shifted) targets once more: position t learns token t + 2."""
+
+    def forward(self, idx, targets=None, reduction="mean"):
+        if targets is not None:
+            pad = torch.full_like(targets[:, :1], IGNORE_INDEX)
+            targets = torch.cat([targets[:, 1:], pad], dim=1)
+        return super().forward(idx, targets, reduction)
+
+
+def leaky(cfg):
+    """Layer 0 attends without the causal mask: every position sees the whole row."""
+    model = Llama(cfg.model)
+    attn = model.model.layers[0].self_attn
+
+    def forward(x, cos, sin):
+        from train.model import apply_rotary
+
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, attn.n_head, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, attn.n_kv, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, attn.n_kv, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=True)
+        return attn.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    attn.forward = forward
+    return model
+
+
+class MeanPerMicroBatch(Llama):
+    """Ignores reduction='sum' and returns each micro-batch's mean (transformers PR #34191)."""
+
+    def forward(self, idx, targets=None, reduction="mean"):
+        return super().forward(idx, targets, "mean" if targets is not None else reduction)
+
+
+def bf16_weights(cfg):
+    return Llama(cfg.model).to(torch.bfloat16)  # no float32 master copy
+
+
+def leaves_out(name):
+    def factory(model):
+        opt = build_optimizer(model, tiny(), torch.device("cpu"))
+        p = dict(model.named_parameters())[name]
+        for group in opt.param_groups:
+            group["params"] = [q for q in group["params"] if q is not p]
+        return opt
+
+    return factory
+
+
+@pytest.mark.parametrize(
+    "plant, expected",
+    [
+        ({"model_factory": frozen_layer}, {"gradient_flow"}),
+        # Its gradient is never cleared (zero_grad goes through the optimizer) and swells the
+        # clipping norm, so the resumed run, which starts it from zero, steps differently too.
+        (
+            {"optimizer_factory": leaves_out("model.layers.1.mlp.up_proj.weight")},
+            {"step", "resume"},
+        ),
+        # A checkpoint stores a declared-tied head once, so resuming also loses the lone head.
+        ({"model_factory": untied_head}, {"ties", "resume"}),
+        # The float64 reference is causal, so parity sees the unmasked layer differ from it.
+        ({"model_factory": leaky}, {"causal", "parity"}),
+        ({"model_factory": lambda c: DoubleShift(c.model)}, {"causal"}),
+        ({"model_factory": lambda c: MeanPerMicroBatch(c.model)}, {"accumulation"}),
+        # (bf16 matmuls on a CPU without AMX may also make the backward slow: a CPU's trait.)
+        ({"model_factory": bf16_weights}, {"step"}),
+    ],
+    ids=["frozen", "not-in-optimizer", "untied", "leak", "double-shift", "mean-loss", "bf16"],
+)
+def test_a_planted_model_or_optimizer_failure_is_flagged_where_it_belongs(shards, plant, expected):
+    report = suite(shards, **plant)
+    noise = {"throughput"} if plant.get("model_factory") is bf16_weights else set()
+    assert failed(report) - noise == expected, report.format()
+    assert_falls(loss_curve(shards, plant.get("model_factory"), plant.get("optimizer_factory")))
+
+
+def test_the_rows_name_the_offender(shards):
+    report = suite(shards, ["step", "causal"], model_factory=bf16_weights)
+    rows = {r.name: r for r in report.results}
+    assert "unchanged after one step: model.layers.0.input_layernorm.weight" in rows["step"].detail
+    assert "rounds away in bfloat16" in rows["step"].detail
+    assert rows["step"].numbers["param_dtype"] == "bfloat16"
+    leak = suite(shards, ["causal"], model_factory=leaky).results[0]
+    assert leak.numbers["leak"] > 1e-3 and "future-token leak" in leak.detail
+    shift = suite(shards, ["causal"], model_factory=lambda c: DoubleShift(c.model)).results[0]
+    assert shift.numbers["copied_loss"] > 1.0 and "shifted twice" in shift.detail
+
+
+# ---------------------------------------------------------------- planted data and tokenizer
+
+
+class RestartsOnResume(TokenLoader):
+    """Restores the epoch but not the cursor: a resumed run replays the epoch from its start."""
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.cursor = 0
+
+
+class SameWindows(TokenLoader):
+    """Serves the first batch over and over."""
+
+    def next_batch(self):
+        self.cursor = 0
+        return super().next_batch()
+
+
+def test_a_loader_that_repeats_data_after_resume_fails_resume_only(shards):
+    cfg = tiny()
+
+    def make():
+        return RestartsOnResume(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+
+    report = suite(shards, loader_factory=make)
+    assert failed(report) == {"resume"}, report.format()
+    assert "different batches from step 3" in report.results[ALL.index("resume")].detail
+    assert_falls(loss_curve(shards, loader=make(), resume_at=6))
+
+
+def test_repeated_windows_and_validation_overlap_fail_the_data_check(shards, tmp_path):
+    cfg = tiny()
+    same = suite(
+        shards,
+        ["data", "resume"],
+        loader_factory=lambda: SameWindows(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed),
+    )
+    assert failed(same) == {"data"} and "repeat an earlier one" in same.results[0].detail
+    leaked = tmp_path / "leaked"
+    shutil.copytree(shards, leaked)
+    meta = json.loads((leaked / "meta.json").read_text())
+    meta["overlap"] |= {"share": 0.04, "exact_duplicates_of_validation_in_train": 2}
+    (leaked / "meta.json").write_text(json.dumps(meta))
+    report = suite(leaked, ["data"])
+    assert failed(report) == {"data"} and "4.00% of validation" in report.results[0].detail
+
+
+def test_a_gpt2_style_tokenizer_on_bangla_fails_the_tokenizer_check(tmp_path, sample_paths):
+    cfg = TokenizerConfig(vocab_size=2048, min_frequency=1, style="gpt2")
+    tok = train_tokenizer(resolve_sources(sample_paths), cfg, tmp_path / "tok", progress=False)
+    data = tmp_path / "shards"
+    prepare(tok, sample_paths, data, PrepareConfig(val_fraction=0.1), progress=False)
+    report = suite(data, ["data", "tokenizer"])
+    assert failed(report) == {"tokenizer"}, report.format()
+    numbers = report.results[1].numbers
+    assert numbers["bengali"]["chars_per_token"] < 0.5 * numbers["latin"]["chars_per_token"]
+    assert_falls(loss_curve(data))
+
+
+def test_verify_config_and_subsets_are_validated(shards):
+    with pytest.raises(ValueError, match="resume_steps"):
+        VerifyConfig(resume_steps=3)
+    with pytest.raises(Exception, match="unknown checks"):
+        suite(shards, ["nonsense"])

@@ -1,0 +1,354 @@
+"""The verification suite's shared parts (VerifyConfig, Setup, CheckResult, the float64
+reference twin) and its model checks: gradient flow, tied weights after every wrap, causal leak
++ label shift. Each check takes a `Setup` (what the run will use) and returns one `CheckResult`
+row, leaving no trace on the run's model (gradients cleared, weights never stepped). Parity is
+in checks_parity.py, step/accumulation/resume/throughput in checks_run.py, data and tokenizer
+in checks_data.py; verify.py runs them and writes the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.attention import sdpa_kernel
+
+from train.evaluate import causal_leak
+from train.gradflow import check_gradient_flow, unwrap
+from train.model import IGNORE_INDEX, Llama, RMSNorm
+from train.trainer import TrainConfig, autocast
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Thresholds of the suite (`doel-train verify --check key=value`). 0 or -1 means: the
+    default described beside the field."""
+
+    parity_factor: float = 2.0  # fast path error <= factor x same-dtype eager error (+ floor)
+    parity_rows: int = 2  # rows of the parity batch (batch > 1 on purpose)
+    parity_max_len: int = 256  # the float64 reference runs on at most this many positions
+    leak_positions: int = 4  # perturbed positions in the causal-leak check
+    copy_steps: int = 40  # Adam steps of the copy task (8 rows of 15 tokens)
+    copy_max_loss: float = 0.1  # nats on the predictable (copied) tokens
+    resume_steps: int = 4  # N of "N steps == N/2 + save + load + N/2"
+    max_lost_updates: float = (
+        0.01  # share of a tensor's nonzero-gradient elements that may not move
+    )
+    mfu_floor: float = 0.0  # forward and backward MFU floor; 0: 10 % on GPU, 0.2 % on CPU
+    max_backward_ratio: float = 4.0  # backward time / forward time (about 2 when healthy)
+    timing_reps: int = 5
+    data_windows: int = 4096  # loader windows hashed for repeats (within one epoch)
+    max_repeated_windows: float = 0.01
+    max_val_overlap: float = -1.0  # -1: the max_val_overlap the shards were prepared with
+    share_tolerance: float = 0.05  # |character share - requested share| per source
+    tokenizer_docs: int = 300  # documents decoded from the shards for chars/token
+
+    def __post_init__(self):
+        for name in ("parity_rows", "parity_max_len", "leak_positions", "copy_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.parity_rows < 2:
+            raise ValueError("parity_rows must be >= 2: some kernels fail only with batch > 1")
+        if self.resume_steps < 2 or self.resume_steps % 2:
+            raise ValueError(f"resume_steps must be even and >= 2, got {self.resume_steps}")
+        if self.parity_factor < 1 or self.max_backward_ratio <= 0 or self.timing_reps < 1:
+            raise ValueError("parity_factor >= 1, max_backward_ratio > 0, timing_reps >= 1")
+
+
+@dataclass
+class CheckResult:
+    """One row of the report."""
+
+    name: str
+    checked: str  # what was checked, in a sentence
+    passed: bool | None  # None: skipped (nothing to check here), with the reason in detail
+    numbers: dict = field(default_factory=dict)
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def status(self) -> str:
+        return {True: "pass", False: "FAIL", None: "skip"}[self.passed]
+
+
+@dataclass
+class Setup:
+    """What the run will use. `model` is the eager module, `fwd` what the step calls (compiled
+    when cfg.compile). The factories make fresh copies for checks that must step or train."""
+
+    cfg: TrainConfig
+    device: torch.device
+    dtype: torch.dtype  # autocast dtype
+    model: nn.Module
+    fwd: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    loader: object  # next_batch(), state_dict(), load_state_dict()
+    data_dir: Path
+    make_model: Callable[[], nn.Module]
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    make_loader: Callable[[], object]
+    tokenizer: Path | None = None
+    vcfg: VerifyConfig = field(default_factory=VerifyConfig)
+
+    def ctx(self):
+        return autocast(self.device, self.dtype)
+
+    def batches(self, n: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The run's next n batches, on the device, without consuming them from its loader."""
+        state = self.loader.state_dict()
+        try:
+            raw = [self.loader.next_batch() for _ in range(n)]
+        finally:
+            self.loader.load_state_dict(state)
+        return [(_tensor(x, self.device), _tensor(y, self.device)) for x, y in raw]
+
+    def batch(self):
+        return self.batches(1)[0]
+
+
+def _tensor(a, device) -> torch.Tensor:
+    return torch.as_tensor(a, device=device)
+
+
+def rel_err(a: torch.Tensor | None, ref: torch.Tensor) -> float:
+    """‖a - ref‖ / ‖ref‖ in float64; a missing tensor is 100 % wrong."""
+    if a is None:
+        return 1.0
+    ref = ref.double()
+    return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def low_precision(*dtypes: torch.dtype) -> torch.dtype:
+    """The least precise of the dtypes (what bounds every tolerance)."""
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
+def param_dtype(model: nn.Module) -> torch.dtype:
+    return low_precision(*(p.dtype for p in model.parameters()))
+
+
+def is_tied(model: nn.Module) -> bool:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    pairs = getattr(model, "tied_parameters", [])
+    return bool(pairs) and all(a in params and params[a] is params.get(b) for a, b in pairs)
+
+
+def _exact_rms(self, x):  # RMSNorm in the input's dtype: model.py's casts to float32
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def reference_twin(model: nn.Module, dtype: torch.dtype | None = None) -> Llama:
+    """The project's plain Llama (train/model.py, no custom kernels) holding `model`'s weights,
+    with the same ties, frozen parameters and (unless `dtype`) parameter dtypes. In float64 its
+    norms and rotary tables are float64 too, so it is a true float64 reference."""
+    inner = unwrap(model)
+    cfg = dataclasses.replace(inner.config, tie_word_embeddings=is_tied(inner))
+    device = next(inner.parameters()).device
+    with torch.device(device):
+        twin = Llama(cfg)
+    src = dict(inner.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, p in twin.named_parameters(remove_duplicate=False):
+            p.data = src[name].detach().to(dtype or src[name].dtype).clone()
+            p.requires_grad_(src[name].requires_grad)
+    if dtype == torch.float64:
+        d = cfg.head_dim
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
+        emb = torch.cat([torch.outer(t, inv)] * 2, dim=-1).to(device)
+        twin.rope_cos, twin.rope_sin = emb.cos(), emb.sin()
+        for m in twin.modules():
+            if isinstance(m, RMSNorm):
+                m.forward = types.MethodType(_exact_rms, m)
+    return twin
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _loss_pass(model, x, y, ctx, backend=None) -> dict[str, torch.Tensor]:
+    kernel = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+    with kernel, ctx():
+        loss = model(x, y, reduction="sum") / y.numel()
+    loss.backward()
+    return {"loss": loss.detach().float().reshape(1), **_grads(model)}
+
+
+# ------------------------------------------------------------------ 1. gradient flow
+
+
+def check_gradients(s: Setup) -> CheckResult:
+    x, y = s.batch()
+
+    def loss_fn(m, batch):  # the training step's own call, so a compiled graph is reused
+        with s.ctx():
+            return m(*batch, reduction="sum") / batch[1].numel()
+
+    # ties=[]: tie identity is the `ties` check's job, so each failure has one owner.
+    r = check_gradient_flow(s.fwd, (x, y), loss_fn=loss_fn, ties=[])
+    norms = list(r.norms.values())
+    return CheckResult(
+        "gradient_flow",
+        "every trainable parameter gets a finite, nonzero gradient (one real batch, the run's "
+        "model, dtype and compile setting)",
+        r.ok,
+        {
+            "parameters": r.checked,
+            "loss": r.loss,
+            "offenders": len(r.offenders),
+            "min_grad_norm": min(norms) if norms else float("nan"),
+            "max_grad_norm": max(norms) if norms else float("nan"),
+        },
+        "; ".join(f"{n}: {why}" for n, why in r.offenders[:6])
+        or "every trainable parameter has a finite, nonzero gradient",
+    )
+
+
+# ------------------------------------------------------------------ 3. tied weights
+
+
+def _strip(name: str) -> str:
+    while name.startswith(("_orig_mod.", "module.")):
+        name = name.split(".", 1)[1]
+    return name
+
+
+@contextlib.contextmanager
+def _untied(model: nn.Module, names: list[str]):
+    """Temporarily give each named parameter its own copy (so its gradient holds only its own
+    use's contribution); the original tensor is put back whatever happens."""
+    saved = []
+    try:
+        for name in names:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            original = getattr(owner, attr)
+            saved.append((owner, attr, original))
+            copy = nn.Parameter(original.detach().clone(), original.requires_grad)
+            setattr(owner, attr, copy)
+        yield
+    finally:
+        for owner, attr, original in reversed(saved):
+            setattr(owner, attr, original)
+
+
+def check_ties(s: Setup) -> CheckResult:
+    pairs = list(getattr(unwrap(s.fwd), "tied_parameters", []))
+    checked = (
+        "declared ties are one tensor through every wrapper (compile, DDP) and the shared "
+        "gradient equals the sum of both uses' gradients (measured with the tie split)"
+    )
+    if not pairs:
+        return CheckResult("ties", checked, None, {}, "the model declares no tied parameters")
+    params = {_strip(n): p for n, p in s.fwd.named_parameters(remove_duplicate=False)}
+    broken = [
+        f"{b} is a separate tensor from {a} (the tie was broken)"
+        for a, b in pairs
+        if a not in params or b not in params or params[a] is not params[b]
+    ]
+    if broken:
+        return CheckResult("ties", checked, False, {"pairs": len(pairs)}, "; ".join(broken))
+    x, y = s.batch()
+    shared = _loss_pass(s.fwd, x, y, s.ctx)
+    inner = unwrap(s.fwd)
+    with _untied(inner, [b for _, b in pairs]):  # the same model, each use with its own copy
+        parts = _loss_pass(inner, x, y, s.ctx)
+    tol = max(1e-4, 8 * torch.finfo(low_precision(s.dtype, param_dtype(inner))).eps)
+    numbers, bad = {"pairs": len(pairs), "tolerance": tol}, []
+    for a, b in pairs:
+        whole = parts[a].double() + parts[b].double()
+        err = rel_err(shared.get(a), whole)
+        numbers[a] = {
+            "error_vs_sum": err,
+            "input_side_share": float(parts[a].norm() / whole.norm()),
+            "output_side_share": float(parts[b].norm() / whole.norm()),
+        }
+        if err > tol:
+            bad.append(f"{a}: the shared gradient is {err:.1%} off the sum of both uses")
+    return CheckResult("ties", checked, not bad, numbers, "; ".join(bad) or "ties hold")
+
+
+# ------------------------------------------------------------------ 4. causal leak, label shift
+
+
+def _copy_batch(vocab: int, gen, rows=8, pairs=8, symbols=16):
+    """Pairs a a b b c c ...: the second of each pair copies its predecessor, the first is new.
+    Returns x, y (targets = inputs shifted by one; unpredictable targets set to ignore)."""
+    seq = torch.randint(0, min(symbols, vocab), (rows, pairs), generator=gen)
+    seq = (seq + 3) % vocab  # keep clear of the special ids at the bottom of the vocabulary
+    seq = seq.repeat_interleave(2, dim=1)
+    x, y = seq[:, :-1], seq[:, 1:].clone()
+    fresh = y.clone()
+    y[:, 1::2] = IGNORE_INDEX
+    fresh[:, 0::2] = IGNORE_INDEX
+    return x, y, fresh
+
+
+def copy_task(s: Setup) -> dict:
+    """Train a fresh model of the run's recipe on the copy task with plain Adam; with the
+    shift right, copied tokens reach ~0 loss while new tokens stay near ln(symbols)."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(s.cfg.seed)
+    model = s.make_model()
+    vocab = unwrap(model).config.vocab_size
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(s.vcfg.copy_steps):
+        x, y, _ = (t.to(s.device) for t in _copy_batch(vocab, gen))
+        with s.ctx():
+            loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    x, y, fresh = (t.to(s.device) for t in _copy_batch(vocab, gen, rows=64))
+    with torch.no_grad(), s.ctx():
+        copied, new = float(model(x, y)), float(model(x, fresh))
+    return {"copied_loss": copied, "new_token_loss": new, "ln_symbols": math.log(16)}
+
+
+def check_causal(s: Setup) -> CheckResult:
+    v = s.vcfg
+    x, _ = s.batch()
+    x = x[:2]
+    t = x.size(1)
+    positions = sorted(
+        {round(i * (t - 2) / max(1, v.leak_positions - 1)) for i in range(v.leak_positions)}
+    )
+    with s.ctx():
+        leak = causal_leak(unwrap(s.fwd), x, positions)
+    tol = 1e-4 if low_precision(s.dtype, param_dtype(s.model)) == torch.float32 else 1e-2
+    copy = copy_task(s)
+    problems = []
+    if leak > tol:
+        problems.append(
+            f"future-token leak: replacing token t+1 changes log-probabilities at positions "
+            f"<= t by up to {leak:.3g} (tolerance {tol:g})"
+        )
+    if copy["copied_loss"] > v.copy_max_loss:
+        problems.append(
+            f"label shift: copied tokens still cost {copy['copied_loss']:.3f} nats after "
+            f"{v.copy_steps} steps (want < {v.copy_max_loss}); targets are likely shifted twice "
+            "or not aligned with inputs"
+        )
+    if copy["new_token_loss"] < 0.5 * copy["ln_symbols"]:
+        problems.append(
+            f"label shift: unpredictable tokens cost only {copy['new_token_loss']:.3f} nats "
+            "(they should stay near ln 16): the model sees its targets"
+        )
+    return CheckResult(
+        "causal",
+        "perturbing token t+1 changes nothing at positions <= t; a copy task (a a b b ...) "
+        "reaches near-zero loss on the copies while new tokens stay unpredictable",
+        not problems,
+        {"leak": leak, "leak_tolerance": tol, "positions": positions, **copy},
+        "; ".join(problems) or "causal, and targets are the next token",
+    )

@@ -1,0 +1,291 @@
+"""The verification suite's run checks: one optimizer step moves every parameter, gradient
+accumulation equals one big batch, resume equals an uninterrupted run, the throughput floor,
+the data (overlap, repeated windows, language shares) and the tokenizer's fairness. Checks
+that step or train use fresh models from the run's factories, never the run's own objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from train.checkpoint import load_checkpoint, save_checkpoint
+from train.checks import CheckResult, Setup, low_precision, param_dtype, rel_err
+from train.gradflow import unwrap
+from train.metrics import peak_flops
+from train.model import IGNORE_INDEX
+from train.trainer import lr_at, train_step
+
+# ------------------------------------------------------------------ 5. one step moves everything
+
+
+def check_step(s: Setup) -> CheckResult:
+    """One optimizer step, as train_step does it, on a fresh model: every trainable tensor must
+    move, and (almost) every element with a nonzero gradient must move."""
+    torch.manual_seed(s.cfg.seed)
+    model = s.make_model()
+    opt = s.make_optimizer(model)
+    x, y = s.batch()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with s.ctx():
+        loss = model(x, y, reduction="sum") / int((y != IGNORE_INDEX).sum())
+    loss.backward()
+    if s.cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s.cfg.grad_clip)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    for group in opt.param_groups:
+        group["lr"] = lr_at(0, s.cfg)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    bad, unchanged, ratios, frozen = [], [], {}, []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            frozen.append(n)  # the gradient-flow check owns frozen parameters
+            continue
+        moved = p.detach() != before[n]
+        if not moved.any():
+            unchanged.append(n)
+            continue
+        should = grads[n] != 0 if n in grads else torch.zeros_like(moved)
+        lost = float((should & ~moved).sum() / should.sum().clamp_min(1))
+        ratios[n] = float((p.detach() - before[n]).float().norm() / before[n].float().norm())
+        if lost > s.vcfg.max_lost_updates:
+            bad.append(f"{n}: {lost:.1%} of the elements with a gradient did not move")
+    dtype = str(param_dtype(model)).replace("torch.", "")
+    if unchanged:
+        shown = ", ".join(unchanged[:6]) + (
+            f" (+{len(unchanged) - 6} more)" if len(unchanged) > 6 else ""
+        )
+        bad.insert(
+            0,
+            f"unchanged after one step: {shown} (not in the optimizer, or the update "
+            f"rounds away in {dtype})",
+        )
+    numbers = {
+        "tensors": len(before) - len(frozen),
+        "unchanged": len(unchanged),
+        "frozen_not_judged": len(frozen),
+        "update_over_weight_min": min(ratios.values(), default=float("nan")),
+        "update_over_weight_max": max(ratios.values(), default=float("nan")),
+        "lr": lr_at(0, s.cfg),
+        "param_dtype": dtype,
+    }
+    return CheckResult(
+        "step",
+        "one optimizer step (the run's optimizer recipe, lr of step 1) changes every trainable "
+        "parameter, and no element with a gradient keeps its value",
+        not bad,
+        numbers,
+        "; ".join(bad[:4]) or "every trainable parameter moved",
+    )
+
+
+# ------------------------------------------------------------------ 6. accumulation
+
+
+class _GradCapture:
+    """Stands in for the optimizer in train_step: keeps the gradients instead of stepping."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, {}
+        self.param_groups = [{"params": [p for p in model.parameters()], "lr": 0.0}]
+
+    def step(self):
+        self.grads = {
+            n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None
+        }
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def check_accumulation(s: Setup) -> CheckResult:
+    """train_step over k micro-batches (uneven target counts) against one k-times batch."""
+    k = max(2, s.cfg.grad_accum)
+    micro = s.batches(k)
+    x0, y0 = micro[0]
+    y0 = y0.clone()
+    y0[0, : y0.size(1) // 2] = IGNORE_INDEX  # uneven tokens: a mean of means would be wrong
+    micro[0] = (x0, y0)
+    model = unwrap(s.fwd)  # eager: a second batch shape would only recompile
+    cap = _GradCapture(model)
+    small = train_step(model, cap, micro, 0.0, 0.0, s.ctx)
+    g_small = cap.grads
+    whole = [(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))]
+    big = train_step(model, cap, whole, 0.0, 0.0, s.ctx)
+    errs = {n: rel_err(g_small.get(n), g) for n, g in cap.grads.items()}
+    worst = max(errs, key=errs.get)
+    tol = max(1e-5, 8 * torch.finfo(low_precision(s.dtype, param_dtype(model))).eps)
+    loss_err = abs(float(small["loss"]) - float(big["loss"])) / abs(float(big["loss"]))
+    ok = errs[worst] <= tol and loss_err <= tol
+    return CheckResult(
+        "accumulation",
+        f"{k} micro-batches with uneven target counts give the gradient and loss of one "
+        f"{k}-times batch (train_step's token normalisation)",
+        ok,
+        {
+            "micro_batches": k,
+            "worst_tensor": worst,
+            "grad_error": errs[worst],
+            "loss_error": loss_err,
+            "tolerance": tol,
+        },
+        "gradients and loss match"
+        if ok
+        else f"{worst}: gradient {errs[worst]:.2%} off, loss {loss_err:.2%} off (tolerance "
+        f"{tol:.0e}); the loss is likely averaged per micro-batch instead of per token",
+    )
+
+
+# ------------------------------------------------------------------ 7. resume
+
+
+def _window_hash(x, y) -> str:
+    return hashlib.blake2b(
+        np.ascontiguousarray(x).tobytes() + np.asarray(y).tobytes(), digest_size=8
+    ).hexdigest()
+
+
+def _train(s: Setup, model, opt, loader, start: int, steps: int):
+    losses, seen = [], []
+    for step in range(start, start + steps):
+        raw = [loader.next_batch() for _ in range(s.cfg.grad_accum)]
+        seen.append("".join(_window_hash(x, y) for x, y in raw))
+        mbs = [
+            (torch.as_tensor(x, device=s.device), torch.as_tensor(y, device=s.device))
+            for x, y in raw
+        ]
+        out = train_step(model, opt, mbs, lr_at(step, s.cfg), s.cfg.grad_clip, s.ctx)
+        losses.append(float(out["loss"]))
+    return losses, seen
+
+
+def _fresh(s: Setup, seed: int):
+    torch.manual_seed(seed)
+    model = s.make_model()
+    return model, s.make_optimizer(model), s.make_loader()
+
+
+def check_resume(s: Setup) -> CheckResult:
+    n = s.vcfg.resume_steps
+    half = n // 2
+    model_a, opt_a, loader_a = _fresh(s, s.cfg.seed)
+    loss_a, seen_a = _train(s, model_a, opt_a, loader_a, 0, n)
+    model_b, opt_b, loader_b = _fresh(s, s.cfg.seed)
+    loss_b, seen_b = _train(s, model_b, opt_b, loader_b, 0, half)
+    with tempfile.TemporaryDirectory(prefix="doel-verify-") as tmp:
+        folder = save_checkpoint(tmp, half, model_b, opt_b, {"loader": loader_b.state_dict()})
+        # Another seed: whatever the resumed run knows must come from the checkpoint.
+        model_c, opt_c, loader_c = _fresh(s, s.cfg.seed + 1)
+        _, state = load_checkpoint(folder, model_c, opt_c, device=s.device)
+        loader_c.load_state_dict(state["loader"])
+        loss_c, seen_c = _train(s, model_c, opt_c, loader_c, half, half)
+    a = dict(model_a.named_parameters())
+    errs = {n_: rel_err(p.detach(), a[n_].detach()) for n_, p in model_c.named_parameters()}
+    worst = max(errs, key=errs.get)
+    exact = s.device.type == "cpu"  # CUDA kernels may reduce in a different order
+    tol = 0.0 if exact else 1e-3
+    batches_ok = seen_a == seen_b + seen_c
+    ok = batches_ok and errs[worst] <= tol
+    first_diff = next((i for i, (p, q) in enumerate(zip(seen_a, seen_b + seen_c)) if p != q), None)
+    detail = []
+    if not batches_ok:
+        detail.append(
+            f"the resumed run saw different batches from step {first_diff + 1} on: "
+            "the loader's position was not restored"
+        )
+    if errs[worst] > tol:
+        detail.append(f"weights differ after {n} steps ({worst}: {errs[worst]:.2e} relative)")
+    return CheckResult(
+        "resume",
+        f"{n} steps == {half} + save_checkpoint + load_checkpoint (fresh model, optimizer, "
+        f"loader) + {half}: same batches, same losses, same weights"
+        + (" (bit for bit on CPU)" if exact else ""),
+        ok,
+        {
+            "steps": n,
+            "losses_whole": loss_a,
+            "losses_resumed": loss_b + loss_c,
+            "max_weight_error": errs[worst],
+            "tolerance": tol,
+            "same_batches": batches_ok,
+        },
+        "; ".join(detail) or "the resumed run is the uninterrupted run",
+    )
+
+
+# ------------------------------------------------------------------ 8. throughput
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward_backward(s: Setup, x, y, reps: int) -> tuple[float, float]:
+    """Median seconds of the forward (to the loss) and of the backward, timed apart, after two
+    warm-up passes (compilation, kernel selection)."""
+    fwd_t, bwd_t = [], []
+    for i in range(reps + 2):
+        _sync(s.device)
+        t0 = time.perf_counter()
+        with s.ctx():
+            loss = s.fwd(x, y, reduction="sum") / y.numel()
+        _sync(s.device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(s.device)
+        t2 = time.perf_counter()
+        s.fwd.zero_grad(set_to_none=True)
+        if i >= 2:
+            fwd_t.append(t1 - t0)
+            bwd_t.append(t2 - t1)
+    return statistics.median(fwd_t), statistics.median(bwd_t)
+
+
+def check_throughput(s: Setup) -> CheckResult:
+    x, y = s.batch()
+    t_f, t_b = time_forward_backward(s, x, y, s.vcfg.timing_reps)
+    inner = unwrap(s.fwd)
+    flops = inner.flops_per_token(x.size(1))["total"]  # training: 1/3 forward, 2/3 backward
+    compute = param_dtype(inner)
+    compute = s.dtype if torch.finfo(compute).bits >= 32 else compute
+    peak, source = peak_flops(s.device, compute)
+    floor = s.vcfg.mfu_floor or (0.10 if s.device.type == "cuda" else 0.002)
+    tokens = x.numel()
+    mfu_f = tokens * flops / 3 / t_f / peak if peak else float("nan")
+    mfu_b = tokens * flops * 2 / 3 / t_b / peak if peak else float("nan")
+    ratio = t_b / t_f
+    bad = []
+    if peak and mfu_f < floor:
+        bad.append(f"forward at {mfu_f:.2%} of peak, under the {floor:.1%} floor")
+    if peak and mfu_b < floor:
+        bad.append(f"backward at {mfu_b:.2%} of peak, under the {floor:.1%} floor")
+    if ratio > s.vcfg.max_backward_ratio:
+        bad.append(
+            f"backward takes {ratio:.1f}x the forward (healthy is about 2, limit "
+            f"{s.vcfg.max_backward_ratio:g}): a slow backward kernel"
+        )
+    return CheckResult(
+        "throughput",
+        "forward and backward timed apart on one real batch: MFU of each against the device "
+        f"peak ({source}) and the backward/forward time ratio",
+        not bad,
+        {
+            "forward_s": t_f,
+            "backward_s": t_b,
+            "forward_mfu": mfu_f,
+            "backward_mfu": mfu_b,
+            "backward_over_forward": ratio,
+            "mfu_floor": floor,
+            "peak_flops": peak,
+            "flops_per_token": flops,
+            "tokens": tokens,
+        },
+        "; ".join(bad) or "forward and backward above the floor",
+    )

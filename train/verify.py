@@ -1,0 +1,355 @@
+"""`doel-train verify`: the suite of checks for silent training failures, run on the exact model,
+kernels, dtype and compile setting a run will use, with a report (Markdown + JSON, one row a
+check: what it checked, the numbers, pass/fail). `fit` runs the fast subset before step 1
+through `verify_before_training` and refuses to train on a failure.
+
+The checks live in checks.py (gradient flow, ties, causal), checks_parity.py, checks_run.py
+(step, accumulation, resume, throughput) and checks_data.py (data, tokenizer). None leaves a
+trace: the run's loader is peeked, never consumed; its model is never stepped; the RNG is
+forked, so a run with the suite is the run without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.checks import (
+    CheckResult,
+    Setup,
+    VerifyConfig,
+    check_causal,
+    check_gradients,
+    check_ties,
+)
+from train.checks_data import check_data, check_tokenizer_fairness
+from train.checks_parity import check_parity
+from train.checks_run import (
+    check_accumulation,
+    check_resume,
+    check_step,
+    check_throughput,
+)
+from train.common import DoelError, atomic_write_bytes, atomic_write_json
+from train.config import resolved
+from train.gradflow import unwrap
+from train.trainer import TrainConfig, autocast, build_optimizer, resolve_device, resolve_dtype
+
+# name -> (check, in the fast subset). The fast subset is what `fit` runs before step 1: a few
+# seconds on the tiny preset on CPU. Resume (a checkpoint of the full model written and read)
+# and throughput (timing, noisy on a shared machine) run with --full.
+CHECKS: dict[str, tuple[Callable[[Setup], CheckResult], bool]] = {
+    "gradient_flow": (check_gradients, True),
+    "parity": (check_parity, True),
+    "ties": (check_ties, True),
+    "causal": (check_causal, True),
+    "step": (check_step, True),
+    "accumulation": (check_accumulation, True),
+    "resume": (check_resume, False),
+    "throughput": (check_throughput, False),
+    "data": (check_data, True),
+    "tokenizer": (check_tokenizer_fairness, True),
+}
+SUBSETS = ("fast", "full")
+
+
+class VerificationError(DoelError):
+    pass
+
+
+@dataclass
+class Report:
+    results: list[CheckResult]
+    subset: str
+    environment: dict
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(r.passed is not False for r in self.results)
+
+    @property
+    def failed(self) -> list[str]:
+        return [r.name for r in self.results if r.passed is False]
+
+    def summary(self) -> str:
+        n_pass = sum(r.passed is True for r in self.results)
+        n_skip = sum(r.passed is None for r in self.results)
+        verdict = "all passed" if self.ok else f"FAILED: {', '.join(self.failed)}"
+        return (
+            f"verification ({self.subset}, {len(self.results)} checks, {self.seconds:.1f} s): "
+            f"{n_pass} passed, {n_skip} skipped; {verdict}"
+        )
+
+    def format(self) -> str:
+        """A few lines for a log: the summary, then one line per check."""
+        rows = [f"  {r.status:<4} {r.name:<13} {r.detail}" for r in self.results]
+        return "\n".join([self.summary(), *rows])
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "subset": self.subset,
+            "seconds": self.seconds,
+            **self.environment,
+            "checks": [
+                {
+                    "name": r.name,
+                    "status": r.status,
+                    "passed": r.passed,
+                    "checked": r.checked,
+                    "numbers": _plain(r.numbers),
+                    "detail": r.detail,
+                    "seconds": r.seconds,
+                }
+                for r in self.results
+            ],
+        }
+
+    def markdown(self) -> str:
+        env = self.environment
+        lines = [
+            f"# Verification: {self.summary()}",
+            "",
+            f"Device {env['device']}, {env['dtype']}, compile={env['compile']}, torch "
+            f"{env['torch']}. One row a check; the numbers in full are in `verify.json`.",
+            "",
+            "| check | status | what it checked | numbers | detail | s |",
+            "|---|---|---|---|---|---:|",
+        ]
+        for r in self.results:
+            cells = [r.name, f"**{r.status}**", r.checked, _brief(r.numbers), r.detail]
+            cells = [str(c).replace("|", "\\|").replace("\n", " ") for c in cells]
+            lines.append("| " + " | ".join(cells) + f" | {r.seconds:.2f} |")
+        return "\n".join(lines) + "\n"
+
+    def write(self, out_dir) -> tuple[Path, Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "verify.json", self.to_json())
+        atomic_write_bytes(out / "verify.md", self.markdown().encode("utf-8"))
+        return out / "verify.md", out / "verify.json"
+
+
+def _plain(x):
+    """JSON-safe numbers: NaN and infinities become null, tensors and numpy scalars floats."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _brief(numbers: dict, limit: int = 320) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}: {fmt(u)}" for k, u in v.items()) + "}"
+        if isinstance(v, list) and len(v) > 4:
+            return "[" + ", ".join(fmt(u) for u in v[:4]) + ", …]"
+        return str(v)
+
+    text = "; ".join(f"{k} {fmt(v)}" for k, v in numbers.items())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def select(subset: str, names: list[str] | None = None) -> list[str]:
+    if names:
+        unknown = sorted(set(names) - set(CHECKS))
+        if unknown:
+            raise DoelError(f"unknown checks {unknown}; known: {list(CHECKS)}")
+        return list(names)
+    if subset not in SUBSETS:
+        raise DoelError(f"subset must be one of {SUBSETS}, got {subset!r}")
+    return [n for n, (_, fast) in CHECKS.items() if subset == "full" or fast]
+
+
+def run_checks(setup: Setup, names: list[str], subset: str = "custom", log=None) -> Report:
+    """Run the named checks on a Setup. A check that raises is a failed row (naming the error),
+    not a crashed suite: a broken model may break a check's own machinery."""
+    t0, results = time.perf_counter(), []
+    devices = [setup.device] if setup.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        for name in names:
+            t = time.perf_counter()
+            try:
+                r = CHECKS[name][0](setup)
+            except Exception as e:  # noqa: BLE001 (any error is a finding about the model)
+                r = CheckResult(
+                    name,
+                    "(the check raised)",
+                    False,
+                    {},
+                    f"the check raised {type(e).__name__}: {str(e)[:300]}",
+                )
+            finally:
+                setup.fwd.zero_grad(set_to_none=True)
+            r.seconds = time.perf_counter() - t
+            results.append(r)
+            if log:
+                log(f"  {r.status:<4} {r.name:<13} {r.detail}")
+    env = {
+        "device": str(setup.device),
+        "dtype": str(setup.dtype).replace("torch.", ""),
+        "compile": setup.fwd is not unwrap(setup.fwd),
+        "torch": torch.__version__,
+        "config": resolved(setup.cfg),
+        "verify_config": dataclasses.asdict(setup.vcfg),
+    }
+    return Report(results, subset, env, time.perf_counter() - t0)
+
+
+def mirror_optimizer(optimizer, model, fresh) -> torch.optim.Optimizer:
+    """An optimizer of `optimizer`'s class, groups and hyper-parameters over `fresh`'s
+    parameters (matched by name), with no state: the run's exact optimizer recipe, so a
+    parameter it leaves out is left out here too."""
+    name_of = {id(p): n for n, p in unwrap(model).named_parameters()}
+    fresh_params = dict(unwrap(fresh).named_parameters())
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [fresh_params[name_of[id(p)]] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
+    return type(optimizer)(
+        groups,
+        **{k: optimizer.defaults[k] for k in ("foreach", "fused") if k in optimizer.defaults},
+    )
+
+
+def run_suite(
+    cfg: TrainConfig,
+    data_dir,
+    subset: str = "fast",
+    out_dir=None,
+    model_factory: Callable[[TrainConfig], torch.nn.Module] | None = None,
+    optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+    loader_factory: Callable[[], object] | None = None,
+    tokenizer=None,
+    vcfg: VerifyConfig | None = None,
+    checks: list[str] | None = None,
+    log=print,
+) -> Report:
+    """Build what `fit` would build from `cfg` (device, dtype, model, optimizer, loader, compile)
+    and run the subset (or the named `checks`); write verify.md and verify.json to out_dir.
+    The factories let tests plant failures: model_factory(cfg) -> model (moved to the device
+    here), optimizer_factory(model), loader_factory()."""
+    from train.fit import _compiled, check_vocab
+    from train.loader import TokenLoader, read_meta
+    from train.model import Llama
+
+    names = select(subset, checks)
+    check_vocab(read_meta(data_dir), cfg)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+
+    def make_model():
+        with torch.device(device):
+            return (model_factory or (lambda c: Llama(c.model)))(cfg).to(device)
+
+    def make_optimizer(m):
+        return (optimizer_factory or (lambda m_: build_optimizer(m_, cfg, device)))(m)
+
+    def make_loader():
+        if loader_factory:
+            return loader_factory()
+        return TokenLoader(data_dir, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+
+    torch.manual_seed(cfg.seed)
+    model, loader = make_model(), make_loader()
+    optimizer = make_optimizer(model)
+    ctx = lambda: autocast(device, dtype)  # noqa: E731
+    fwd = _compiled(model, loader, device, ctx, log) if cfg.compile else model
+    setup = Setup(
+        cfg,
+        device,
+        dtype,
+        model,
+        fwd,
+        optimizer,
+        loader,
+        Path(data_dir),
+        make_model,
+        make_optimizer,
+        make_loader,
+        tokenizer,
+        vcfg or VerifyConfig(),
+    )
+    report = run_checks(setup, names, subset if not checks else "custom")
+    if out_dir is not None:
+        md, js = report.write(out_dir)
+        log(f"wrote {md} and {js}")
+    log(report.format())
+    return report
+
+
+def verify_before_training(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    fwd: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader,
+    device: torch.device,
+    dtype: torch.dtype,
+    log=print,
+    out_dir=None,
+    subset: str = "fast",
+    vcfg: VerifyConfig | None = None,
+) -> Report:
+    """The fast subset on the run's own objects (fwd: the compiled model when cfg.compile,
+    else `model`), for `fit` before step 1. Fresh copies for the checks that step or train
+    are made like the run's: same model class and config, the same optimizer recipe (mirrored
+    group by group), a loader like the run's. Writes the report to out_dir if given; raises
+    VerificationError naming the failed checks, after logging every row."""
+    inner = unwrap(model)
+    p_dtype = next(inner.parameters()).dtype
+
+    def make_model():
+        with torch.device(device):
+            return type(inner)(inner.config).to(p_dtype)
+
+    def make_loader():
+        return type(loader)(
+            loader.data_dir, loader.split, loader.batch_size, loader.seq_len, loader.seed
+        )
+
+    setup = Setup(
+        cfg,
+        device,
+        dtype,
+        inner,
+        fwd,
+        optimizer,
+        loader,
+        Path(loader.data_dir),
+        make_model,
+        lambda m: mirror_optimizer(optimizer, inner, m),
+        make_loader,
+        None,
+        vcfg or VerifyConfig(),
+    )
+    log(f"verifying before step 1 ({subset} subset; --skip-verify skips it)")
+    report = run_checks(setup, select(subset), subset, log=log)
+    log(report.summary())
+    if out_dir is not None:
+        report.write(out_dir)
+    if not report.ok:
+        raise VerificationError(
+            f"refusing to train: verification failed ({', '.join(report.failed)}); see the rows "
+            "above"
+            + (f" and {Path(out_dir) / 'verify.md'}" if out_dir else "")
+            + ". Run `doel-train verify --full` for the whole suite."
+        )
+    return report
