@@ -238,6 +238,10 @@ def test_loglikelihoods_equal_brute_force_in_any_batching(model, tok, sample_pat
         got = scoring.loglikelihoods(model, tok, requests, **kw)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
     assert model.training  # mode restored
+    h, t = torch.randn(10, model.config.hidden_size), torch.arange(10)
+    torch.testing.assert_close(
+        scoring._target_logprobs(model, h, t, chunk=3), scoring._target_logprobs(model, h, t)
+    )
 
 
 def test_trailing_context_space_moves_to_the_continuation(model, tok):

@@ -57,6 +57,16 @@ def _hidden(model: Llama, idx: torch.Tensor) -> torch.Tensor:
     return model.model.norm(x)
 
 
+def _target_logprobs(model: Llama, h: torch.Tensor, targets: torch.Tensor, chunk: int = 1024):
+    """log P(target) at each of the N rows of h (N, C), through the head `chunk` rows at a time:
+    N x V float32 logits for long continuations would be gigabytes."""
+    out = []
+    for hc, tc in zip(h.split(chunk), targets.split(chunk)):
+        logp = F.log_softmax(model.lm_head(hc).float(), dim=-1)  # (chunk, V)
+        out.append(logp.gather(1, tc[:, None])[:, 0])
+    return torch.cat(out)
+
+
 def _batches(lengths: list[int], batch_size: int, max_batch_tokens: int) -> list[list[int]]:
     """Indices longest first, cut into batches of at most batch_size rows and (rows x longest
     row) max_batch_tokens tokens: similar lengths share a batch, so little is padding."""
@@ -116,8 +126,7 @@ def loglikelihoods(
                 cols += range(len(inp) - len(tgt), len(inp))
                 targets += tgt
             h = _hidden(model, x.to(device))[rows, cols]  # (N, C): the scored positions only
-            logp = F.log_softmax(model.lm_head(h).float(), dim=-1)
-            picked = logp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].cpu()
+            picked = _target_logprobs(model, h, torch.tensor(targets, device=device)).cpu()
             sums = torch.zeros(len(batch)).index_add_(0, torch.tensor(rows), picked)
             for r, i in enumerate(batch):
                 out[i] = float(sums[r])
