@@ -374,3 +374,16 @@ def test_verify_config_and_subsets_are_validated(shards):
         VerifyConfig(resume_steps=3)
     with pytest.raises(Exception, match="unknown checks"):
         suite(shards, ["nonsense"])
+
+
+def test_the_command_writes_the_report_and_exits_1_on_a_failure(shards, tmp_path, capsys):
+    from train.cli import main
+
+    args = ["verify", "--config", "tiny", "--data", str(shards), "--out", str(tmp_path)]
+    main([*args, "--only", "data", "tokenizer"])
+    assert json.loads((tmp_path / "verify.json").read_text())["ok"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--only", "throughput", "--check", "max_backward_ratio=0.01"])
+    assert exit_.value.code == 1
+    assert "FAIL throughput" in capsys.readouterr().out
+    assert json.loads((tmp_path / "verify.json").read_text())["checks"][0]["status"] == "FAIL"

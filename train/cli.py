@@ -1,8 +1,8 @@
 """`doel-train` (or `python -m train`): a thin command line over train's functions.
 
-Commands: tokenizer, fertility, prepare, fit, check-gradients, eval, plot, demo. Heavy imports
-happen inside each command, so a missing extra is reported with the `pip install` line that
-fixes it.
+Commands: tokenizer, fertility, prepare, fit, check-gradients, verify, eval, plot, demo. Heavy
+imports happen inside each command, so a missing extra is reported with the `pip install` line
+that fixes it.
 """
 
 from __future__ import annotations
@@ -115,6 +115,26 @@ def _cmd_check_gradients(args) -> None:
     gradient_gate(model, loader, device, lambda: autocast(device, dtype), print)
 
 
+def _cmd_verify(args) -> None:
+    from train.checks import VerifyConfig
+    from train.config import load_config
+    from train.verify import run_suite
+
+    vcfg = load_config(VerifyConfig, None, args.check)
+    subset = "full" if args.full else "fast"
+    report = run_suite(
+        _train_config(args),
+        args.data,
+        subset,
+        args.out,
+        tokenizer=args.tokenizer,
+        vcfg=vcfg,
+        checks=args.only,
+    )
+    if not report.ok:
+        sys.exit(1)
+
+
 def _cmd_eval(args) -> None:
     from train.evaluate import evaluate_checkpoint, format_eval
     from train.tasks import parse_task_specs
@@ -200,6 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
     cg = sub.add_parser("check-gradients", help="run the gradient-flow gate alone")
     _train_args(cg)
     cg.set_defaults(func=_cmd_check_gradients)
+
+    v = sub.add_parser("verify", help="the silent-failure checks -> REPORT_DIR/verify.{md,json}")
+    _train_args(v)
+    v.add_argument("--out", required=True, help="report folder")
+    v.add_argument("--full", action="store_true", help="all checks (default: fit's fast subset)")
+    v.add_argument("--only", nargs="+", metavar="CHECK", help="just these checks")
+    v.add_argument("--tokenizer", help="default: the one named in the shards' meta.json")
+    v.add_argument(
+        "--check",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a threshold, e.g. mfu_floor=0.3 or max_backward_ratio=3",
+    )
+    v.set_defaults(func=_cmd_verify)
 
     e = sub.add_parser("eval", help="bits/char per language, zero-shot tasks")
     e.add_argument("checkpoint", help="a model folder in Hugging Face layout")
