@@ -74,12 +74,23 @@ def _try(fn):
             return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
 
 
+def _sdpa_rows(s: Setup, twin, x, g, base_math, ref64, floor) -> dict:
+    """Each attention backend the device has, in the plain model, against the math backend."""
+    rows = {}
+    for backend in _backends(s.device):
+        out = _try(lambda b=backend: _logits_pass(twin, x, g, s.ctx, b))
+        name = f"sdpa {backend.name.lower()} vs math"
+        if isinstance(out, dict):
+            rows[name] = compare(out, base_math, ref64, s.vcfg.parity_factor, floor)
+        else:  # the device or dtype lacks this backend
+            rows[name] = {"ok": None, "absent": out}
+    return rows
+
+
 def check_parity(s: Setup) -> CheckResult:
     v = s.vcfg
-    x, y = s.batches(max(1, -(-v.parity_rows // s.cfg.batch_size)))[0]
-    x, y = x[: v.parity_rows, : v.parity_max_len], y[: v.parity_rows, : v.parity_max_len]
-    if x.size(0) < 2:
-        x, y = torch.cat([x, x.flip(1)]), torch.cat([y, y.flip(1)])
+    got = s.batches(-(-v.parity_rows // s.cfg.batch_size))  # enough batches for the rows
+    x, y = (torch.cat(t)[: v.parity_rows, : v.parity_max_len] for t in zip(*got))
     eager = unwrap(s.fwd)
     g = _upstream((*x.shape, eager.config.vocab_size), s.device)
     ref = reference_twin(eager, torch.float64)
@@ -87,22 +98,14 @@ def check_parity(s: Setup) -> CheckResult:
     base_twin = reference_twin(eager)
     base_math = _logits_pass(base_twin, x, g, s.ctx, SDPBackend.MATH)
     floor = 8 * torch.finfo(low_precision(s.dtype, param_dtype(eager))).eps
-    rows = {}
-    for backend in _backends(s.device):
-        out = _try(lambda b=backend: _logits_pass(base_twin, x, g, s.ctx, b))
-        name = f"sdpa {backend.name.lower()} vs math"
-        rows[name] = (
-            compare(out, base_math, ref64, v.parity_factor, floor)
-            if isinstance(out, dict)
-            else {"ok": None, "absent": out}
-        )
+    rows = _sdpa_rows(s, base_twin, x, g, base_math, ref64, floor)
     # The run's own modules (custom or fused kernels) against the plain model, same backend.
     run = _logits_pass(eager, x, g, s.ctx)
     twin = _logits_pass(base_twin, x, g, s.ctx)
     rows["model kernels vs plain model"] = compare(run, twin, ref64, v.parity_factor, floor)
     if s.fwd is not eager:  # compiled (or wrapped): the training call, loss and gradients
         ref_loss = _loss_pass(ref, x, y, contextlib.nullcontext, SDPBackend.MATH)
-        rows["torch.compile vs eager"] = compare(
+        rows["torch.compile (or wrapper) vs eager"] = compare(
             _loss_pass(s.fwd, x, y, s.ctx),
             _loss_pass(eager, x, y, s.ctx),
             ref_loss,

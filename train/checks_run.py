@@ -24,9 +24,9 @@ from train.trainer import lr_at, train_step
 # ------------------------------------------------------------------ 5. one step moves everything
 
 
-def check_step(s: Setup) -> CheckResult:
-    """One optimizer step, as train_step does it, on a fresh model: every trainable tensor must
-    move, and (almost) every element with a nonzero gradient must move."""
+def one_step(s: Setup):
+    """A fresh model of the run's recipe stepped once as train_step does it (token-normalised
+    loss, clipping, the lr of step 1). Returns the model, its weights before, its gradients."""
     torch.manual_seed(s.cfg.seed)
     model = s.make_model()
     opt = s.make_optimizer(model)
@@ -42,6 +42,13 @@ def check_step(s: Setup) -> CheckResult:
         group["lr"] = lr_at(0, s.cfg)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return model, before, grads
+
+
+def check_step(s: Setup) -> CheckResult:
+    """Every trainable tensor must move in one step, and (almost) every element with a nonzero
+    gradient must move: an update that rounds away in bf16 leaves it where it was."""
+    model, before, grads = one_step(s)
     bad, unchanged, ratios, frozen = [], [], {}, []
     for n, p in model.named_parameters():
         if not p.requires_grad:
@@ -176,10 +183,12 @@ def check_resume(s: Setup) -> CheckResult:
     half = n // 2
     model_a, opt_a, loader_a = _fresh(s, s.cfg.seed)
     loss_a, seen_a = _train(s, model_a, opt_a, loader_a, 0, n)
+    del opt_a, loader_a  # a full-size optimizer state: free it before the next two models
     model_b, opt_b, loader_b = _fresh(s, s.cfg.seed)
     loss_b, seen_b = _train(s, model_b, opt_b, loader_b, 0, half)
     with tempfile.TemporaryDirectory(prefix="doel-verify-") as tmp:
         folder = save_checkpoint(tmp, half, model_b, opt_b, {"loader": loader_b.state_dict()})
+        del model_b, opt_b
         # Another seed: whatever the resumed run knows must come from the checkpoint.
         model_c, opt_c, loader_c = _fresh(s, s.cfg.seed + 1)
         _, state = load_checkpoint(folder, model_c, opt_c, device=s.device)

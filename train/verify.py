@@ -320,9 +320,10 @@ def verify_before_training(
         with torch.device(device):
             return type(inner)(inner.config).to(p_dtype)
 
-    def make_loader():
+    def make_loader():  # like the run's, at the same rank of the same world size
+        ranks = {k: getattr(loader, k) for k in ("rank", "world_size") if hasattr(loader, k)}
         return type(loader)(
-            loader.data_dir, loader.split, loader.batch_size, loader.seq_len, loader.seed
+            loader.data_dir, loader.split, loader.batch_size, loader.seq_len, loader.seed, **ranks
         )
 
     setup = Setup(
