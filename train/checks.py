@@ -36,6 +36,7 @@ class VerifyConfig:
     parity_max_len: int = 256  # the float64 reference runs on at most this many positions
     leak_positions: int = 4  # perturbed positions in the causal-leak check
     copy_steps: int = 40  # Adam steps of the copy task (8 rows of 15 tokens)
+    copy_lr: float = 0.0  # Adam lr of the copy task; 0: min(1e-2, 3 x the run's lr)
     copy_max_loss: float = 0.1  # nats on the predictable (copied) tokens
     resume_steps: int = 4  # N of "N steps == N/2 + save + load + N/2"
     max_lost_updates: float = (
@@ -301,18 +302,21 @@ def copy_task(s: Setup) -> dict:
     torch.manual_seed(s.cfg.seed)
     model = s.make_model()
     vocab = unwrap(model).config.vocab_size
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    lr = s.vcfg.copy_lr or min(1e-2, 3 * s.cfg.lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr)
     for _ in range(s.vcfg.copy_steps):
         x, y, _ = (t.to(s.device) for t in _copy_batch(vocab, gen))
         with s.ctx():
             loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # deep models at a high lr stay stable
         opt.step()
     x, y, fresh = (t.to(s.device) for t in _copy_batch(vocab, gen, rows=64))
     with torch.no_grad(), s.ctx():
         copied, new = float(model(x, y)), float(model(x, fresh))
-    return {"copied_loss": copied, "new_token_loss": new, "ln_symbols": math.log(16)}
+    return {"copied_loss": copied, "new_token_loss": new, "ln_symbols": math.log(16), "lr": lr}
 
 
 def check_causal(s: Setup) -> CheckResult:
