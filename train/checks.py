@@ -39,9 +39,7 @@ class VerifyConfig:
     copy_lr: float = 0.0  # Adam lr of the copy task; 0: min(1e-2, 3 x the run's lr)
     copy_max_loss: float = 0.1  # nats on the predictable (copied) tokens
     resume_steps: int = 4  # N of "N steps == N/2 + save + load + N/2"
-    max_lost_updates: float = (
-        0.01  # share of a tensor's nonzero-gradient elements that may not move
-    )
+    max_lost_updates: float = 0.01  # share of elements with a gradient that may stay put
     mfu_floor: float = 0.0  # forward and backward MFU floor; 0: 10 % on GPU, 0.2 % on CPU
     max_backward_ratio: float = 4.0  # backward time / forward time (about 2 when healthy)
     timing_reps: int = 5
