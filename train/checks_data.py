@@ -23,9 +23,9 @@ from train.shards import open_shard
 def repeated_windows(s: Setup) -> dict:
     """Hash the windows a fresh loader serves over (at most) one epoch: each should be new."""
     loader = s.make_loader()
-    rows = s.cfg.batch_size
     epoch = getattr(loader, "n_windows", s.vcfg.data_windows)
-    n_batches = max(1, min(s.vcfg.data_windows, epoch) // rows)
+    per_batch = getattr(loader, "global_batch", s.cfg.batch_size)  # all ranks' rows a step
+    n_batches = max(1, min(s.vcfg.data_windows, epoch) // per_batch)
     seen: dict[bytes, int] = {}
     for _ in range(n_batches):
         x, y = loader.next_batch()
