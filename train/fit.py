@@ -18,6 +18,15 @@ import torch
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.common import DoelError, atomic_write_json
 from train.config import resolved
+from train.dist import (
+    DistInfo,
+    collective_timeout_message,
+    full_state,
+    heartbeat,
+    init_distributed,
+    shutdown,
+    wrap_model,
+)
 from train.gradflow import check_gradient_flow
 from train.hf import save_model
 from train.loader import TokenLoader, read_meta
@@ -29,7 +38,6 @@ from train.trainer import (
     build_optimizer,
     evaluate,
     lr_at,
-    resolve_device,
     resolve_dtype,
     train_step,
 )
@@ -101,13 +109,15 @@ def _compiled(model, loader, device, ctx, log):
     return compiled
 
 
-def _describe(model, cfg: TrainConfig, device, dtype, log) -> dict:
+def _describe(model, cfg: TrainConfig, device, dtype, info: DistInfo, log) -> dict:
     flops = model.flops_per_token(cfg.seq_len)
     peak, source = peak_flops(device, dtype)
     n = model.num_parameters()
+    par = f", {info.world_size} ranks ({cfg.strategy})" if info.enabled else ""
     log(
         f"model: {n / 1e6:.2f}M parameters ({model.num_parameters(True) / 1e6:.2f}M without "
-        f"the embedding); {cfg.tokens_per_step:,} tokens a step; device {device}, {dtype}"
+        f"the embedding); {cfg.tokens_per_step * info.world_size:,} tokens a step; device "
+        f"{device}, {dtype}{par}"
     )
     log(
         f"FLOPs/token = 6·(matmul weights, head included) + 6·L·H·D·T (causal attention) = "
@@ -115,61 +125,132 @@ def _describe(model, cfg: TrainConfig, device, dtype, log) -> dict:
         f"{flops['total'] / 1e6:.1f}M; peak {peak / 1e12 if peak else float('nan'):.1f} "
         f"TFLOP/s ({source})"
     )
-    return {"flops_per_token": flops["total"], "peak_flops": peak}
+    return {
+        "flops_per_token": flops["total"],
+        "peak_flops": peak,
+        "world": info.world_size,
+        "tokens_per_step": cfg.tokens_per_step * info.world_size,
+    }
 
 
-def _prepare_run_dir(out, cfg, fresh: bool) -> Path | None:
+def _prepare_run_dir(out, cfg, fresh: bool, info: DistInfo) -> Path | None:
     out = Path(out)
-    if fresh:
-        for name in ("checkpoints", "final", "metrics.jsonl"):
-            path = out / name
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(True)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "train_config.json", resolved(cfg))
+    if info.is_main:
+        if fresh:
+            for name in ("checkpoints", "final", "metrics.jsonl"):
+                path = out / name
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(True)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "train_config.json", resolved(cfg))
+    if info.enabled:
+        torch.distributed.barrier()
     return latest_checkpoint(out)
 
 
-def fit(cfg: TrainConfig, data_dir, out_dir, tokenizer=None, fresh=False, log=print) -> Path:
-    """Train per `cfg` on the shards in `data_dir`; returns the final model folder."""
+def fit(
+    cfg: TrainConfig, data_dir, out_dir, tokenizer=None, fresh=False, log=print, step_hook=None
+) -> Path:
+    """Train per `cfg` on the shards in `data_dir`; returns the final model folder. Under
+    torchrun every rank calls it; rank 0 logs and writes. `step_hook(step)` runs after each
+    step (tests use it to plant a hang or a crash)."""
     out = Path(out_dir)
-    device = resolve_device(cfg.device)
+    info, device = init_distributed(cfg.device, cfg.dist_timeout)
+    log = log if info.is_main else (lambda *_: None)
+    try:
+        return _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device)
+    except DoelError:
+        raise
+    except (RuntimeError, torch.distributed.DistError) as e:
+        text = str(e).lower()
+        if info.enabled and ("timed out" in text or "timeout" in text):
+            raise DoelError(collective_timeout_message(info, cfg.dist_timeout, e)) from e
+        raise
+    finally:
+        shutdown()
+
+
+def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device) -> Path:
     dtype = resolve_dtype(cfg.dtype, device)
     ctx = lambda: autocast(device, dtype)  # noqa: E731
     meta = read_meta(data_dir)
     check_vocab(meta, cfg)
     tok_path = _tokenizer_for(meta, tokenizer, data_dir)
-    resume_from = _prepare_run_dir(out, cfg, fresh)
+    resume_from = _prepare_run_dir(out, cfg, fresh, info)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     with torch.device(device):
         model = Llama(cfg.model)
-    optimizer = build_optimizer(model, cfg, device)
-    loader = TokenLoader(data_dir, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    wrapped = wrap_model(model, cfg.strategy, info, device, dtype, cfg.activation_checkpointing)
+    optimizer = build_optimizer(wrapped, cfg, device)  # after FSDP: on the sharded parameters
+    loader = TokenLoader(
+        data_dir,
+        "train",
+        cfg.batch_size,
+        cfg.seq_len,
+        cfg.seed,
+        rank=info.rank,
+        world_size=info.world_size,
+    )
     step, tokens_seen = 0, 0
     if resume_from is not None:
-        _, state = load_checkpoint(resume_from, model, optimizer, device=device)
+        _, state = load_checkpoint(resume_from, wrapped, optimizer)
         loader.load_state_dict(state["loader"])
         step, tokens_seen = state["step"], state.get("tokens_seen", 0)
         log(f"resuming from {resume_from} (step {step})")
-    info = _describe(model, cfg, device, dtype, log)
-    fwd = _compiled(model, loader, device, ctx, log) if cfg.compile else model
-    gradient_gate(fwd, loader, device, ctx, log)  # on the exact (compiled) model that trains
-    metrics = MetricsLog(out / "metrics.jsonl", resume_step=step if resume_from else None)
-    run = _Run(cfg, model, fwd, optimizer, loader, device, ctx, metrics, out, tok_path, info, log)
+    desc = _describe(model, cfg, device, dtype, info, log)
+    fwd = _compiled(wrapped, loader, device, ctx, log) if cfg.compile else wrapped
+    gradient_gate(fwd, loader, device, ctx, log)  # on the exact (wrapped, compiled) model
+    metrics = (
+        MetricsLog(out / "metrics.jsonl", resume_step=step if resume_from else None)
+        if info.is_main
+        else None
+    )
+    run = _Run(
+        cfg,
+        model,
+        fwd,
+        optimizer,
+        loader,
+        device,
+        ctx,
+        metrics,
+        out,
+        tok_path,
+        desc,
+        log,
+        info,
+        step_hook,
+    )
     try:
         run.loop(step, tokens_seen, meta)
     finally:
-        metrics.close()
+        if metrics:
+            metrics.close()
+    return _save_final(wrapped, optimizer, model, out, tok_path, cfg, info, log)
+
+
+def _save_final(wrapped, optimizer, model, out, tok_path, cfg, info, log) -> Path:
+    """The full model, gathered to rank 0, written atomically to RUN_DIR/final."""
+    model_sd, _ = full_state(wrapped, optimizer)
     final = out / "final"
-    tmp = out / ".tmp-final"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp, tokenizer=tok_path, extra_json={"train_config.json": resolved(cfg)})
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    log(f"final model: {final}")
+    if info.is_main:
+        tmp = out / ".tmp-final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(
+            model,
+            tmp,
+            tokenizer=tok_path,
+            state_dict=model_sd,
+            extra_json={"train_config.json": resolved(cfg)},
+        )
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        log(f"final model: {final}")
+    if info.enabled:
+        torch.distributed.barrier()
     return final
 
 
@@ -177,11 +258,27 @@ class _Run:
     """The step loop and its bookkeeping (kept apart so `fit` reads as the recipe)."""
 
     def __init__(
-        self, cfg, model, fwd, optimizer, loader, device, ctx, metrics, out, tok, info, log
+        self,
+        cfg,
+        model,
+        fwd,
+        optimizer,
+        loader,
+        device,
+        ctx,
+        metrics,
+        out,
+        tok,
+        desc,
+        log,
+        dist_info,
+        step_hook,
     ):
         self.cfg, self.model, self.fwd, self.optimizer = cfg, model, fwd, optimizer
         self.loader, self.device, self.ctx, self.metrics = loader, device, ctx, metrics
-        self.out, self.tok, self.info, self.log = out, tok, info, log
+        self.out, self.tok, self.info, self.log = out, tok, desc, log
+        self.dist, self.step_hook = dist_info, step_hook
+        self.write = metrics.write if metrics else (lambda row: None)
         self.bad_step = torch.full((), -1, dtype=torch.long, device=device)
         self.last_ckpt = None
 
@@ -190,6 +287,7 @@ class _Run:
         t_train, t_mark, step_mark, start_step = 0.0, time.perf_counter(), step, step
         projected = False
         while step < cfg.steps:
+            heartbeat(self.dist, step + 1)
             t0 = time.perf_counter()
             batches = _batches(self.loader, self.device, cfg.grad_accum)
             out = train_step(
@@ -198,6 +296,8 @@ class _Run:
             finite = torch.isfinite(out["loss"])
             self.bad_step = torch.where(~finite & (self.bad_step < 0), step + 1, self.bad_step)
             step, tokens_seen = step + 1, tokens_seen + out["tokens"]
+            if self.step_hook is not None:
+                self.step_hook(step)
             t_train += time.perf_counter() - t0
             last = step == cfg.steps or (cfg.time_limit and t_train >= cfg.time_limit)
             if step % cfg.log_every == 0 or last:
@@ -206,7 +306,7 @@ class _Run:
                 self._log_step(
                     step,
                     out,
-                    (step - step_mark) * cfg.tokens_per_step / dt,
+                    (step - step_mark) * self.info["tokens_per_step"] / dt,
                     dt / (step - step_mark),
                     tokens_seen,
                 )
@@ -238,8 +338,9 @@ class _Run:
     def _log_step(self, step, out, tokens_per_s, sec_per_step, tokens_seen) -> None:
         cfg, info = self.cfg, self.info
         loss, gnorm = float(out["loss"]), float(out["grad_norm"])
+        # MFU per device: the global rate shared by world devices, against one device's peak.
         mfu = (
-            tokens_per_s * info["flops_per_token"] / info["peak_flops"]
+            tokens_per_s / info["world"] * info["flops_per_token"] / info["peak_flops"]
             if info["peak_flops"]
             else float("nan")
         )
@@ -247,9 +348,10 @@ class _Run:
         lr = lr_at(step - 1, cfg)
         self.log(
             f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
-            f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | ETA {eta}"
+            f"{tokens_per_s:,.0f} tok/s{' (global)' if info['world'] > 1 else ''} | "
+            f"MFU {100 * mfu:.1f}% | ETA {eta}"
         )
-        self.metrics.write(
+        self.write(
             {
                 "kind": "train",
                 "step": step,
@@ -265,15 +367,17 @@ class _Run:
 
     def _projection(self, step, sec_per_step) -> None:
         total = self.cfg.steps * sec_per_step
-        cost = ""
+        cost, world = "", self.info["world"]
         if self.device.type == "cuda":
+            gpu_hours = total / 3600 * world
             cost = (
-                f", about ${total / 3600 * self.cfg.hourly_price:,.2f} at "
-                f"${self.cfg.hourly_price:.2f}/h"
+                f", about ${gpu_hours * self.cfg.hourly_price:,.2f} at "
+                f"${self.cfg.hourly_price:.2f}/GPU-hour × {world} GPU(s)"
             )
+        tokens = self.cfg.steps * self.info["tokens_per_step"]
         self.log(
             f"projected: {self.cfg.steps} steps × {sec_per_step:.3f} s = {format_duration(total)}"
-            f" for {self.cfg.steps * self.cfg.tokens_per_step / 1e6:,.1f}M tokens{cost}; "
+            f" for {tokens / 1e6:,.1f}M tokens{cost}; "
             f"{format_duration((self.cfg.steps - step) * sec_per_step)} left"
         )
 
@@ -291,7 +395,7 @@ class _Run:
         toks = sum(s.get("val_tokens", 0) for s in meta["sources"].values())
         bpc = loss * toks / chars / math.log(2) if chars else float("nan")
         self.log(f"validation at step {step}: {loss:.4f} nats/token, ≈{bpc:.3f} bits/char")
-        self.metrics.write({"kind": "val", "step": step, "loss": loss, "bits_per_char": bpc})
+        self.write({"kind": "val", "step": step, "loss": loss, "bits_per_char": bpc})
 
     def _save(self, step, tokens_seen) -> None:
         self._check_finite()

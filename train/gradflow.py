@@ -91,6 +91,8 @@ def check_gradient_flow(
             continue
         report.checked += 1
         g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):  # an FSDP shard: judge the whole grad
+            g = g.full_tensor()
         if g is None:
             report.offenders.append((name, "no gradient (None): not on the loss's graph"))
         elif not torch.isfinite(g).all():

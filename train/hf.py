@@ -31,8 +31,9 @@ def generation_config(cfg: ModelConfig) -> dict:
     }
 
 
-def state_dict_for_save(model: Llama) -> dict[str, torch.Tensor]:
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+def state_dict_for_save(model: Llama, state_dict=None) -> dict[str, torch.Tensor]:
+    sd = model.state_dict() if state_dict is None else state_dict
+    sd = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
     for _, dropped in model.tied_parameters:
         sd.pop(dropped, None)
     return sd
@@ -43,14 +44,18 @@ def save_model(
     folder: str | Path,
     tokenizer: str | Path | None = None,
     extra_json: dict[str, dict] | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the HF-layout folder (not atomically: callers that need that write to a temporary
-    folder and rename it, as `train/checkpoint.py` does)."""
+    folder and rename it, as `train/checkpoint.py` does). `state_dict` replaces the model's own
+    (a full state gathered from FSDP shards)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(state_dict_for_save(model), str(folder / WEIGHTS), metadata={"format": "pt"})
+    save_file(
+        state_dict_for_save(model, state_dict), str(folder / WEIGHTS), metadata={"format": "pt"}
+    )
     atomic_write_json(folder / "config.json", model.config.to_hf())
     atomic_write_json(folder / "generation_config.json", generation_config(model.config))
     if tokenizer is not None:

@@ -4,6 +4,11 @@ The shards of a split form one stream in which every document starts with <|bos|
 into windows of seq_len + 1 tokens (inputs and the targets shifted by one); each epoch visits
 all windows in an order drawn from (seed, epoch). The loader's position is (epoch, cursor), so
 `state_dict()` / `load_state_dict()` restore it exactly.
+
+Under data parallelism each of `world_size` ranks takes its slice of the same global batch, so
+the ranks' batches never overlap, leave no gap, and together equal the single-process stream
+with the same global batch. The position counts global rows, so it resumes at another world size
+as long as the global batch (rows per rank × ranks) is unchanged.
 """
 
 from __future__ import annotations
@@ -41,9 +46,23 @@ def check_tokenizer(meta: dict, tokenizer_path: str | Path, data_dir) -> None:
 
 
 class TokenLoader:
-    def __init__(self, data_dir, split="train", batch_size=8, seq_len=512, seed=0, tokenizer=None):
+    def __init__(
+        self,
+        data_dir,
+        split="train",
+        batch_size=8,
+        seq_len=512,
+        seed=0,
+        tokenizer=None,
+        rank=0,
+        world_size=1,
+    ):
         self.data_dir, self.split = Path(data_dir), split
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self.global_batch = batch_size * world_size
         meta = read_meta(data_dir)
         if tokenizer is not None:
             check_tokenizer(meta, tokenizer, data_dir)
@@ -55,11 +74,11 @@ class TokenLoader:
         counts = np.array([max((len(s) - 1) // seq_len, 0) for s in self.shards], dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(counts)])
         self.n_windows = int(self._offsets[-1])
-        if self.n_windows < batch_size:
+        if self.n_windows < self.global_batch:
             raise DoelError(
                 f"the {split} split of {data_dir} holds {self.n_windows} windows of "
-                f"{seq_len + 1} tokens, fewer than one batch of {batch_size}; lower "
-                "batch_size or seq_len, or prepare more text"
+                f"{seq_len + 1} tokens, fewer than one global batch of {self.global_batch}; "
+                "lower batch_size or seq_len, or prepare more text"
             )
         self.epoch, self.cursor = 0, 0
         self._perm = self._permutation(0)
@@ -74,11 +93,12 @@ class TokenLoader:
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets), each (batch_size, seq_len) int64; targets are inputs shifted by 1."""
-        if self.cursor + self.batch_size > self.n_windows:  # the remainder waits for no one
+        if self.cursor + self.global_batch > self.n_windows:  # the remainder waits for no one
             self.epoch, self.cursor = self.epoch + 1, 0
             self._perm = self._permutation(self.epoch)
-        idx = self._perm[self.cursor : self.cursor + self.batch_size]
-        self.cursor += self.batch_size
+        start = self.cursor + self.rank * self.batch_size  # this rank's slice of the batch
+        idx = self._perm[start : start + self.batch_size]
+        self.cursor += self.global_batch
         rows = np.stack([self.window(int(w)) for w in idx])  # (B, T+1)
         return rows[:, :-1], rows[:, 1:]
 
@@ -91,13 +111,15 @@ class TokenLoader:
             "split": self.split,
             "seed": self.seed,
             "seq_len": self.seq_len,
-            "batch_size": self.batch_size,
+            "global_batch": self.global_batch,
             "epoch": self.epoch,
             "cursor": self.cursor,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("split", "seed", "seq_len", "batch_size"):
+        state = dict(state)
+        state.setdefault("global_batch", state.get("batch_size"))  # written before ranks existed
+        for key in ("split", "seed", "seq_len", "global_batch"):
             if state[key] != getattr(self, key):
                 raise DoelError(
                     f"loader state was saved with {key}={state[key]!r}, this loader has "

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from train.model import IGNORE_INDEX, ModelConfig
 
@@ -43,6 +44,9 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype; auto: bf16 on CUDA, and on CPUs whose bf16 is fast
     compile: bool = False
     device: str = "auto"
+    strategy: str = "ddp"  # under torchrun: ddp, or fsdp (FSDP2 per block)
+    activation_checkpointing: bool = False
+    dist_timeout: float = 600.0  # seconds a collective may wait before the job stops
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100  # 0 disables periodic validation
@@ -73,6 +77,10 @@ class TrainConfig:
             raise ValueError(f"decay_fraction must lie in (0, 1], got {self.decay_fraction}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"strategy must be ddp or fsdp, got {self.strategy!r}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0):
@@ -82,6 +90,7 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
+        """Per process; a data-parallel step trains world_size times as many."""
         return self.batch_size * self.grad_accum * self.seq_len
 
 
@@ -145,25 +154,54 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
         return torch.optim.AdamW(groups, **kwargs)
 
 
+def _no_sync(model, last: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch (DDP and FSDP2)."""
+    if last:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        return _ResyncAfter(model)
+    return contextlib.nullcontext()
+
+
+class _ResyncAfter(contextlib.AbstractContextManager):
+    def __init__(self, model):
+        self.model = model
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+
+
 def train_step(
     model, optimizer, micro_batches, lr: float, grad_clip: float = 1.0, ctx=contextlib.nullcontext
 ) -> dict:
     """One optimizer step over a list of (inputs, targets) micro-batches already on the device.
-    Returns loss (mean nats per target token), grad_norm and tokens as tensors, so nothing
-    waits for the device until the caller logs."""
-    n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+    The loss is normalised by the target tokens of the whole step across all ranks (DDP and
+    FSDP average gradients over ranks, hence the world-size factor). Returns loss (mean nats
+    per target token), grad_norm and tokens (global) as tensors/ints."""
+    from train.dist import all_reduce_sum
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+    n_tokens = int(all_reduce_sum(torch.tensor(local, dtype=torch.float64)))
+    if n_tokens == 0:
+        raise ValueError("a training step without target tokens (every target is ignored)")
     total = None
-    for x, y in micro_batches:
-        with ctx():
-            loss_sum = model(x, y, reduction="sum")
-        (loss_sum / n_tokens).backward()
+    for i, (x, y) in enumerate(micro_batches):
+        with _no_sync(model, last=i == len(micro_batches) - 1):
+            with ctx():
+                loss_sum = model(x, y, reduction="sum")
+            (loss_sum * (world / n_tokens)).backward()
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
-    if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    else:
-        grad_norm = torch.linalg.vector_norm(
-            torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
-        )
+    total = all_reduce_sum(total.float())
+    # max_norm=inf measures without clipping; works on DTensor (FSDP) gradients too.
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), grad_clip if grad_clip > 0 else float("inf")
+    )
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()

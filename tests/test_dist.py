@@ -1,0 +1,172 @@
+"""Data parallelism on CPU with gloo: 2 processes under torchrun against 1, for DDP and FSDP2;
+resume at another world size; elastic restart after kill -9; a hung rank stops the job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train.checkpoint import latest_checkpoint
+from train.loader import TokenLoader
+from train.metrics import read_metrics
+from train.prepare import PrepareConfig, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+# A constant schedule, so that a run's step count does not change its first steps' lr.
+FLAT = ["log_every=1", "schedule=constant", "warmup_steps=0", "eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, tokenizer_path, sample_paths) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    prepare(tokenizer_path, sample_paths, out, PrepareConfig(val_fraction=0.1), progress=False)
+    return out
+
+
+def fit_cmd(shards, out, nproc, *sets, steps=12, every=6, restarts=None):
+    args = ["fit", "--config", "tiny", "--data", str(shards), "--out", str(out)]
+    args += ["--steps", str(steps), "--checkpoint-every", str(every)]
+    for s in (*FLAT, *sets):
+        args += ["--set", s]
+    if nproc == 1:
+        return [sys.executable, "-m", "train", *args]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += [f"--nproc_per_node={nproc}"]
+    if restarts is not None:
+        launcher += [f"--max-restarts={restarts}"]
+    return [*launcher, "-m", "train", *args]
+
+
+def run(cmd) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(run_dir) -> list[float]:
+    return [
+        r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"
+    ]
+
+
+def weights(run_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def assert_same_model(a, b, atol=1e-5):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=atol, msg=k)
+
+
+def test_ranks_split_the_global_batch_with_no_overlap_and_no_gap(shards):
+    single = TokenLoader(shards, batch_size=6, seq_len=32, seed=3)
+    ranks = [
+        TokenLoader(shards, batch_size=2, seq_len=32, seed=3, rank=r, world_size=3)
+        for r in range(3)
+    ]
+    for _ in range(40):  # across an epoch boundary too
+        x, y = single.next_batch()
+        parts = [loader.next_batch() for loader in ranks]
+        assert (x == torch.cat([torch.from_numpy(p[0]) for p in parts]).numpy()).all()
+        assert (y == torch.cat([torch.from_numpy(p[1]) for p in parts]).numpy()).all()
+    # The position is global: any rank's state resumes the single stream (and vice versa).
+    assert all(loader.state_dict() == single.state_dict() for loader in ranks)
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory) -> Path:
+    """One process, global batch 4, 12 steps."""
+    out = tmp_path_factory.mktemp("ref")
+    run(fit_cmd(shards, out, 1, "batch_size=4"))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_match_one_with_the_same_global_batch(shards, reference, tmp_path, strategy):
+    proc = run(fit_cmd(shards, tmp_path, 2, "batch_size=2", f"strategy={strategy}"))
+    assert "2 ranks" in proc.stdout and "tok/s (global)" in proc.stdout
+    assert "every one has a finite, nonzero gradient" in proc.stdout  # the gate, under wrap
+    assert proc.stdout.count("gradient flow:") == 1  # rank 0 logs alone
+    assert losses(tmp_path) == pytest.approx(losses(reference), rel=1e-4)
+    assert_same_model(tmp_path, reference)
+    final = weights(tmp_path)
+    assert "lm_head.weight" not in final  # the tie survived sharding: the head is stored once
+
+
+@pytest.mark.parametrize("resume_nproc", [1, 2])
+def test_fsdp_checkpoint_resumes_at_another_world_size(shards, reference, tmp_path, resume_nproc):
+    run(fit_cmd(shards, tmp_path, 2, "batch_size=2", "strategy=fsdp", steps=6))
+    batch = 4 // resume_nproc
+    proc = run(fit_cmd(shards, tmp_path, resume_nproc, f"batch_size={batch}", "strategy=fsdp"))
+    assert "resuming from" in proc.stdout and "step 6" in proc.stdout
+    assert losses(tmp_path) == pytest.approx(losses(reference), rel=1e-4)
+    assert_same_model(tmp_path, reference)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_elastic_restart_after_kill_9_gives_the_uninterrupted_weights(shards, tmp_path):
+    slow = [
+        "batch_size=2",
+        "model.hidden_size=192",
+        "model.num_hidden_layers=4",
+        "seq_len=128",
+        "model.num_attention_heads=6",
+    ]
+    run(fit_cmd(shards, tmp_path / "whole", 2, *slow, steps=24, every=4))
+    job = tmp_path / "killed"
+    proc = subprocess.Popen(
+        fit_cmd(shards, job, 2, *slow, steps=24, every=4, restarts=2),
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 180
+    while latest_checkpoint(job) is None and time.time() < deadline:
+        time.sleep(0.05)
+    workers = [c for agent in _children(proc.pid) for c in [agent, *_children(agent)]]
+    workers = [w for w in workers if w != proc.pid]
+    assert workers, "no worker processes found to kill"
+    os.kill(workers[-1], signal.SIGKILL)  # one rank dies mid-run, no human steps in
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resuming from" in out
+    wa, wb = weights(tmp_path / "whole"), weights(job)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_hung_rank_ends_the_job_with_a_timeout_naming_it(shards, tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "tests" / "dist_hang.py"),
+        str(ROOT / "configs" / "tiny.toml"),
+        str(shards),
+        str(tmp_path),
+    ]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "rank 0: a collective did not complete within 5 s" in text, text[-3000:]
+    assert "rank 1 last began step 3; the others are at step 4" in text
+    assert time.time() - t0 < 200

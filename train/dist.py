@@ -1,0 +1,182 @@
+"""Data parallelism on PyTorch's own engine: torchrun, DDP or FSDP2 (`fully_shard`).
+
+`doel-train fit` is the same command on one process and under `torchrun --nproc_per_node=N`
+(`--nnodes`, c10d rendezvous for several machines): `init_distributed` reads the variables
+torchrun sets. NCCL drives GPUs, gloo the CPU (how the tests run it, several processes on
+loopback). Every collective has a timeout, so a rank that hangs ends the job with a message
+instead of hanging it forever.
+
+Checkpoints gather the full model and optimizer state to rank 0 and write the ordinary
+single-process checkpoint (HF-layout model, safetensors optimizer keyed by parameter name), so
+a run saved at one world size resumes at any other, and stages after training see one format.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STRATEGIES = ("ddp", "fsdp")
+HEARTBEAT = "doel/step/"  # key prefix in torchrun's store: the step each rank last began
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device_name: str, timeout_s: float) -> tuple[DistInfo, torch.device]:
+    """Join the process group torchrun describes (or none), and pick this rank's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        from train.trainer import resolve_device
+
+        return DistInfo(), resolve_device(device_name)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        # torchrun reuses one store across elastic restarts; a prefix per attempt keeps a
+        # restarted group from reading the dead attempt's connection keys (it hangs otherwise).
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            store=dist.PrefixStore(f"doel/attempt-{attempt}/", store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device if cuda else None,
+        )
+    return DistInfo(rank, world, local), device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(
+    model: nn.Module,
+    strategy: str,
+    info: DistInfo,
+    device: torch.device,
+    dtype: torch.dtype,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+    """DDP, or FSDP2 per transformer block plus the root (embedding, norm and head, which keeps
+    a tied head and embedding one tensor). Returns the module to train."""
+    if activation_checkpointing:
+        _checkpoint_blocks(model)
+    if not info.enabled:
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # On CUDA, FSDP itself casts parameters to bf16 for compute and reduces gradients in fp32;
+    # on CPU it keeps fp32 (gloo has no bf16 reductions worth having).
+    mp = MixedPrecisionPolicy(
+        param_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None,
+        reduce_dtype=torch.float32,
+    )
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """Recompute each block's activations in backward instead of storing them."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.model.layers:
+        forward = block.forward
+        block.forward = lambda *a, _f=forward: checkpoint(_f, *a, use_reentrant=False)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
+    """The full (unsharded) model and optimizer state on CPU, keyed by parameter name. Every
+    rank must call it (it gathers); only rank 0's copy is complete under FSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(model, optimizer, options=opts)
+
+
+def load_full_state(model: nn.Module, optimizer, model_sd: dict, optim_sd: dict) -> None:
+    """Load a full state on every rank; FSDP shards it as it loads."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=StateDictOptions(full_state_dict=True, strict=True),
+    )
+
+
+def heartbeat(info: DistInfo, step: int) -> None:
+    """Record in the rendezvous store that this rank begins `step`. The store outlives a broken
+    collective, so after a timeout it still tells which rank stopped where."""
+    if info.enabled:
+        dist.distributed_c10d._get_default_store().set(f"{HEARTBEAT}{info.rank}", str(step))
+
+
+def _laggards(info: DistInfo) -> str:
+    store = dist.distributed_c10d._get_default_store()
+    steps = {}
+    for r in range(info.world_size):
+        try:
+            store.wait([f"{HEARTBEAT}{r}"], timedelta(seconds=2))
+            steps[r] = int(store.get(f"{HEARTBEAT}{r}"))
+        except Exception:  # noqa: BLE001 (a rank that never reported)
+            steps[r] = -1
+    ahead = max(steps.values())
+    behind = {r: s for r, s in steps.items() if s < ahead}
+    if not behind:
+        return f"every rank began step {ahead}"
+    named = ", ".join(f"rank {r} last began step {s}" for r, s in sorted(behind.items()))
+    return f"{named}; the others are at step {ahead}"
+
+
+def collective_timeout_message(info: DistInfo, timeout_s: float, error: Exception) -> str:
+    """Which ranks stopped answering, from the step each one last reported."""
+    try:
+        where = _laggards(info)
+    except Exception as e:  # noqa: BLE001 (the store itself may be gone)
+        where = f"the store could not tell which: {e}"
+    return (
+        f"rank {info.rank}: a collective did not complete within {timeout_s:.0f} s, so another "
+        f"rank hung or died ({where}); the job stops here. Resume by re-running the same "
+        f"command: it continues from the last checkpoint. (cause: {str(error)[:200]})"
+    )
