@@ -100,8 +100,10 @@ def test_a_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoin
     run = tmp_path / "run"
     # lr 1e38 makes the first update overflow float32: the step-2 loss is NaN.
     cfg = tiny("steps=6", "checkpoint_every=1", "lr=1e38", "grad_clip=0", "warmup_steps=0")
+    # The suite would refuse these settings before step 1 (its optimizer-parity row overflows
+    # too); skipped here so that the run reaches the NaN it must stop at.
     with pytest.raises(NonFiniteLossError, match="step 2") as err:
-        fit(cfg, shards, run, log=lambda s: 0)
+        fit(cfg, shards, run, log=lambda s: 0, skip_verify=True)
     assert "step-000001" in str(err.value)
     assert [p.name for p in list_checkpoints(run)] == ["step-000001"]
     assert not (run / "final").exists()
@@ -157,7 +159,7 @@ def test_a_compiled_run_gates_the_compiled_model_and_matches_eager(tmp_path, sha
     fit(tiny("steps=3", "compile=true"), shards, tmp_path / "compiled", log=lines.append)
     if any("torch.compile failed" in line for line in lines):
         pytest.skip("no working inductor toolchain here: the run fell back to eager, loudly")
-    assert any("every one has a finite, nonzero gradient" in line for line in lines)
+    assert any("pass gradient_flow" in line for line in lines)
     fit(tiny("steps=3"), shards, tmp_path / "eager", log=lambda s: 0)
     compiled, eager = train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")
     assert [s for s, _ in compiled] == [1, 2, 3]

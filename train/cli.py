@@ -93,7 +93,14 @@ def _train_config(args):
 def _cmd_fit(args) -> None:
     from train.fit import fit
 
-    fit(_train_config(args), args.data, args.out, tokenizer=args.tokenizer, fresh=args.fresh)
+    fit(
+        _train_config(args),
+        args.data,
+        args.out,
+        tokenizer=args.tokenizer,
+        fresh=args.fresh,
+        skip_verify=args.skip_verify,
+    )
 
 
 def _cmd_check_gradients(args) -> None:
@@ -215,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     fi.add_argument("--checkpoint-every", type=int)
     fi.add_argument("--tokenizer", help="default: the one named in the shards' meta.json")
     fi.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    fi.add_argument(
+        "--skip-verify",
+        action="store_true",
+        help="skip the verification suite before step 1 (loudly; the gradient gate still runs)",
+    )
     fi.set_defaults(func=_cmd_fit)
 
     cg = sub.add_parser("check-gradients", help="run the gradient-flow gate alone")

@@ -41,6 +41,7 @@ from train.trainer import (
     resolve_dtype,
     train_step,
 )
+from train.verify import select, verify_before_training
 
 
 class GradientFlowError(DoelError):
@@ -148,7 +149,14 @@ def _prepare_run_dir(out, cfg, fresh: bool, info: DistInfo) -> Path | None:
 
 
 def fit(
-    cfg: TrainConfig, data_dir, out_dir, tokenizer=None, fresh=False, log=print, step_hook=None
+    cfg: TrainConfig,
+    data_dir,
+    out_dir,
+    tokenizer=None,
+    fresh=False,
+    log=print,
+    step_hook=None,
+    skip_verify=False,
 ) -> Path:
     """Train per `cfg` on the shards in `data_dir`; returns the final model folder. Under
     torchrun every rank calls it; rank 0 logs and writes. `step_hook(step)` runs after each
@@ -157,7 +165,7 @@ def fit(
     info, device = init_distributed(cfg.device, cfg.dist_timeout)
     log = log if info.is_main else (lambda *_: None)
     try:
-        return _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device)
+        return _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, skip_verify)
     except DoelError:
         raise
     except (RuntimeError, torch.distributed.DistError) as e:
@@ -169,7 +177,7 @@ def fit(
         shutdown()
 
 
-def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device) -> Path:
+def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, skip_verify):
     dtype = resolve_dtype(cfg.dtype, device)
     ctx = lambda: autocast(device, dtype)  # noqa: E731
     meta = read_meta(data_dir)
@@ -202,7 +210,33 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device) -> 
         log(f"resuming from {resume_from} (step {step})")
     desc = _describe(model, cfg, device, dtype, info, log)
     fwd = _compiled(wrapped, loader, device, ctx, log) if cfg.compile else wrapped
-    gradient_gate(fwd, loader, device, ctx, log)  # on the exact (wrapped, compiled) model
+    if skip_verify:
+        log(
+            "WARNING: --skip-verify: the verification suite did not run, so the silent failures "
+            "it catches would go unnoticed; only the gradient-flow gate runs"
+        )
+        gradient_gate(fwd, loader, device, ctx, log)  # on the exact (wrapped, compiled) model
+    else:  # the fast subset, gradient flow included, on the run's own objects
+        names = None
+        if info.enabled:
+            # Parity and tie-sum checks compare a rank's gradients with a local eager pass,
+            # but DDP/FSDP average gradients over ranks holding other data, and the step check
+            # mirrors the optimizer onto a plain model (FSDP's are sharded): these run in
+            # `doel-train verify` on one process. The gate still judges the full gradients
+            # and tie identity under the wrapper.
+            names = [n for n in select("fast") if n not in ("parity", "ties", "step")]
+        verify_before_training(
+            cfg,
+            wrapped,
+            fwd,
+            optimizer,
+            loader,
+            device,
+            dtype,
+            log,
+            out_dir=out / "verify" if info.is_main else None,
+            names=names,
+        )
     metrics = (
         MetricsLog(out / "metrics.jsonl", resume_step=step if resume_from else None)
         if info.is_main

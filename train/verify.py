@@ -307,6 +307,7 @@ def verify_before_training(
     out_dir=None,
     subset: str = "fast",
     vcfg: VerifyConfig | None = None,
+    names: list[str] | None = None,
 ) -> Report:
     """The fast subset on the run's own objects (fwd: the compiled model when cfg.compile,
     else `model`), for `fit` before step 1. Fresh copies for the checks that step or train
@@ -342,7 +343,7 @@ def verify_before_training(
         vcfg or VerifyConfig(),
     )
     log(f"verifying before step 1 ({subset} subset; --skip-verify skips it)")
-    report = run_checks(setup, select(subset), subset, log=log)
+    report = run_checks(setup, select(subset, names), subset, log=log)
     log(report.summary())
     if out_dir is not None:
         report.write(out_dir)
