@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.config import load_config
-from train.fit import NonFiniteLossError, fit
+from train.fit import fit
+from train.loop import NonFiniteLossError
 from train.metrics import plot_run, read_metrics
 from train.prepare import PrepareConfig, prepare
 from train.trainer import TrainConfig

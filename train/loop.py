@@ -1,0 +1,192 @@
+"""The step loop of a run and its bookkeeping: logging (tokens/s, MFU, ETA), the time and cost
+projection, periodic validation, checkpoints, and the non-finite-loss stop. `train/fit.py`
+builds everything and hands it to `RunLoop`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from train.checkpoint import save_checkpoint
+from train.common import DoelError
+from train.config import resolved
+from train.dist import heartbeat
+from train.loader import TokenLoader
+from train.metrics import format_duration
+from train.trainer import evaluate, lr_at, train_step
+
+
+class NonFiniteLossError(DoelError):
+    pass
+
+
+def batches_on(loader, device, n):
+    """The next n batches of the loader as tensors on the device."""
+    return [
+        (torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+        for x, y in (loader.next_batch() for _ in range(n))
+    ]
+
+
+class RunLoop:
+    """The step loop and its bookkeeping (kept apart so `fit` reads as the recipe)."""
+
+    def __init__(
+        self,
+        cfg,
+        model,
+        fwd,
+        optimizer,
+        loader,
+        device,
+        ctx,
+        metrics,
+        out,
+        tok,
+        desc,
+        log,
+        dist_info,
+        step_hook,
+    ):
+        self.cfg, self.model, self.fwd, self.optimizer = cfg, model, fwd, optimizer
+        self.loader, self.device, self.ctx, self.metrics = loader, device, ctx, metrics
+        self.out, self.tok, self.info, self.log = out, tok, desc, log
+        self.dist, self.step_hook = dist_info, step_hook
+        self.write = metrics.write if metrics else (lambda row: None)
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.last_ckpt = None
+
+    def loop(self, step: int, tokens_seen: int, meta: dict) -> None:
+        cfg = self.cfg
+        t_train, t_mark, step_mark, start_step = 0.0, time.perf_counter(), step, step
+        projected = False
+        while step < cfg.steps:
+            heartbeat(self.dist, step + 1)
+            t0 = time.perf_counter()
+            batches = batches_on(self.loader, self.device, cfg.grad_accum)
+            out = train_step(
+                self.fwd, self.optimizer, batches, lr_at(step, cfg), cfg.grad_clip, self.ctx
+            )
+            finite = torch.isfinite(out["loss"])
+            self.bad_step = torch.where(~finite & (self.bad_step < 0), step + 1, self.bad_step)
+            step, tokens_seen = step + 1, tokens_seen + out["tokens"]
+            if self.step_hook is not None:
+                self.step_hook(step)
+            t_train += time.perf_counter() - t0
+            last = step == cfg.steps or (cfg.time_limit and t_train >= cfg.time_limit)
+            if step % cfg.log_every == 0 or last:
+                self._check_finite()
+                dt = time.perf_counter() - t_mark
+                self._log_step(
+                    step,
+                    out,
+                    (step - step_mark) * self.info["tokens_per_step"] / dt,
+                    dt / (step - step_mark),
+                    tokens_seen,
+                )
+                if not projected and step - start_step >= 3:
+                    self._projection(step, dt / (step - step_mark))
+                    projected = True
+            if cfg.eval_every and (step % cfg.eval_every == 0 or last):
+                self._validate(step, meta)
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or last):
+                self._save(step, tokens_seen)
+            if step % cfg.log_every == 0 or last:
+                t_mark, step_mark = time.perf_counter(), step
+            if last:
+                break
+
+    def _check_finite(self) -> None:
+        bad = int(self.bad_step)
+        if bad >= 0:
+            keep = (
+                f"the last good checkpoint is {self.last_ckpt}"
+                if self.last_ckpt
+                else ("no checkpoint was written before it")
+            )
+            raise NonFiniteLossError(
+                f"the loss became non-finite at step {bad}; stopping. {keep}. Lower lr, "
+                "check the data, or run `doel-train check-gradients`"
+            )
+
+    def _log_step(self, step, out, tokens_per_s, sec_per_step, tokens_seen) -> None:
+        cfg, info = self.cfg, self.info
+        loss, gnorm = float(out["loss"]), float(out["grad_norm"])
+        # MFU per device: the global rate shared by world devices, against one device's peak.
+        mfu = (
+            tokens_per_s / info["world"] * info["flops_per_token"] / info["peak_flops"]
+            if info["peak_flops"]
+            else float("nan")
+        )
+        eta = format_duration((cfg.steps - step) * sec_per_step)
+        lr = lr_at(step - 1, cfg)
+        self.log(
+            f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
+            f"{tokens_per_s:,.0f} tok/s{' (global)' if info['world'] > 1 else ''} | "
+            f"MFU {100 * mfu:.1f}% | ETA {eta}"
+        )
+        self.write(
+            {
+                "kind": "train",
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": gnorm,
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "tokens": tokens_seen,
+                "time": time.time(),
+            }
+        )
+
+    def _projection(self, step, sec_per_step) -> None:
+        total = self.cfg.steps * sec_per_step
+        cost, world = "", self.info["world"]
+        if self.device.type == "cuda":
+            gpu_hours = total / 3600 * world
+            cost = (
+                f", about ${gpu_hours * self.cfg.hourly_price:,.2f} at "
+                f"${self.cfg.hourly_price:.2f}/GPU-hour × {world} GPU(s)"
+            )
+        tokens = self.cfg.steps * self.info["tokens_per_step"]
+        self.log(
+            f"projected: {self.cfg.steps} steps × {sec_per_step:.3f} s = {format_duration(total)}"
+            f" for {tokens / 1e6:,.1f}M tokens{cost}; "
+            f"{format_duration((self.cfg.steps - step) * sec_per_step)} left"
+        )
+
+    def _validate(self, step, meta) -> None:
+        try:
+            val = TokenLoader(
+                self.loader.data_dir, "val", self.cfg.batch_size, self.cfg.seq_len, seed=0
+            )
+        except (DoelError, KeyError):
+            return  # no (or too small a) validation split: nothing to report
+        n = min(self.cfg.eval_batches, val.n_windows // self.cfg.batch_size)
+        # Eager model: a compiled one would recompile for no_grad/eval mode.
+        loss = evaluate(self.model, (val.next_batch() for _ in range(n)), self.device, self.ctx)
+        chars = sum(s.get("val_characters", 0) for s in meta["sources"].values())
+        toks = sum(s.get("val_tokens", 0) for s in meta["sources"].values())
+        bpc = loss * toks / chars / math.log(2) if chars else float("nan")
+        self.log(f"validation at step {step}: {loss:.4f} nats/token, ≈{bpc:.3f} bits/char")
+        self.write({"kind": "val", "step": step, "loss": loss, "bits_per_char": bpc})
+
+    def _save(self, step, tokens_seen) -> None:
+        self._check_finite()
+        state = {
+            "loader": self.loader.state_dict(),
+            "tokens_seen": tokens_seen,
+            "config": resolved(self.cfg),
+        }
+        self.last_ckpt = save_checkpoint(
+            self.out,
+            step,
+            self.model,
+            self.optimizer,
+            state,
+            tokenizer=self.tok,
+            keep=self.cfg.keep_checkpoints,
+        )
