@@ -189,3 +189,33 @@ def test_loader_refuses_another_tokenizer(shards, tmp_path, sample_paths):
         TokenLoader(out, batch_size=2, seq_len=16, tokenizer=other)
     with pytest.raises(DoelError, match="no meta.json"):
         TokenLoader(tmp_path, batch_size=2, seq_len=16)
+
+
+def test_shards_hold_what_the_full_tokenizer_encodes(tmp_path, tokenizer_path, tok):
+    # prepare encodes without the tokenizer's own NFC, which its Python NFC makes redundant:
+    # the tokens must be those of the full tokenizer, for marks its old tables do not know
+    # (U+09FE, the Bengali sandhi mark) and for marks in every order.
+    import random
+
+    from tokenizers import normalizers
+
+    rng = random.Random(0)
+    pieces = ["ক", "ড", "য", "ে", "া", "ৗ", "়", "্", "ঁ", "\u09fe", "\u200c", "e", "\u0301", " "]
+    docs = ["ড়ে\u09fe া ক\u09fe়্", "য়ো কৌ ক\u09fe়্য"] + [
+        "".join(rng.choices(pieces, k=40)) for _ in range(300)
+    ]
+    assert type(tok.normalizer) is normalizers.NFC
+    for d in docs:
+        nfc = unicodedata.normalize("NFC", d)
+        assert tok.normalizer.normalize_str(nfc) == nfc
+    data = tmp_path / "marks.txt"
+    data.write_text("\n".join(docs) + "\n", encoding="utf-8")
+    meta = prepare(tokenizer_path, [str(data)], tmp_path / "out", progress=False, log=quiet)
+    _, ids = open_shard(tmp_path / "out" / meta["splits"]["train"]["shards"][0]["file"])
+    seen, expected = set(), []
+    for d in docs:
+        nfc = unicodedata.normalize("NFC", d).strip()
+        if nfc and nfc not in seen:
+            seen.add(nfc)
+            expected += tok.encode(nfc).ids
+    assert ids.tolist() == expected
