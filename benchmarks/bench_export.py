@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,29 @@ sys.path.insert(0, str(ROOT))
 
 PROMPT_TOKENS, NEW_TOKENS, THREADS = 128, 64, 2
 QUANTS = ("fp32", "int8", "int4")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds spent by every process on the machine so far (/proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+
+
+def own_cpu_s() -> float:
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def foreign_cpu(fn, *args):
+    """fn(*args) and the CPU seconds other processes used meanwhile: other jobs on a 2-core
+    machine skew speed figures, so each one is reported with this number beside it."""
+    busy, own = machine_busy_s(), own_cpu_s()
+    result = fn(*args)
+    return result, max(0.0, (machine_busy_s() - busy) - (own_cpu_s() - own))
 
 
 def make_checkpoint(folder: Path, preset: str) -> Path:
@@ -204,7 +228,15 @@ def markdown(result: dict) -> str:
                 f"{r['ort_shared_decode_tok_s']:.1f} tokens/s on this x86 machine (shared KV "
                 "buffer).",
             ]
+    foreign = ", ".join(
+        f"{r['quant']} export {r['export_foreign_cpu_s']:.0f} s / decode "
+        f"{r['decode_foreign_cpu_s']:.0f} s"
+        for r in result["rows"]
+    )
     lines += [
+        "",
+        f"CPU seconds used by other processes meanwhile (2 cores; 0 is a quiet machine): PyTorch "
+        f"decode {t['foreign_cpu_s']:.0f} s; {foreign}.",
         "",
         "Random weights make the logits nearly uniform: the loss increase and top-1 agreement "
         "here show the checks running at full size, not the quality of a trained model.",
@@ -226,14 +258,18 @@ def main() -> None:
         exports = {}
         for quant in QUANTS:
             print(f"exporting {quant} ...", flush=True)
-            exports[quant] = export(ckpt, work / f"bundle-{quant}", quant)
+            exports[quant], foreign = foreign_cpu(export, ckpt, work / f"bundle-{quant}", quant)
+            exports[quant]["foreign_cpu_s"] = foreign
         print("decoding with PyTorch eager ...", flush=True)
-        peer = torch_decode(ckpt, ids)
+        peer, peer_foreign = foreign_cpu(torch_decode, ckpt, ids)
+        peer["foreign_cpu_s"] = peer_foreign
         rows = []
         for quant in QUANTS:
             print(f"decoding {quant} ...", flush=True)
-            speed = onnx_decode(work / f"bundle-{quant}", cfg, ids)
-            rows.append(row(quant, exports[quant], speed, peer["decode_tok_s"], peer["tokens"]))
+            speed, foreign = foreign_cpu(onnx_decode, work / f"bundle-{quant}", cfg, ids)
+            r = row(quant, exports[quant], speed, peer["decode_tok_s"], peer["tokens"])
+            rows.append(r | {"export_foreign_cpu_s": exports[quant]["foreign_cpu_s"]})
+            rows[-1]["decode_foreign_cpu_s"] = foreign
         n_params = (ckpt / "model.safetensors").stat().st_size / 4 / 1e6  # fp32 weights
         result = {
             "date": date.today().isoformat(),
