@@ -48,7 +48,7 @@ TASK_FILES = {
     "bn_tydiqa": "eval/bn_tydiqa_goldp/bengali_tydiqa_dev.json",
     "bn_blanck": "eval/bn_blanck/BlanCK.csv",
 }
-CROSSCHECK = ("hellaswag", "piqa")
+CROSSCHECK = ("piqa", "hellaswag")  # the shorter first
 
 
 def limits_arg(specs: list[str]) -> dict[str, int]:
@@ -233,18 +233,6 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     limits, cc_limits = limits_arg(args.limits), limits_arg(args.crosscheck_limits)
-    print(f"held-out bits/char on {args.data}", flush=True)
-    held = held_out(args.model, args.data, args.eval_chars, args.device)
-    tasks, lls = run_tasks(args.model, args.data, limits, args.limit, args.device)
-    cc = {
-        t: crosscheck(
-            args.model, args.data, t, lls[t], cc_limits.get(t, tasks[t]["items"]), args.device
-        )
-        for t in CROSSCHECK
-        if t in tasks
-    }
-    for t, c in cc.items():
-        print(f"lm-eval {t}: {c['items']} items, agreement {c['agreement']:.2%}", flush=True)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -254,17 +242,27 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.device}, "
         f"torch {torch.__version__}",
         "commit": commit,
-        "lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else "0.4.13",
-        "held_out": held,
-        "tasks": tasks,
-        "crosscheck": cc,
+        "lm_eval_version": getattr(lm_eval, "__version__", "0.4.13"),
         "notes": args.note,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(rep, indent=2, ensure_ascii=False))
-    (args.out / f"{args.name}.md").write_text(markdown(rep))
+    print(f"held-out bits/char on {args.data}", flush=True)
+    rep["held_out"] = held_out(args.model, args.data, args.eval_chars, args.device)
+    rep["tasks"], lls = run_tasks(args.model, args.data, limits, args.limit, args.device)
+    rep["crosscheck"] = {}
+    write(rep, args.out, args.name)  # written after every stage: a long run keeps what it did
+    for t in (t for t in CROSSCHECK if t in rep["tasks"]):
+        n = cc_limits.get(t, rep["tasks"][t]["items"])
+        c = rep["crosscheck"][t] = crosscheck(args.model, args.data, t, lls[t], n, args.device)
+        print(f"lm-eval {t}: {c['items']} items, agreement {c['agreement']:.2%}", flush=True)
+        write(rep, args.out, args.name)
     model_card(args.model, rep, args.out / f"{args.name}_card.md")
     print(f"wrote {args.out / args.name}.json, .md and _card.md", flush=True)
+
+
+def write(rep: dict, out: Path, name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
+    (out / f"{name}.md").write_text(markdown(rep))
 
 
 if __name__ == "__main__":
