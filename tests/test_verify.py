@@ -328,6 +328,25 @@ class SameWindows(TokenLoader):
         return super().next_batch()
 
 
+class TargetsAreInputs(TokenLoader):
+    """Forgets the shift: each position is asked for its own token."""
+
+    def next_batch(self):
+        x, _ = super().next_batch()
+        return x, x.copy()
+
+
+def test_a_loader_without_the_shift_fails_the_causal_check(shards):
+    cfg = tiny()
+
+    def make():
+        return TargetsAreInputs(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+
+    row = suite(shards, ["causal"], loader_factory=make).results[0]
+    assert row.passed is False and not row.numbers["loader_targets_shifted_by_one"]
+    assert_falls(loss_curve(shards, loader=make()))
+
+
 def test_a_loader_that_repeats_data_after_resume_fails_resume_only(shards):
     cfg = tiny()
 
