@@ -322,13 +322,14 @@ def copy_task(s: Setup) -> dict:
 
 def shift_consistency(s: Setup, x, y) -> dict:
     """Without training: the loader's targets are its inputs moved by one, and the model's
-    summed loss equals -log p(target t | inputs <= t) read off its own logits."""
+    loss is the mean of -log p(target t | inputs <= t) read off its own logits."""
     model = unwrap(s.fwd)
     with torch.no_grad(), s.ctx():
-        loss = float(model(x, y, reduction="sum"))
+        # The mean: how a sum is normalised is the accumulation check's business.
+        loss = float(model(x, y))
         logp = torch.log_softmax(model(x).float(), dim=-1)
     keep = y != IGNORE_INDEX
-    manual = float(-logp.gather(-1, y.clamp_min(0)[..., None])[..., 0][keep].sum())
+    manual = float(-logp.gather(-1, y.clamp_min(0)[..., None])[..., 0][keep].mean())
     return {
         "loader_targets_shifted_by_one": bool((y[:, :-1] == x[:, 1:]).all()),
         "loss_vs_logits_error": abs(loss - manual) / max(abs(manual), 1e-12),
