@@ -173,7 +173,12 @@ def reference_twin(model: nn.Module, dtype: torch.dtype | None = None) -> Llama:
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # Names as the inner model has them: a compiled or DDP-wrapped model's carry a prefix.
+    out = {
+        _strip(n): p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
     model.zero_grad(set_to_none=True)
     return out
 
