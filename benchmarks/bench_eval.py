@@ -108,13 +108,19 @@ def run_tasks(folder: Path, data: Path, limits: dict, default: int | None, devic
     return results, lls
 
 
-def crosscheck(folder: Path, data: Path, task: str, ours: list, n: int, device: str) -> dict:
-    """lm-eval on the first n items; agreement with our verdicts item by item."""
+def crosscheck(folder: Path, data: Path, task: str, ours, n: int, device: str) -> dict:
+    """lm-eval on the first n items; agreement with our verdicts (`ours`: our per-item lls,
+    or None to score them here) item by item."""
     from train.crosscheck import lm_eval_choices
-    from train.scoring import predictions
+    from train.hf import load_model
+    from train.scoring import predictions, score_items
     from train.tasks import load_task
+    from train.tokenizer import load_tokenizer
 
     items = load_task(task, data / TASK_FILES[task], limit=n)
+    if ours is None:
+        model, tok = load_model(folder, device=device).eval(), load_tokenizer(folder)
+        ours = score_items(model, tok, items, batch_size=32, progress=True)
     t0 = time.perf_counter()
     theirs = lm_eval_choices(folder, task, data / TASK_FILES[task], n, 32, device)
     secs = time.perf_counter() - t0
@@ -228,6 +234,7 @@ def main() -> None:
     p.add_argument("--crosscheck-limits", nargs="*", default=[], metavar="TASK=N")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--note", action="append", default=[])
+    p.add_argument("--crosscheck-only", action="store_true", help="keep the rest of --out's run")
     args = p.parse_args()
     import lm_eval
 
@@ -245,14 +252,21 @@ def main() -> None:
         "lm_eval_version": getattr(lm_eval, "__version__", "0.4.13"),
         "notes": args.note,
     }
-    print(f"held-out bits/char on {args.data}", flush=True)
-    rep["held_out"] = held_out(args.model, args.data, args.eval_chars, args.device)
-    rep["tasks"], lls = run_tasks(args.model, args.data, limits, args.limit, args.device)
+    lls: dict = {}
+    if args.crosscheck_only:  # the other stages as an earlier run of this script wrote them
+        old = json.loads((args.out / f"{args.name}.json").read_text())
+        rep |= {k: old[k] for k in ("held_out", "tasks")}
+        rep["notes"] = old["notes"] + args.note
+    else:
+        print(f"held-out bits/char on {args.data}", flush=True)
+        rep["held_out"] = held_out(args.model, args.data, args.eval_chars, args.device)
+        rep["tasks"], lls = run_tasks(args.model, args.data, limits, args.limit, args.device)
     rep["crosscheck"] = {}
     write(rep, args.out, args.name)  # written after every stage: a long run keeps what it did
     for t in (t for t in CROSSCHECK if t in rep["tasks"]):
         n = cc_limits.get(t, rep["tasks"][t]["items"])
-        c = rep["crosscheck"][t] = crosscheck(args.model, args.data, t, lls[t], n, args.device)
+        c = crosscheck(args.model, args.data, t, lls.get(t), n, args.device)
+        rep["crosscheck"][t] = c
         print(f"lm-eval {t}: {c['items']} items, agreement {c['agreement']:.2%}", flush=True)
         write(rep, args.out, args.name)
     model_card(args.model, rep, args.out / f"{args.name}_card.md")
