@@ -145,7 +145,7 @@ def crosscheck(folder: Path, data: Path, task: str, ours, n: int, device: str) -
     }
 
 
-def model_card(folder: Path, rep: dict, out: Path) -> None:
+def model_card(folder: Path, rep: dict, out: Path, meta_path: Path | None = None) -> None:
     """The card `write_model_card` writes for this model and evaluation (into a copy of the
     folder), from the run's metrics.jsonl and the shards' meta.json when they are there."""
     import shutil
@@ -154,7 +154,8 @@ def model_card(folder: Path, rep: dict, out: Path) -> None:
     from train.metrics import read_metrics
     from train.modelcard import write_model_card
 
-    run, meta_path = folder.parent, folder.parent.parent / "shards" / "meta.json"
+    run = folder.parent
+    meta_path = meta_path or run.parent / "shards" / "meta.json"
     steps = (
         [m for m in read_metrics(run / "metrics.jsonl") if m.get("kind") == "train"]
         if (run / "metrics.jsonl").is_file()
@@ -234,6 +235,7 @@ def main() -> None:
     p.add_argument("--crosscheck-limits", nargs="*", default=[], metavar="TASK=N")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--note", action="append", default=[])
+    p.add_argument("--shards-meta", type=Path, help="for the card; default RUN/../shards/")
     p.add_argument("--crosscheck-only", action="store_true", help="keep the rest of --out's run")
     args = p.parse_args()
     import lm_eval
@@ -269,7 +271,7 @@ def main() -> None:
         rep["crosscheck"][t] = c
         print(f"lm-eval {t}: {c['items']} items, agreement {c['agreement']:.2%}", flush=True)
         write(rep, args.out, args.name)
-    model_card(args.model, rep, args.out / f"{args.name}_card.md")
+    model_card(args.model, rep, args.out / f"{args.name}_card.md", args.shards_meta)
     print(f"wrote {args.out / args.name}.json, .md and _card.md", flush=True)
 
 
