@@ -89,7 +89,6 @@ def prove(
         "loss": parity.loss_increase(lm, ref_logits, texts, window),
     }
     figures["logits_vs_torch"]["bound"] = parity.LOGITS_BOUND if opts.quant == "fp32" else None
-    figures["kv_cache_vs_full"]["bound"] = parity.KV_BOUND[opts.quant]
     parity.check(figures, opts.quant, opts.max_loss_increase)
     return figures, lm
 

@@ -249,6 +249,24 @@ def test_held_out_text_is_cut_at_the_token_budget_with_exact_characters(ckpt, tm
     assert len(b["docs"]) == 2 and b["chars"] == len("one line") + len("another line here")
 
 
+def _figures(kv: float, quantized_vs_torch: float) -> dict:
+    return {
+        "logits_vs_torch": {"max_rel_err": quantized_vs_torch},
+        "kv_cache_vs_full": {"max_rel_err": kv},
+        "loss": {"increase_nats_per_token": 0.0, "increase_bits_per_char": 0.0},
+    }
+
+
+def test_the_cache_path_may_differ_by_no_more_than_quantization_does():
+    from export.parity import check
+
+    check(_figures(0.024, 0.045), "int8", None)  # measured at 0.4B: int8 kernels differ by shape
+    with pytest.raises(ExportError, match=r"KV-cache path differs .* by 5\.00e-02 \(bound 4"):
+        check(_figures(0.05, 0.045), "int8", None)
+    with pytest.raises(ExportError, match=r"by 2\.00e-04 \(bound 1\.0e-04\)"):
+        check(_figures(2e-4, 1e-6), "fp32", None)
+
+
 def test_failed_check_leaves_the_old_bundle_and_no_partial_one(ckpt, fp32_bundle, tmp_path):
     out = tmp_path / "b"
     shutil.copytree(fp32_bundle, out)
