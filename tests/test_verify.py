@@ -406,3 +406,12 @@ def test_the_command_writes_the_report_and_exits_1_on_a_failure(shards, tmp_path
     assert exit_.value.code == 1
     assert "FAIL throughput" in capsys.readouterr().out
     assert json.loads((tmp_path / "verify.json").read_text())["checks"][0]["status"] == "FAIL"
+
+
+def test_under_several_ranks_ties_are_judged_by_identity_alone(shards, monkeypatch):
+    import train.checks
+
+    monkeypatch.setattr(train.checks, "_world_size", lambda: 2)
+    row = suite(shards, ["ties"]).results[0]
+    assert row.passed and "identity only" in row.detail
+    assert suite(shards, ["ties"], model_factory=untied_head).results[0].passed is False
