@@ -1,16 +1,16 @@
 """The verification suite's shared parts (VerifyConfig, Setup, CheckResult, the float64
-reference twin) and its model checks: gradient flow, tied weights after every wrap, causal leak
-+ label shift. Each check takes a `Setup` (what the run will use) and returns one `CheckResult`
-row, leaving no trace on the run's model (gradients cleared, weights never stepped). Parity is
-in checks_parity.py, step/accumulation/resume/throughput in checks_run.py, data and tokenizer
-in checks_data.py; verify.py runs them and writes the report.
+reference twin) and two model checks: gradient flow and tied weights after every wrap. Each
+check takes a `Setup` (what the run will use) and returns one `CheckResult` row, leaving no
+trace on the run's model (gradients cleared, weights never stepped). Parity is in
+checks_parity.py, causal leak and label shift in checks_causal.py, step / accumulation /
+resume / throughput in checks_run.py, data and tokenizer in checks_data.py; verify.py runs them
+and writes the report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,9 +20,8 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from train.evaluate import causal_leak
 from train.gradflow import check_gradient_flow, unwrap
-from train.model import IGNORE_INDEX, Llama, RMSNorm
+from train.model import Llama, RMSNorm
 from train.trainer import TrainConfig, autocast
 
 
@@ -297,110 +296,3 @@ def check_ties(s: Setup) -> CheckResult:
         if err > tol:
             bad.append(f"{a}: the shared gradient is {err:.1%} off the sum of both uses")
     return CheckResult("ties", checked, not bad, numbers, "; ".join(bad) or "ties hold")
-
-
-# ------------------------------------------------------------------ 4. causal leak, label shift
-
-
-def _copy_batch(vocab: int, gen, rows=8, pairs=8, symbols=16):
-    """Pairs a a b b c c ...: the second of each pair copies its predecessor, the first is new.
-    Returns x, y (targets = inputs shifted by one; unpredictable targets set to ignore)."""
-    seq = torch.randint(0, min(symbols, vocab), (rows, pairs), generator=gen)
-    seq = (seq + 3) % vocab  # keep clear of the special ids at the bottom of the vocabulary
-    seq = seq.repeat_interleave(2, dim=1)
-    x, y = seq[:, :-1], seq[:, 1:].clone()
-    fresh = y.clone()
-    y[:, 1::2] = IGNORE_INDEX
-    fresh[:, 0::2] = IGNORE_INDEX
-    return x, y, fresh
-
-
-def copy_task(s: Setup) -> dict:
-    """Train a fresh model of the run's recipe on the copy task with plain Adam; with the
-    shift right, copied tokens reach ~0 loss while new tokens stay near ln(symbols)."""
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(s.cfg.seed)
-    model = s.make_model()
-    vocab = unwrap(model).config.vocab_size
-    lr = s.vcfg.copy_lr or min(1e-2, 3 * s.cfg.lr)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=lr)
-    for _ in range(s.vcfg.copy_steps):
-        x, y, _ = (t.to(s.device) for t in _copy_batch(vocab, gen))
-        with s.ctx():
-            loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)  # deep models at a high lr stay stable
-        opt.step()
-    x, y, fresh = (t.to(s.device) for t in _copy_batch(vocab, gen, rows=64))
-    with torch.no_grad(), s.ctx():
-        copied, new = float(model(x, y)), float(model(x, fresh))
-    return {"copied_loss": copied, "new_token_loss": new, "ln_symbols": math.log(16), "lr": lr}
-
-
-def shift_consistency(s: Setup, x, y) -> dict:
-    """Without training: the loader's targets are its inputs moved by one, and the model's
-    loss is the mean of -log p(target t | inputs <= t) read off its own logits."""
-    model = unwrap(s.fwd)
-    with torch.no_grad(), s.ctx():
-        # The mean: how a sum is normalised is the accumulation check's business.
-        loss = float(model(x, y))
-        logp = torch.log_softmax(model(x).float(), dim=-1)
-    keep = y != IGNORE_INDEX
-    manual = float(-logp.gather(-1, y.clamp_min(0)[..., None])[..., 0][keep].mean())
-    return {
-        "loader_targets_shifted_by_one": bool((y[:, :-1] == x[:, 1:]).all()),
-        "loss_vs_logits_error": abs(loss - manual) / max(abs(manual), 1e-12),
-    }
-
-
-def _causal_problems(s: Setup, leak: float, tol: float, shift: dict, copy: dict) -> list[str]:
-    v, problems = s.vcfg, []
-    if leak > tol:
-        problems.append(
-            f"future-token leak: replacing token t+1 changes log-probabilities at positions "
-            f"<= t by up to {leak:.3g} (tolerance {tol:g})"
-        )
-    if not shift["loader_targets_shifted_by_one"]:
-        problems.append("label shift: the loader's targets are not its inputs moved by one")
-    if shift["loss_vs_logits_error"] > tol:
-        problems.append(
-            f"label shift: the model's loss is {shift['loss_vs_logits_error']:.1%} off the "
-            "loss of its own logits against the targets given (it shifts them again?)"
-        )
-    if copy["copied_loss"] > v.copy_max_loss:
-        problems.append(
-            f"label shift: copied tokens still cost {copy['copied_loss']:.3f} nats after "
-            f"{v.copy_steps} steps (want < {v.copy_max_loss}); targets are likely shifted twice "
-            "or not aligned with inputs"
-        )
-    if copy["new_token_loss"] < 0.5 * copy["ln_symbols"]:
-        problems.append(
-            f"label shift: unpredictable tokens cost only {copy['new_token_loss']:.3f} nats "
-            "(they should stay near ln 16): the model sees its targets"
-        )
-    return problems
-
-
-def check_causal(s: Setup) -> CheckResult:
-    v = s.vcfg
-    x, y = (t[:2] for t in s.batch())
-    n = x.size(1)
-    positions = sorted(
-        {round(i * (n - 2) / max(1, v.leak_positions - 1)) for i in range(v.leak_positions)}
-    )
-    with s.ctx():
-        leak = causal_leak(unwrap(s.fwd), x, positions)
-    tol = 1e-4 if low_precision(s.dtype, param_dtype(s.model)) == torch.float32 else 1e-2
-    shift, copy = shift_consistency(s, x, y), copy_task(s)
-    problems = _causal_problems(s, leak, tol, shift, copy)
-    return CheckResult(
-        "causal",
-        "perturbing token t+1 changes nothing at positions <= t; targets are inputs moved by "
-        "one and the loss is that of the logits against them; a copy task (a a b b ...) reaches "
-        "near-zero loss on the copies while new tokens stay unpredictable",
-        not problems,
-        {"leak": leak, "tolerance": tol, "positions": positions, **shift, **copy},
-        "; ".join(problems) or "causal, and targets are the next token",
-    )

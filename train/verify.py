@@ -3,10 +3,10 @@ kernels, dtype and compile setting a run will use, with a report (Markdown + JSO
 check: what it checked, the numbers, pass/fail). `fit` runs the fast subset before step 1
 through `verify_before_training` and refuses to train on a failure.
 
-The checks live in checks.py (gradient flow, ties, causal), checks_parity.py, checks_run.py
-(step, accumulation, resume, throughput) and checks_data.py (data, tokenizer). None leaves a
-trace: the run's loader is peeked, never consumed; its model is never stepped; the RNG is
-forked, so a run with the suite is the run without it.
+The checks live in checks.py (gradient flow, ties), checks_parity.py, checks_causal.py,
+checks_run.py (step, accumulation, resume, throughput) and checks_data.py (data, tokenizer).
+None leaves a trace: the run's loader is peeked, never consumed; its model is never stepped;
+the RNG is forked, so a run with the suite is the run without it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from train.checks import (
     CheckResult,
     Setup,
     VerifyConfig,
-    check_causal,
     check_gradients,
     check_ties,
 )
+from train.checks_causal import check_causal
 from train.checks_data import check_data, check_tokenizer_fairness
 from train.checks_parity import check_parity
 from train.checks_run import (
