@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -128,9 +129,15 @@ def run_contender(name: str, data: Path, out: Path, steps: int, budget: float) -
             str(budget),
         ]
         cmd += ["--bf16"] if name == "plain-bf16" else []
-    t0 = time.perf_counter()
+    t0, busy0 = time.perf_counter(), _busy_cpu_seconds()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    # CPU seconds the whole machine was busy, minus this contender's own: what other
+    # processes took from it (0 on a quiet machine).
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = ru.ru_utime + ru.ru_stime - _CHILD_CPU[0]
+    _CHILD_CPU[0] = ru.ru_utime + ru.ru_stime
+    others = max(0.0, _busy_cpu_seconds() - busy0 - own)
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     (out / "stdout.txt").write_text(proc.stdout)
@@ -147,11 +154,25 @@ def run_contender(name: str, data: Path, out: Path, steps: int, budget: float) -
     return {
         "steps": len(rows),
         "wall_s": wall,
+        "other_processes_cpu_s": others,
         "sec_per_step": sec_per_step,
         "tokens_per_s": cfg.tokens_per_step / sec_per_step,
         "curve": rows,
         "tokens": len(rows) * cfg.tokens_per_step,
     }
+
+
+_CHILD_CPU = [0.0]
+
+
+def _busy_cpu_seconds() -> float:
+    """Busy CPU time of the whole machine so far (user + nice + system), from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n")[0].split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system = (int(v) for v in fields[:3])
+    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
 
 def calibrate(name, data, work) -> float:
@@ -240,6 +261,8 @@ def summarise(runs: dict, scores: dict, budget: float, peak: dict) -> dict:
         fps = r["tokens_per_s"] * flops
         rows[name] = {
             "steps": r["steps"],
+            "other_processes_cpu_s": r["other_processes_cpu_s"],
+            "wall_s": r["wall_s"],
             "tokens": r["tokens"],
             "tokens_per_s": r["tokens_per_s"],
             "model_tflops": fps / 1e12,
@@ -285,27 +308,30 @@ def markdown(rep: dict) -> str:
         "validation split of splits.json, scored by the same code for every model.",
         "",
         "| trainer | steps | tokens/s | model TFLOP/s | MFU vs fp32 peak | MFU vs bf16 peak "
-        "| bn bits/char | en bits/char | bn nats/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| bn bits/char | en bits/char | bn nats/token | CPU s taken by other processes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rep["contenders"].items():
         lines.append(
             f"| {name} | {r['steps']} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.3f} | "
             f"{100 * r['mfu_vs_fp32_peak']:.1f}% | {100 * r['mfu_vs_bf16_peak']:.1f}% | "
             f"{r['bits_per_char']['bn']:.3f} | {r['bits_per_char']['en']:.3f} | "
-            f"{r['nats_per_token']['bn']:.3f} |"
+            f"{r['nats_per_token']['bn']:.3f} | {r['other_processes_cpu_s']:.0f} of "
+            f"{r['wall_s'] * (os.cpu_count() or 1):.0f} |"
         )
     tw, cz = rep["random_twin_bits_per_char"], rep["compressors_bits_per_char"]
-    lines.append(f"| random twin | 0 | | | | | {tw['bn']:.3f} | {tw['en']:.3f} | |")
+    lines.append(f"| random twin | 0 | | | | | {tw['bn']:.3f} | {tw['en']:.3f} | | |")
     for c in ("xz -9e", "bzip2 -9"):
-        lines.append(f"| `{c}` | | | | | | {cz['bn'][c]:.3f} | {cz['en'][c]:.3f} | |")
+        lines.append(f"| `{c}` | | | | | | {cz['bn'][c]:.3f} | {cz['en'][c]:.3f} | | |")
     pk = rep["peak_flops_measured"]
     lines += [
         "",
         f"doel / plain tokens/s: **{rep['doel_over_plain_tokens_per_s']:.2f}×**. "
         f"FLOPs/token {rep['flops_per_token'] / 1e6:.1f}M (6 per matmul weight incl. the head, "
         f"plus causal attention); this CPU's measured matmul peak: fp32 "
-        f"{pk['float32'] / 1e12:.2f}, bf16 {pk['bfloat16'] / 1e12:.2f} TFLOP/s.",
+        f"{pk['float32'] / 1e12:.2f}, bf16 {pk['bfloat16'] / 1e12:.2f} TFLOP/s. The last column "
+        "is the CPU time other processes on this machine took during each run (out of the run's "
+        "wall time × cores): 0 means a quiet machine, and equal shares keep the ratio fair.",
         "",
         "Targets: "
         + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in rep["targets"].items())
