@@ -270,43 +270,44 @@ def leaves_out(name):
 
 
 @pytest.mark.parametrize(
-    "plant, expected",
+    "plant, expected, says",
     [
-        ({"model_factory": frozen_layer}, {"gradient_flow"}),
+        (
+            {"model_factory": frozen_layer},
+            {"gradient_flow"},
+            "layers.1.self_attn.q_proj.weight: frozen",
+        ),
         # Its gradient is never cleared (zero_grad goes through the optimizer) and swells the
         # clipping norm, so the resumed run, which starts it from zero, steps differently too.
         (
             {"optimizer_factory": leaves_out("model.layers.1.mlp.up_proj.weight")},
             {"step", "resume"},
+            "unchanged after one step: model.layers.1.mlp.up_proj.weight (not in the optimizer",
         ),
         # A checkpoint stores a declared-tied head once, so resuming also loses the lone head.
-        ({"model_factory": untied_head}, {"ties", "resume"}),
+        ({"model_factory": untied_head}, {"ties", "resume"}, "lm_head.weight is a separate tensor"),
         # The float64 reference is causal, so parity sees the unmasked layer differ from it.
-        ({"model_factory": leaky}, {"causal", "parity"}),
-        ({"model_factory": lambda c: DoubleShift(c.model)}, {"causal"}),
-        ({"model_factory": lambda c: MeanPerMicroBatch(c.model)}, {"accumulation"}),
+        ({"model_factory": leaky}, {"causal", "parity"}, "future-token leak"),
+        ({"model_factory": lambda c: DoubleShift(c.model)}, {"causal"}, "shifts them again"),
+        ({"model_factory": lambda c: MeanPerMicroBatch(c.model)}, {"accumulation"}, "averaged"),
         # (bf16 matmuls on a CPU without AMX may also make the backward slow: a CPU's trait.)
-        ({"model_factory": bf16_weights}, {"step"}),
+        ({"model_factory": bf16_weights}, {"step"}, "rounds away in bfloat16"),
     ],
     ids=["frozen", "not-in-optimizer", "untied", "leak", "double-shift", "mean-loss", "bf16"],
 )
-def test_a_planted_model_or_optimizer_failure_is_flagged_where_it_belongs(shards, plant, expected):
+def test_a_planted_model_or_optimizer_failure_is_flagged_where_it_belongs(
+    shards, plant, expected, says
+):
     report = suite(shards, **plant)
     noise = {"throughput"} if plant.get("model_factory") is bf16_weights else set()
     assert failed(report) - noise == expected, report.format()
+    assert says in " ".join(r.detail for r in report.results if r.passed is False)
     assert_falls(loss_curve(shards, plant.get("model_factory"), plant.get("optimizer_factory")))
-
-
-def test_the_rows_name_the_offender(shards):
-    report = suite(shards, ["step", "causal"], model_factory=bf16_weights)
-    rows = {r.name: r for r in report.results}
-    assert "unchanged after one step: model.layers.0.input_layernorm.weight" in rows["step"].detail
-    assert "rounds away in bfloat16" in rows["step"].detail
-    assert rows["step"].numbers["param_dtype"] == "bfloat16"
-    leak = suite(shards, ["causal"], model_factory=leaky).results[0]
-    assert leak.numbers["leak"] > 1e-3 and "future-token leak" in leak.detail
-    shift = suite(shards, ["causal"], model_factory=lambda c: DoubleShift(c.model)).results[0]
-    assert shift.numbers["copied_loss"] > 1.0 and "shifted twice" in shift.detail
+    numbers = {r.name: r.numbers for r in report.results}
+    if plant.get("model_factory") is leaky:
+        assert numbers["causal"]["leak"] > 1e-3
+    if says == "shifts them again":
+        assert numbers["causal"]["copied_loss"] > 1.0  # the double shift cannot learn copies
 
 
 # ---------------------------------------------------------------- planted data and tokenizer
