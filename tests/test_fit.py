@@ -119,7 +119,7 @@ def test_plot_draws_the_curves(tmp_path, shards):
 
 def _fit_cmd(shards, out, *sets):
     args = [sys.executable, "-m", "train", "fit", "--config", "tiny", "--data", str(shards)]
-    args += ["--out", str(out), "--steps", "16", "--checkpoint-every", "4"]
+    args += ["--out", str(out), "--steps", "16", "--checkpoint-every", "4", "--skip-verify"]
     # A model big enough that steps take a noticeable time, so the kill lands mid-run.
     for s in ("model.hidden_size=256", "model.num_hidden_layers=4", "seq_len=128", *sets):
         args += ["--set", s]
@@ -139,7 +139,7 @@ def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_weights(tmp_path, sha
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while latest_checkpoint(killed) is None and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)

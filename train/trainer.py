@@ -205,6 +205,9 @@ def train_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
+    # The model's zero_grad, not only the optimizer's: a parameter the optimizer lacks must
+    # not pile up gradient from step to step (and inflate the clipping norm).
+    model.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)
     return {"loss": total / n_tokens, "grad_norm": grad_norm, "tokens": n_tokens}
 
