@@ -56,6 +56,9 @@ class Killed(Exception):
 def test_a_run_writes_an_hf_folder_and_resumes_bit_identically(tmp_path, shards):
     cfg = tiny("steps=8", "checkpoint_every=4", "eval_every=4")
     whole = fit(cfg, shards, tmp_path / "whole", log=lambda s: None)
+    card = (whole / "README.md").read_text()  # the model card, HF metadata block first
+    assert card.startswith("---\nlanguage:") and "| steps | 8 |" in card
+    assert (tmp_path / "whole" / "checkpoints" / "step-000004" / "README.md").is_file()
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in whole.iterdir()
     }

@@ -247,7 +247,9 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
     finally:
         if metrics:
             metrics.close()
-    return _save_final(wrapped, optimizer, model, out, tok_path, cfg, info, log)
+    final = _save_final(wrapped, optimizer, model, out, tok_path, cfg, info, log)
+    run.card(final)
+    return final
 
 
 def _save_final(wrapped, optimizer, model, out, tok_path, cfg, info, log) -> Path:

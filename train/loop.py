@@ -62,7 +62,8 @@ class RunLoop:
     def loop(self, step: int, tokens_seen: int, meta: dict) -> None:
         cfg = self.cfg
         t_train, t_mark, step_mark, start_step = 0.0, time.perf_counter(), step, step
-        projected = False
+        projected, self.meta = False, meta
+        self.step, self.tokens_seen, self.seconds = step, tokens_seen, 0.0
         while step < cfg.steps:
             heartbeat(self.dist, step + 1)
             t0 = time.perf_counter()
@@ -76,6 +77,7 @@ class RunLoop:
             if self.step_hook is not None:
                 self.step_hook(step)
             t_train += time.perf_counter() - t0
+            self.step, self.tokens_seen, self.seconds = step, tokens_seen, t_train
             last = step == cfg.steps or (cfg.time_limit and t_train >= cfg.time_limit)
             if step % cfg.log_every == 0 or last:
                 self._check_finite()
@@ -190,3 +192,28 @@ class RunLoop:
             tokenizer=self.tok,
             keep=self.cfg.keep_checkpoints,
         )
+        self.card(self.last_ckpt)
+
+    def card(self, folder) -> None:
+        """The model card (README.md) of a checkpoint or final folder; rank 0 only. A card
+        that cannot be written is reported, not allowed to end the run."""
+        if not self.dist.is_main:
+            return
+        from train.modelcard import write_model_card
+
+        dev = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
+        try:
+            write_model_card(
+                folder,
+                meta=self.meta,
+                train_state={
+                    "step": self.step,
+                    "tokens_seen": self.tokens_seen,
+                    "config": resolved(self.cfg),
+                },
+                hardware=f"{self.dist.world_size} × {dev}",
+                seconds=self.seconds,
+                hourly_price=self.cfg.hourly_price if self.device.type == "cuda" else None,
+            )
+        except Exception as e:  # noqa: BLE001
+            self.log(f"WARNING: no model card written in {folder}: {type(e).__name__}: {e}")
