@@ -1,0 +1,186 @@
+"""The engine: one ONNX Runtime session over an export bundle, token ids in, token ids out.
+
+It knows nothing of text. A request is a prefill (the whole prompt in one run) and then one run
+per new token through the KV cache. For the builder's graphs (manifest `past_present_share_buffer`)
+the cache is one buffer per layer, allocated once at the full context length and bound as both
+`past_key_values.*` input and `present.*` output: GroupQueryAttention writes each new entry in
+place and reads only the first `attention_mask` positions, so no step copies or reallocates the
+cache, and stale entries from an earlier request are never read (measured on the 0.4B model: 36
+vs 20 tokens/s at 1,536 tokens of context against a cache that grows by concatenation). Other
+graphs (optimum's) get the growing cache they were built for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from serve.sampling import SamplingParams, sample
+
+
+class BundleError(Exception):
+    """The folder is not a usable export bundle; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """What the engine reads from manifest.json."""
+
+    folder: Path
+    model: Path
+    tokenizer: Path
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    share_buffer: bool
+    position_ids: bool
+    special_tokens: dict
+    manifest: dict
+
+    @property
+    def eos_id(self) -> int | None:
+        eos = self.special_tokens.get("eos")
+        return eos["id"] if eos else None
+
+
+def read_bundle(folder: str | Path) -> Bundle:
+    folder = Path(folder)
+    path = folder / "manifest.json"
+    if not path.is_file():
+        raise BundleError(f"{folder} has no manifest.json; give a folder written by doel-export")
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+        kv = m["kv_cache"]
+        bundle = Bundle(
+            folder=folder,
+            model=folder / m["model"],
+            tokenizer=folder / "tokenizer.json",
+            layers=int(kv["layers"]),
+            kv_heads=int(kv["kv_heads"]),
+            head_dim=int(kv["head_dim"]),
+            vocab_size=int(m["vocab_size"]),
+            context_length=int(m["context_length"]),
+            share_buffer=bool(kv.get("past_present_share_buffer", False)),
+            position_ids=bool(kv.get("position_ids_input", False)),
+            special_tokens=m.get("special_tokens", {}),
+            manifest=m,
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        raise BundleError(f"{path} is not a doel-export manifest ({type(e).__name__}: {e})") from e
+    for f in (bundle.model, bundle.tokenizer):
+        if not f.is_file():
+            raise BundleError(f"the bundle {folder} lacks {f.name}; export it again")
+    return bundle
+
+
+class Engine:
+    """One sequence at a time over one preallocated cache (the caller serialises requests)."""
+
+    def __init__(self, bundle: Bundle, threads: int = 0):
+        import onnxruntime as ort
+
+        self.bundle = bundle
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads  # 0: one per core
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(
+            str(bundle.model), opts, providers=["CPUExecutionProvider"]
+        )
+        inputs = [i.name for i in self.session.get_inputs()]
+        self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
+        self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
+        shape = (1, bundle.kv_heads, bundle.context_length, bundle.head_dim)
+        # Allocated here, once: every request reuses them (see the module docstring).
+        self.kv = [
+            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for _ in self.past_names
+        ]
+        self.logits_buf = ort.OrtValue.ortvalue_from_numpy(
+            np.zeros((1, 1, bundle.vocab_size), np.float32)
+        )
+        self.binding = self.session.io_binding()
+        self._past: dict[str, np.ndarray] = {}
+
+    @property
+    def context_length(self) -> int:
+        return self.bundle.context_length
+
+    def _run_shared(self, ids: list[int], total: int) -> np.ndarray:
+        b = self.binding
+        b.bind_cpu_input("input_ids", np.array([ids], np.int64))
+        b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+        for name, buf in zip(self.past_names, self.kv):
+            b.bind_ortvalue_input(name, buf)
+        # Outputs come back in bind order, and a bound output must keep its shape: logits are
+        # bound first, to the fixed one-row buffer when one token goes in.
+        b.clear_binding_outputs()
+        if len(ids) == 1:
+            b.bind_ortvalue_output("logits", self.logits_buf)
+        else:
+            b.bind_output("logits")
+        for name, buf in zip(self.present_names, self.kv):
+            b.bind_ortvalue_output(name, buf)
+        self.session.run_with_iobinding(b)
+        if len(ids) > 1:
+            return b.get_outputs()[0].numpy()[0, -1]
+        # A view of the reused buffer: copied, or the next step would overwrite the caller's.
+        return self.logits_buf.numpy()[0, -1].copy()
+
+    def _run_concat(self, ids: list[int], total: int) -> np.ndarray:
+        past_len = total - len(ids)
+        if past_len == 0:
+            empty = (1, self.bundle.kv_heads, 0, self.bundle.head_dim)
+            self._past = {n: np.zeros(empty, np.float32) for n in self.past_names}
+        feeds = {
+            "input_ids": np.array([ids], np.int64),
+            "attention_mask": np.ones((1, total), np.int64),
+            **self._past,
+        }
+        if self.bundle.position_ids:
+            feeds["position_ids"] = np.arange(past_len, total, dtype=np.int64)[None]
+        names = ["logits", *self.present_names]
+        logits, *present = self.session.run(names, feeds)
+        self._past = dict(zip(self.past_names, present))
+        return logits[0, -1]
+
+    def forward(self, ids: list[int], past_len: int) -> np.ndarray:
+        """Logits [vocab] of the last of `ids`, fed after `past_len` cached tokens."""
+        total = past_len + len(ids)
+        if not ids or total > self.context_length:
+            raise ValueError(f"{total} tokens do not fit the context of {self.context_length}")
+        run = self._run_shared if self.bundle.share_buffer else self._run_concat
+        return run(ids, total)
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        """Yield new token ids until a stop id (not yielded), max_tokens or the context's end.
+
+        The caller may stop iterating at any time (a stop string, a client gone)."""
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if len(prompt) >= self.context_length:
+            raise ValueError(
+                f"the prompt is {len(prompt)} tokens; the context holds {self.context_length}"
+            )
+        rng = np.random.default_rng(params.seed)
+        context = np.zeros(self.context_length, np.int64)
+        context[: len(prompt)] = prompt
+        n = len(prompt)
+        logits = self.forward(list(prompt), 0)
+        made = 0
+        while True:
+            token = sample(logits, params, rng, context[:n], context[len(prompt) : n])
+            if token in params.stop_token_ids:
+                return
+            yield token
+            context[n] = token
+            n += 1
+            made += 1
+            if made >= params.max_tokens or n >= self.context_length:
+                return
+            logits = self.forward([token], n - 1)
