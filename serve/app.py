@@ -1,0 +1,229 @@
+"""The HTTP server: `create_app(settings)` → a FastAPI app with OpenAI-compatible completions.
+
+The model loads in `lifespan`, in a worker thread, so the port answers at once: `/health` says
+503 while loading (as llama.cpp's server does) and 200 when ready. Every refusal is a 4xx with
+an OpenAI-style error body that says what is wrong; nothing a client sends gives a 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.guard import Guard
+from serve.protocol import (
+    Choice,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    Usage,
+)
+from serve.service import RequestError, Service
+
+log = logging.getLogger("doel.serve")
+ERRORS = {
+    400: {"model": ErrorResponse},
+    404: {"model": ErrorResponse},
+    503: {"model": ErrorResponse},
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    bundle: str
+    model_name: str | None = None  # default: the bundle folder's name
+    threads: int = 0  # ONNX Runtime intra-op threads; 0: one per core
+    api_key: str | None = None  # when set, `Authorization: Bearer KEY` on all but /health
+    max_queue: int = 16  # requests waiting for the engine before 429
+    max_body_bytes: int = 1 << 20
+    cors_origins: tuple[str, ...] = ()  # none: CORS off
+
+
+def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in exc.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_errors(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def _refused(_req, exc: RequestError):
+        return error(exc.status, exc.message, exc.kind, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+
+def service(request: Request, model: str | None = None) -> Service:
+    """The loaded service, or a 503 while loading; a 404 for another model's name."""
+    svc = getattr(request.app.state, "service", None)
+    if svc is None:
+        why = getattr(request.app.state, "load_error", None) or "Loading model"
+        raise RequestError(503, why, kind="unavailable_error")
+    if model is not None and model != svc.name:
+        raise RequestError(
+            404,
+            f"the model {model!r} does not exist; this server has {svc.name!r}",
+            "model",
+            "model_not_found",
+        )
+    return svc
+
+
+def make_lifespan(settings: Settings, loader: Callable[[Settings], Service]):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.service, app.state.load_error = None, None
+
+        async def load():
+            try:
+                app.state.service = await asyncio.to_thread(loader, settings)
+                log.info("model %s ready", app.state.service.name)
+            except Exception as e:  # reported on /health; the server stays up to say so
+                log.exception("loading %s failed", settings.bundle)
+                app.state.load_error = f"loading the model failed: {type(e).__name__}: {e}"
+
+        task = asyncio.create_task(load())
+        yield
+        task.cancel()
+
+    return lifespan
+
+
+def default_loader(settings: Settings) -> Service:
+    return Service.load(settings.bundle, settings.threads, settings.model_name, settings.max_queue)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(svc: Service, req: CompletionRequest, pieces) -> AsyncIterator[str]:
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    async with contextlib.aclosing(pieces):
+        async for p in pieces:
+            usage = None
+            if p.finish_reason:
+                usage = Usage(
+                    prompt_tokens=p.prompt_tokens,
+                    completion_tokens=p.completion_tokens,
+                    total_tokens=p.prompt_tokens + p.completion_tokens,
+                )
+            choice = Choice(text=p.text, finish_reason=p.finish_reason)
+            chunk = Completion(
+                id=rid, created=created, model=svc.name, choices=[choice], usage=usage
+            )
+            yield _sse(chunk.model_dump(exclude_none=True) | {"choices": [choice.model_dump()]})
+            if usage and req.stream_options and req.stream_options.include_usage:
+                last = Completion(id=rid, created=created, model=svc.name, choices=[], usage=usage)
+                yield _sse(last.model_dump())
+    yield "data: [DONE]\n\n"
+
+
+async def _first(pieces):
+    """Run the generator up to its first piece, so that a refusal (queue full) is an HTTP
+    error rather than a broken stream."""
+    first = await anext(pieces)
+
+    async def again():
+        yield first
+        async for p in pieces:
+            yield p
+
+    return again()
+
+
+def add_routes(app: FastAPI) -> None:
+    @app.get("/health", responses=ERRORS)
+    async def health(request: Request):
+        service(request)
+        return {"status": "ok"}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(request: Request):
+        svc = service(request)
+        card = ModelCard(id=svc.name, created=int(time.time()), max_model_len=svc.context_length)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", response_model=Completion, responses=ERRORS)
+    async def completions(req: CompletionRequest, request: Request):
+        svc = service(request, req.model)
+        pieces = await _first(svc.complete(req))
+        if req.stream:
+            return StreamingResponse(_stream(svc, req, pieces), media_type="text/event-stream")
+        text, last = [], None
+        async with contextlib.aclosing(pieces):
+            async for last in pieces:
+                text.append(last.text)
+        usage = Usage(
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            total_tokens=last.prompt_tokens + last.completion_tokens,
+        )
+        choice = Choice(text="".join(text), finish_reason=last.finish_reason)
+        return Completion(
+            id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=svc.name,
+            choices=[choice],
+            usage=usage,
+        )
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+    async def tokenize(req: TokenizeRequest, request: Request):
+        svc = service(request, req.model)
+        ids = svc.encode(req.prompt, req.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=svc.context_length)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    async def detokenize(req: DetokenizeRequest, request: Request):
+        return DetokenizeResponse(prompt=service(request, req.model).decode(req.tokens))
+
+
+def create_app(settings: Settings, loader: Callable[[Settings], Service] | None = None) -> FastAPI:
+    """The app; `loader` builds the Service (tests pass their own to control loading)."""
+    app = FastAPI(title="doel", lifespan=make_lifespan(settings, loader or default_loader))
+    install_errors(app)
+    add_routes(app)
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    return app

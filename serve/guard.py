@@ -1,0 +1,75 @@
+"""ASGI middleware in front of every route: the API key and the body-size limit.
+
+It is plain ASGI rather than FastAPI dependencies so that it also covers 404s, the OpenAPI page
+and bodies sent without a Content-Length (chunked), which are read up to the limit and replayed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+OPEN_PATHS = ("/health",)  # answered without a key, so load balancers can probe
+
+
+async def _reply(send, status: int, message: str, kind: str, headers=()) -> None:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    data = json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
+    await send({"type": "http.response.body", "body": data})
+
+
+class Guard:
+    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20):
+        self.app, self.api_key, self.limit = app, api_key, max_body_bytes
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        given = headers.get(b"authorization", b"")
+        want = f"Bearer {self.api_key}".encode()
+        return hmac.compare_digest(given, want)  # constant time: no key guessing by timing
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+            challenge = [(b"www-authenticate", b"Bearer")]
+            return await _reply(
+                send,
+                401,
+                "missing or wrong API key: send Authorization: Bearer KEY",
+                "authentication_error",
+                challenge,
+            )
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await _reply(send, 413, self._too_big(), "invalid_request_error")
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, more = b"", True
+            while more:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                body += msg.get("body", b"")
+                more = msg.get("more_body", False)
+                if len(body) > self.limit:
+                    return await _reply(send, 413, self._too_big(), "invalid_request_error")
+            receive = _replay(body, receive)
+        return await self.app(scope, receive, send)
+
+    def _too_big(self) -> str:
+        return f"the request body is over the limit of {self.limit} bytes"
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # then the real channel: disconnects still arrive
+
+    return replay

@@ -1,0 +1,137 @@
+"""The wire format: OpenAI-compatible request models whose bounds are declared on the fields (a
+bad value is refused with its name before any work), and `to_sampling_params`, the one place
+where a request becomes the engine's parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve.sampling import SamplingParams
+
+MAX_TOKENS = 1 << 20  # a bound for the schema; the context length is checked per request
+MAX_STOPS = 4  # as OpenAI
+INT64_MAX = (1 << 63) - 1
+
+
+class Request(BaseModel):
+    # An unknown field is refused by name rather than silently ignored (a typo in `top_p`
+    # would otherwise sample with the default).
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class CompletionRequest(Request):
+    """POST /v1/completions. Extensions beyond OpenAI's fields (as vLLM and llama.cpp name
+    them): top_k, repetition_penalty."""
+
+    model: str | None = None
+    prompt: str | list[int] = Field(description="text, or token ids (the BOS id is not added)")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=1 << 20, description="0 or -1: off")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=INT64_MAX)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOPS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="one completion per request")
+    best_of: int | None = Field(None, ge=1, le=1)
+    echo: Literal[False] = False
+    logprobs: None = None
+    user: str | None = None
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def to_sampling_params(self, max_tokens: int, eos_id: int | None) -> SamplingParams:
+        """The engine's parameters; `max_tokens` is the request's, already fitted to the
+        context by the caller."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop_token_ids=() if eos_id is None else (eos_id,),
+        )
+
+
+class TokenizeRequest(Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Choice(BaseModel):
+    text: str
+    index: int = 0
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "doel"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

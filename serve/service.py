@@ -1,0 +1,142 @@
+"""Completions: text in, text out, between the HTTP routes and the token-id engine.
+
+One engine holds one sequence at a time, so requests take turns behind a lock; each decode step
+runs in a worker thread (ONNX Runtime releases the GIL), which keeps the event loop free to
+accept, stream and notice clients that left. A request waiting beyond `max_queue` is refused
+with 429 instead of queueing without end. A client that disconnects cancels its stream between
+two steps, and the lock is released at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+
+from serve.engine import Engine, read_bundle
+from serve.protocol import CompletionRequest
+from serve.textstream import TextStream
+
+CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream)
+_END = object()
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, message, offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = {"Retry-After": "1"} if status == 429 else None
+
+
+@dataclass
+class Piece:
+    """One step of a completion: new text (maybe empty), and at the end why it ended."""
+
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Service:
+    def __init__(self, engine: Engine, tokenizer, name: str, max_queue: int = 16):
+        self.engine, self.tokenizer, self.name = engine, tokenizer, name
+        self.max_queue = max_queue
+        self.lock = asyncio.Lock()
+        self.waiting = 0
+
+    @classmethod
+    def load(cls, bundle: str, threads: int = 0, name: str | None = None, max_queue: int = 16):
+        from tokenizers import Tokenizer
+
+        b = read_bundle(bundle)
+        tok = Tokenizer.from_file(str(b.tokenizer))
+        return cls(Engine(b, threads), tok, name or b.folder.resolve().name, max_queue)
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.bundle.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        self.check_ids(ids, "tokens")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise RequestError(
+                400,
+                f"token id {bad[0]} is outside the vocabulary (0 to {self.vocab_size - 1})",
+                param,
+            )
+
+    def prompt_ids(self, req: CompletionRequest) -> list[int]:
+        """The prompt's ids, checked against the vocabulary and the context length."""
+        if isinstance(req.prompt, str):
+            ids = self.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+            if not ids:
+                raise RequestError(400, "the prompt has no tokens", "prompt")
+            self.check_ids(ids, "prompt")
+        n, ctx = len(ids), self.context_length
+        if n + req.max_tokens > ctx:
+            raise RequestError(
+                400,
+                f"the prompt is {n} tokens and max_tokens is {req.max_tokens}: {n + req.max_tokens}"
+                f" tokens, but the model's context is {ctx} tokens; shorten the prompt or ask for "
+                f"at most {max(ctx - n, 0)} tokens",
+                "max_tokens" if n < ctx else "prompt",
+            )
+        return ids
+
+    async def complete(self, req: CompletionRequest) -> AsyncIterator[Piece]:
+        """Pieces of text as they become safe to send; the last one carries the finish reason
+        and the token counts. Raises RequestError before the first piece."""
+        ids = self.prompt_ids(req)
+        if self.lock.locked() and self.waiting >= self.max_queue:
+            raise RequestError(429, f"{self.waiting} requests are waiting; retry shortly", None)
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            async for piece in self._generate(ids, req):
+                yield piece
+        finally:
+            self.lock.release()
+
+    async def _generate(self, ids: list[int], req: CompletionRequest) -> AsyncIterator[Piece]:
+        params = req.to_sampling_params(req.max_tokens, self.engine.bundle.eos_id)
+        stream = TextStream(self.tokenizer.decode, req.stops(), ids[-CONTEXT_IDS:])
+        gen = self.engine.generate(ids, params)
+        made = 0
+        try:
+            while not stream.stopped:
+                # Not abandoned on cancellation: a step in flight finishes before the generator
+                # is closed, so the engine's buffers are never used by two runs at once.
+                token = await anyio.to_thread.run_sync(next, gen, _END)
+                if token is _END:
+                    break
+                made += 1
+                text = stream.push(token)
+                if text:
+                    yield Piece(text)
+        finally:
+            gen.close()
+        full = made >= req.max_tokens or len(ids) + made >= self.context_length
+        reason = "stop" if stream.stopped or not full else "length"
+        yield Piece(stream.finish(), reason, len(ids), made)

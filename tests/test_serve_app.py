@@ -1,0 +1,191 @@
+"""Serve over HTTP (FastAPI TestClient, lifespan included): health while loading, models,
+completions plain and streamed against the engine's own tokens, tokenize round trips, and every
+refusal a 4xx with a message that names the problem."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from test_serve_engine import tiny_bundle
+
+from serve.app import Settings, create_app, default_loader
+from serve.engine import Engine, read_bundle
+from serve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tokenizer_path):
+    return tiny_bundle(tmp_path_factory, tokenizer_path)
+
+
+def ready(client: TestClient, timeout: float = 30) -> TestClient:
+    end = time.monotonic() + timeout
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < end, client.get("/health").json()
+        time.sleep(0.02)
+    return client
+
+
+@pytest.fixture(scope="module")
+def client(bundle):
+    with TestClient(create_app(Settings(bundle=str(bundle), threads=1))) as c:
+        yield ready(c)
+
+
+def test_health_is_503_while_loading_then_200(bundle):
+    go = threading.Event()
+
+    def slow(settings):
+        go.wait(10)
+        return default_loader(settings)
+
+    with TestClient(create_app(Settings(bundle=str(bundle)), loader=slow)) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
+        assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 503
+        go.set()
+        assert ready(c).get("/health").json() == {"status": "ok"}
+
+
+def test_a_bundle_that_fails_to_load_is_reported_on_health(tmp_path):
+    with TestClient(create_app(Settings(bundle=str(tmp_path)))) as c:
+        time.sleep(0.2)
+        r = c.get("/health")
+        assert r.status_code == 503 and "has no manifest.json" in r.json()["error"]["message"]
+
+
+def test_models_names_the_bundle(client, bundle):
+    data = client.get("/v1/models").json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in data] == [(bundle.name, 96)]
+
+
+def _engine_text(bundle, tok, prompt: str, n: int) -> str:
+    e = Engine(read_bundle(bundle), threads=1)
+    ids = list(e.generate(tok.encode(prompt).ids, SamplingParams(max_tokens=n, temperature=0)))
+    return tok.decode(ids)
+
+
+def test_greedy_completion_is_the_engines_text_with_usage(client, bundle, tok):
+    prompt = "নদীর ধারে"
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == bundle.name
+    assert body["choices"][0]["text"] == _engine_text(bundle, tok, prompt, 12)
+    assert body["choices"][0]["finish_reason"] == "length"
+    n = len(tok.encode(prompt).ids)
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
+
+
+def _events(r) -> list:
+    lines = [x for x in r.text.split("\n\n") if x]
+    assert all(x.startswith("data: ") for x in lines)
+    return [x[len("data: ") :] for x in lines]
+
+
+def test_streaming_gives_the_same_text_as_one_response_and_ends_in_done(client):
+    req = {"prompt": "আমাদের গ্রাম", "max_tokens": 30, "seed": 11, "temperature": 0.9}
+    whole = client.post("/v1/completions", json=req).json()
+    r = client.post("/v1/completions", json={**req, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["usage"] == whole["usage"]
+    assert len({c["id"] for c in chunks}) == 1 and len(chunks) > 3
+
+
+def test_include_usage_adds_a_usage_chunk_without_choices(client):
+    req = {
+        "prompt": "a",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = [json.loads(e) for e in _events(client.post("/v1/completions", json=req))[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_seed_reproduces_and_a_stop_string_ends_the_text(client):
+    req = {"prompt": "The river", "max_tokens": 40, "seed": 5, "temperature": 1.0}
+    a, b = (client.post("/v1/completions", json=req).json() for _ in range(2))
+    text = a["choices"][0]["text"]
+    assert text == b["choices"][0]["text"] and len(text) > 10
+    stop = text[5:8]
+    cut = client.post("/v1/completions", json={**req, "stop": [stop]}).json()["choices"][0]
+    assert cut == {**cut, "text": text[: text.index(stop)], "finish_reason": "stop"}
+
+
+def test_token_id_prompts_and_tokenize_round_trip(client, tok):
+    text = "চাঁদ উঠল, the moon rose 🙂"
+    r = client.post("/tokenize", json={"prompt": text}).json()
+    assert r["tokens"] == tok.encode(text).ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 96
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    by_ids = {"prompt": r["tokens"], "max_tokens": 4, "temperature": 0}
+    by_text = {"prompt": text, "max_tokens": 4, "temperature": 0}
+    a, b = (client.post("/v1/completions", json=x).json() for x in (by_ids, by_text))
+    assert a["choices"] == b["choices"]
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ("{not json", 400, "JSON decode error"),
+        ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens: Input should be a valid integer"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than"),
+        ({"prompt": "x", "temperature": 2.5}, 400, "temperature: Input should be less than"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
+        ({"prompt": "x", "n": 2}, 400, "n: Input should be less than or equal to 1"),
+        ({"prompt": "x", "tempreature": 0}, 400, "tempreature: Extra inputs are not permitted"),
+        ({"max_tokens": 3}, 400, "prompt: Field required"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
+        ({"prompt": [5, 99999]}, 400, "token id 99999 is outside the vocabulary (0 to 2047)"),
+        ({"prompt": []}, 400, "the prompt has no tokens"),
+        (
+            {"prompt": "নদী " * 60, "max_tokens": 40},
+            400,
+            "tokens and max_tokens is 40: ",
+        ),
+    ],
+)
+def test_bad_requests_are_4xx_with_a_message(client, body, status, message):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = client.post("/v1/completions", headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_a_prompt_longer_than_the_context_says_both_numbers(client, tok):
+    n = len(tok.encode("নদী " * 200).ids)
+    r = client.post("/v1/completions", json={"prompt": "নদী " * 200, "max_tokens": 1})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and f"the prompt is {n} tokens" in msg
+    assert "the model's context is 96 tokens" in msg and r.json()["error"]["param"] == "prompt"
+
+
+def test_a_body_over_the_limit_is_413(bundle):
+    app = create_app(Settings(bundle=str(bundle), max_body_bytes=100))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * 200})
+        assert r.status_code == 413 and "limit of 100 bytes" in r.json()["error"]["message"]
+        chunked = c.post("/tokenize", content=iter([b'{"prompt": "', b"y" * 200, b'"}']))
+        assert chunked.status_code == 413
+
+
+def test_the_api_key_guards_everything_but_health(bundle):
+    with TestClient(create_app(Settings(bundle=str(bundle), api_key="s3cret"))) as c:
+        ready(c)
+        assert c.get("/v1/models").status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert c.post("/tokenize", json={"prompt": "a"}, headers=wrong).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.post("/tokenize", json={"prompt": "a"}, headers=ok).status_code == 200
+        assert c.get("/openapi.json").status_code == 401
