@@ -1,0 +1,83 @@
+"""`doel-serve`: refuses a folder that is not a bundle before opening a port, binds loopback by
+default, takes the API key from the environment, and serves a real uvicorn process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_serve_engine import tiny_bundle
+
+from serve.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tokenizer_path):
+    return tiny_bundle(tmp_path_factory, tokenizer_path)
+
+
+def test_a_folder_that_is_not_a_bundle_is_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match="error: .* has no manifest.json"):
+        main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="--threads must be 0 or more"):
+        main([str(tmp_path), "--threads", "-1"])
+
+
+def test_loopback_by_default_and_the_key_from_the_environment(bundle, monkeypatch):
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw, app=app))
+    monkeypatch.setenv("DOEL_API_KEY", "k1")
+    main([str(bundle), "--port", "9999"])
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 9999
+    guard = seen["app"].middleware_stack or seen["app"].build_middleware_stack()
+    while not hasattr(guard, "api_key"):
+        guard = guard.app
+    assert guard.api_key == "k1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_real_server_answers_completions_and_streams(bundle):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "serve", str(bundle), "--port", str(port), "--threads", "1"]
+    env = {**os.environ, "DOEL_API_KEY": ""}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited: {proc.communicate()[1][-2000:]}")
+            assert time.monotonic() < end, "the server did not become healthy in 60 s"
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        req = {"prompt": "নদীর ধারে", "max_tokens": 8, "temperature": 0}
+        whole = httpx.post(f"{base}/v1/completions", json=req).json()
+        with httpx.stream("POST", f"{base}/v1/completions", json={**req, "stream": True}) as r:
+            lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        text = "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1])
+        assert text == whole["choices"][0]["text"] and whole["usage"]["completion_tokens"] == 8
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)  # reaps it and closes the pipe
