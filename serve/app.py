@@ -157,9 +157,12 @@ async def _first(pieces):
     first = await anext(pieces)
 
     async def again():
-        yield first
-        async for p in pieces:
-            yield p
+        # Closing this wrapper (a client gone) must close the service's generator too, which
+        # frees the engine; `async for` alone would leave that to the garbage collector.
+        async with contextlib.aclosing(pieces):
+            yield first
+            async for p in pieces:
+                yield p
 
     return again()
 

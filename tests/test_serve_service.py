@@ -67,3 +67,24 @@ def test_429_over_http_carries_retry_after(tmp_path_factory, tokenizer_path):
         assert "requests are waiting" in r.json()["error"]["message"]
         c.portal.call(loaded.lock.release)
         assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_closing_the_http_stream_closes_the_service_generator():
+    from serve.app import _first
+
+    closed = []
+
+    async def pieces():
+        try:
+            for i in range(10):
+                yield i
+        finally:
+            closed.append(True)
+
+    async def main():
+        wrapped = await _first(pieces())
+        assert await anext(wrapped) == 0 and await anext(wrapped) == 1
+        await wrapped.aclose()
+        assert closed == [True]  # at once, not when the loop shuts its generators down
+
+    asyncio.run(main())
