@@ -117,3 +117,17 @@ def test_a_folder_that_is_not_a_bundle_is_refused(tmp_path, bundle):
         read_bundle(tmp_path)
     b = read_bundle(bundle)
     assert b.eos_id == 1 and b.context_length == CONTEXT and b.share_buffer
+
+
+def test_a_graph_without_a_shared_cache_gives_the_same_tokens(bundle, engine, tmp_path):
+    """optimum's graphs (other architectures) concatenate their cache; same weights, same ids."""
+    from export.bundle import ExportOptions, export_checkpoint
+
+    opts = ExportOptions(quant="fp32", engine="optimum", eval_tokens=64, log=lambda _m: None)
+    export_checkpoint(bundle.parent / "serve-ckpt", tmp_path / "optimum", opts)
+    other = read_bundle(tmp_path / "optimum")
+    assert not other.share_buffer and other.position_ids
+    params = SamplingParams(max_tokens=20, seed=2)
+    assert list(Engine(other, threads=1).generate(PROMPT, params)) == list(
+        engine.generate(PROMPT, params)
+    )
