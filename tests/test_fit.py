@@ -169,3 +169,25 @@ def test_a_compiled_run_gates_the_compiled_model_and_matches_eager(tmp_path, sha
     assert [s for s, _ in compiled] == [1, 2, 3]
     for (_, a), (_, b) in zip(compiled, eager):
         assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_validation_can_score_a_multiple_choice_task(tmp_path, shards):
+    piqa = tmp_path / "piqa"
+    piqa.mkdir()
+    rows = [
+        {
+            "goal": f"To dry wet clothes number {i},",
+            "sol1": "hang them in the sun.",
+            "sol2": "put them in the river.",
+        }
+        for i in range(12)
+    ]
+    (piqa / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (piqa / "valid-labels.lst").write_text("0\n1\n" * 6)
+    lines = []
+    cfg = tiny("steps=4", "eval_every=2", f"eval_task=piqa={piqa}", "eval_task_limit=10")
+    fit(cfg, shards, tmp_path / "run", log=lines.append)
+    tasks = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "task"]
+    assert [r["step"] for r in tasks] == [2, 4]
+    assert all(r["items"] == 10 and 0 <= r["acc"] <= 1 and r["chance"] == 0.5 for r in tasks)
+    assert any(line.startswith("piqa at step 4: acc") for line in lines)

@@ -175,6 +175,33 @@ class RunLoop:
         bpc = loss * toks / chars / math.log(2) if chars else float("nan")
         self.log(f"validation at step {step}: {loss:.4f} nats/token, ≈{bpc:.3f} bits/char")
         self.write({"kind": "val", "step": step, "loss": loss, "bits_per_char": bpc})
+        if self.cfg.eval_task:
+            self._task(step)
+
+    def _task(self, step) -> None:
+        """Accuracy on the fixed first items of a multiple-choice task. Scored by rank 0 on
+        its own copy of the weights, so it cannot run on FSDP shards (said once)."""
+        if self.dist.enabled and self.cfg.strategy == "fsdp":
+            if not getattr(self, "_task_warned", False):
+                self.log("note: eval_task is skipped under FSDP (rank 0 holds only a shard)")
+                self._task_warned = True
+            return
+        if not self.dist.is_main:
+            return
+        from train.scoring import task_accuracy
+        from train.tasks import load_task
+        from train.tokenizer import load_tokenizer
+
+        name, _, path = self.cfg.eval_task.partition("=")
+        if not hasattr(self, "_task_items"):
+            self._task_items = load_task(name, path, limit=self.cfg.eval_task_limit)
+            self._task_tok = load_tokenizer(self.tok)
+        r = task_accuracy(self.model, self._task_tok, self._task_items, device=self.device)
+        self.log(
+            f"{name} at step {step}: acc {r['acc']:.3f} ± {r['acc_stderr']:.3f}, "
+            f"acc_norm {r['acc_norm']:.3f} (chance {r['chance']:.3f}, {r['items']} items)"
+        )
+        self.write({"kind": "task", "step": step, "task": name, **r})
 
     def _save(self, step, tokens_seen) -> None:
         self._check_finite()

@@ -51,6 +51,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # 0 disables periodic validation
     eval_batches: int = 8
+    eval_task: str = ""  # optional NAME=PATH of a multiple-choice task scored at each validation
+    eval_task_limit: int = 200  # the fixed first items of that task
     checkpoint_every: int = 200  # 0: only the final model
     keep_checkpoints: int = 3
     hourly_price: float = 3.0  # dollars per GPU-hour, for the cost estimate
@@ -77,6 +79,10 @@ class TrainConfig:
             raise ValueError(f"decay_fraction must lie in (0, 1], got {self.decay_fraction}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.eval_task and "=" not in self.eval_task:
+            raise ValueError(
+                f"eval_task must be NAME=PATH, e.g. hellaswag=val.jsonl, got {self.eval_task!r}"
+            )
         if self.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"strategy must be ddp or fsdp, got {self.strategy!r}")
         if not self.dist_timeout > 0:
