@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.guard import Guard
+from serve.metrics import CountRequests, Metrics
 from serve.protocol import (
     Choice,
     Completion,
@@ -108,7 +109,9 @@ def make_lifespan(settings: Settings, loader: Callable[[Settings], Service]):
 
         async def load():
             try:
-                app.state.service = await asyncio.to_thread(loader, settings)
+                svc = await asyncio.to_thread(loader, settings)
+                svc.metrics = app.state.metrics
+                app.state.service = svc
                 log.info("model %s ready", app.state.service.name)
             except Exception as e:  # reported on /health; the server stays up to say so
                 log.exception("loading %s failed", settings.bundle)
@@ -173,6 +176,13 @@ def add_routes(app: FastAPI) -> None:
         service(request)
         return {"status": "ok"}
 
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics(request: Request):
+        svc = getattr(request.app.state, "service", None)
+        waiting, running = (svc.waiting, int(svc.lock.locked())) if svc else (0, 0)
+        text = request.app.state.metrics.render(waiting, running)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request):
         svc = service(request)
@@ -217,6 +227,7 @@ def add_routes(app: FastAPI) -> None:
 def create_app(settings: Settings, loader: Callable[[Settings], Service] | None = None) -> FastAPI:
     """The app; `loader` builds the Service (tests pass their own to control loading)."""
     app = FastAPI(title="doel", lifespan=make_lifespan(settings, loader or default_loader))
+    app.state.metrics = Metrics()
     install_errors(app)
     add_routes(app)
     if settings.cors_origins:
@@ -229,4 +240,5 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
             allow_headers=["*"],
         )
     app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=app.state.metrics)  # outermost: counts 401s too
     return app

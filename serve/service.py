@@ -10,12 +10,14 @@ two steps, and the lock is released at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import anyio
 
 from serve.engine import Engine, read_bundle
+from serve.metrics import Metrics
 from serve.protocol import CompletionRequest
 from serve.textstream import TextStream
 
@@ -49,6 +51,7 @@ class Service:
         self.max_queue = max_queue
         self.lock = asyncio.Lock()
         self.waiting = 0
+        self.metrics = Metrics()  # the app puts its own here, shared with its middleware
 
     @classmethod
     def load(cls, bundle: str, threads: int = 0, name: str | None = None, max_queue: int = 16):
@@ -123,7 +126,7 @@ class Service:
         params = req.to_sampling_params(req.max_tokens, self.engine.bundle.eos_id)
         stream = TextStream(self.tokenizer.decode, req.stops(), ids[-CONTEXT_IDS:])
         gen = self.engine.generate(ids, params)
-        made = 0
+        made, t0, ttft = 0, time.perf_counter(), 0.0
         try:
             while not stream.stopped:
                 # Not abandoned on cancellation: a step in flight finishes before the generator
@@ -132,11 +135,15 @@ class Service:
                 if token is _END:
                     break
                 made += 1
+                if made == 1:
+                    ttft = time.perf_counter() - t0
+                    self.metrics.ttft.observe(ttft)
                 text = stream.push(token)
                 if text:
                     yield Piece(text)
         finally:
             gen.close()
+            self.metrics.completion(len(ids), made, ttft, time.perf_counter() - t0)
         full = made >= req.max_tokens or len(ids) + made >= self.context_length
         reason = "stop" if stream.stopped or not full else "length"
         yield Piece(stream.finish(), reason, len(ids), made)

@@ -189,3 +189,26 @@ def test_the_api_key_guards_everything_but_health(bundle):
         ok = {"Authorization": "Bearer s3cret"}
         assert c.post("/tokenize", json={"prompt": "a"}, headers=ok).status_code == 200
         assert c.get("/openapi.json").status_code == 401
+
+
+def _metric(client: TestClient, line_start: str) -> float:
+    text = client.get("/metrics").text
+    found = [x for x in text.splitlines() if x.startswith(line_start + " ")]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def test_metrics_count_requests_tokens_and_first_token_times(client):
+    ok = 'doel_requests_total{route="/v1/completions",status="200"}'
+    bad = 'doel_requests_total{route="/v1/completions",status="400"}'
+    before = [_metric(client, k) for k in (ok, bad, "doel_generation_tokens_total")]
+    ttft = _metric(client, "doel_time_to_first_token_seconds_count")
+    client.post("/v1/completions", json={"prompt": "নদী", "max_tokens": 7, "temperature": 0})
+    client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    after = [_metric(client, k) for k in (ok, bad, "doel_generation_tokens_total")]
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 7]
+    assert _metric(client, "doel_time_to_first_token_seconds_count") == ttft + 1
+    assert _metric(client, "doel_decode_tokens_per_second") > 0
+    r = client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "# TYPE doel_queue_depth gauge" in r.text and "doel_queue_depth 0" in r.text
+    assert 'le="+Inf"' in r.text

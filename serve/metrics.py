@@ -1,0 +1,119 @@
+"""Prometheus text exposition for GET /metrics, without the client library (one dependency less):
+requests by route and status, tokens in and out, time to first token, decode speed, queue depth.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/tokenize", "/detokenize")
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts = buckets, [0] * (len(buckets) + 1)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts):
+            running += n
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{le="{le}"}} {running}')
+        return out + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+
+
+class Metrics:
+    def __init__(self):
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.decode_seconds = 0.0  # time spent on tokens after the first
+        self.decode_tokens = 0
+        self.last_tokens_per_second = 0.0
+
+    def completion(self, prompt: int, generated: int, ttft: float, total: float) -> None:
+        self.prompt_tokens += prompt
+        self.generated_tokens += generated
+        if generated > 1 and total > ttft:
+            self.decode_seconds += total - ttft
+            self.decode_tokens += generated - 1
+            self.last_tokens_per_second = (generated - 1) / (total - ttft)
+
+    def render(self, waiting: int, running: int) -> str:
+        def block(name: str, kind: str, help_: str, lines: list[str]) -> list[str]:
+            return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *lines]
+
+        reqs = [
+            f'doel_requests_total{{route="{r}",status="{s}"}} {n}'
+            for (r, s), n in sorted(self.requests.items())
+        ]
+        rate = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+        out = [
+            *block("doel_requests_total", "counter", "HTTP requests by route and status", reqs),
+            *block(
+                "doel_prompt_tokens_total",
+                "counter",
+                "prompt tokens processed",
+                [f"doel_prompt_tokens_total {self.prompt_tokens}"],
+            ),
+            *block(
+                "doel_generation_tokens_total",
+                "counter",
+                "tokens generated",
+                [f"doel_generation_tokens_total {self.generated_tokens}"],
+            ),
+            *block(
+                "doel_time_to_first_token_seconds",
+                "histogram",
+                "from the engine taking a request to its first token",
+                self.ttft.lines("doel_time_to_first_token_seconds"),
+            ),
+            *block(
+                "doel_decode_tokens_per_second",
+                "gauge",
+                "decode speed over all completions (tokens after the first)",
+                [f"doel_decode_tokens_per_second {rate}"],
+            ),
+            *block(
+                "doel_queue_depth",
+                "gauge",
+                "requests waiting for the engine",
+                [f"doel_queue_depth {waiting}"],
+            ),
+            *block(
+                "doel_requests_running",
+                "gauge",
+                "requests on the engine",
+                [f"doel_requests_running {running}"],
+            ),
+        ]
+        return "\n".join(out) + "\n"
+
+
+class CountRequests:
+    """ASGI middleware: counts every response by route (known routes only, so that scanning
+    clients cannot grow the label set without end) and status."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests[(route, message["status"])] += 1
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)
