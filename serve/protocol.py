@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve.sampling import SamplingParams
+from serve.sampling import MIN_REPETITION_PENALTY, SamplingParams
 
 MAX_TOKENS = 1 << 20  # a bound for the schema; the context length is checked per request
 MAX_STOPS = 4  # as OpenAI
@@ -36,7 +36,7 @@ class CompletionRequest(Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=1 << 20, description="0 or -1: off")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=INT64_MAX)

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Below this a temperature is greedy: dividing logits by it would overflow to inf (as vLLM).
+MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01  # dividing by less overflows the same way
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,7 +36,7 @@ class SamplingParams:
             "temperature": self.temperature >= 0,
             "top_k": self.top_k >= 0,
             "top_p": 0 < self.top_p <= 1,
-            "repetition_penalty": self.repetition_penalty > 0,
+            "repetition_penalty": self.repetition_penalty >= MIN_REPETITION_PENALTY,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -40,7 +44,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def apply_penalties(

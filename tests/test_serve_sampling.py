@@ -66,7 +66,12 @@ def test_penalties_move_greedy_off_a_repeated_token():
 
 def test_bad_parameters_are_refused_by_name():
     with pytest.raises(ValueError, match="top_p, repetition_penalty"):
-        SamplingParams(top_p=0, repetition_penalty=0)
+        SamplingParams(top_p=0, repetition_penalty=0.001)
+
+
+def test_tiny_temperatures_are_greedy_not_overflow():
+    # Found by the fuzz test: logits / 5e-324 are inf, and softmax of inf is NaN.
+    assert set(_draws(SamplingParams(temperature=5e-324), 20)) == {1}
 
 
 @pytest.mark.parametrize(

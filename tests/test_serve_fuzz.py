@@ -1,0 +1,95 @@
+"""Serve: whatever JSON a client sends to the POST routes (right fields with wrong types, values
+out of range, unknown fields, streams), the answer is 2xx or 4xx with an error message, never a
+5xx."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_serve_engine import tiny_bundle
+
+from serve.app import Settings, create_app
+
+FIELDS = [
+    "prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options", "n",
+    "model", "echo", "logprobs", "tokens", "add_special_tokens", "junk",
+]  # fmt: skip
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**20), 10**20),
+    st.integers(0, 40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(0, 2),
+    st.text(max_size=20),
+    st.sampled_from(["নদীর ধারে", "গ্", "\ud7ff🙂", "<|eos|>", ""]),
+    st.lists(st.integers(-3, 2100), max_size=6),
+    st.lists(st.text(max_size=4), max_size=6),
+    st.dictionaries(st.sampled_from(["include_usage", "x"]), st.booleans(), max_size=2),
+)
+# Bodies within the bounds too (edges included), so that many requests really generate.
+NEAR = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.integers(0, 60),
+        "temperature": st.floats(0, 2),  # 5e-324 included: greedy, not inf
+        "top_p": st.floats(0, 1),
+        "top_k": st.integers(-1, 3000),
+        "repetition_penalty": st.floats(0.01, 3),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "seed": st.integers(0, 2**63 - 1),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=4)),
+        "stream": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    },
+)
+BODIES = st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=8)
+PROMPTS = st.one_of(st.text(max_size=30), st.lists(st.integers(0, 2047), min_size=1, max_size=8))
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, tokenizer_path):
+    bundle = tiny_bundle(tmp_path_factory, tokenizer_path)
+    with TestClient(create_app(Settings(bundle=str(bundle), threads=1))) as c:
+        while c.get("/health").status_code != 200:
+            pass
+        yield c
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    route=st.sampled_from(["/v1/completions", "/tokenize", "/detokenize"]),
+    body=BODIES,
+    prompt=st.one_of(st.none(), st.text(max_size=30), st.lists(st.integers(0, 2047), max_size=8)),
+)
+def test_no_request_body_gives_a_5xx(client, route, body, prompt):
+    if prompt is not None:
+        body = {**body, "prompt": prompt}
+    r = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+    elif body.get("stream") is True and route == "/v1/completions":
+        assert r.text.endswith("data: [DONE]\n\n")
+
+
+@settings(max_examples=60, deadline=None)
+@given(body=NEAR, prompt=PROMPTS)
+def test_completions_within_the_bounds_succeed(client, body, prompt):
+    edge = body.get("max_tokens") == 0 or body.get("top_p") == 0
+    body = {**body, "prompt": prompt}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == (400 if edge else 200), r.text
+    if edge:
+        return
+    if body.get("stream"):
+        assert r.text.endswith("data: [DONE]\n\n")
+    else:
+        usage = r.json()["usage"]
+        assert 1 <= usage["completion_tokens"] <= body.get("max_tokens", 16)
