@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from serve.sampling import SamplingParams, sample
 
@@ -80,12 +81,14 @@ def read_bundle(folder: str | Path) -> Bundle:
 
 
 class Engine:
-    """One sequence at a time over one preallocated cache (the caller serialises requests)."""
+    """Sequences in `slots` rows of one preallocated cache. `generate` runs one request in slot 0
+    (the caller serialises requests); `forward(slot=)` and `decode` let a scheduler prefill a
+    slot while others wait and then step all slots 0..n-1 in one batched run."""
 
-    def __init__(self, bundle: Bundle, threads: int = 0):
-        import onnxruntime as ort
-
-        self.bundle = bundle
+    def __init__(self, bundle: Bundle, threads: int = 0, slots: int = 1):
+        if slots > 1 and not bundle.share_buffer:
+            raise BundleError("batched slots need a graph with a shared KV buffer (genai engine)")
+        self.bundle, self.slots = bundle, slots
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads  # 0: one per core
         opts.inter_op_num_threads = 1
@@ -96,14 +99,13 @@ class Engine:
         inputs = [i.name for i in self.session.get_inputs()]
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
-        shape = (1, bundle.kv_heads, bundle.context_length, bundle.head_dim)
-        # Allocated here, once: every request reuses them (see the module docstring).
-        self.kv = [
-            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for _ in self.past_names
-        ]
-        self.logits_buf = ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((1, 1, bundle.vocab_size), np.float32)
-        )
+        # Allocated here, once: every request reuses them (see the module docstring). A slot's
+        # rows are contiguous (batch is the outer axis), so slots lo..lo+n-1 are a plain view.
+        shape = (slots, bundle.kv_heads, bundle.context_length, bundle.head_dim)
+        self.kv_arrays = [np.zeros(shape, np.float32) for _ in self.past_names]
+        self.logits_array = np.zeros((slots, 1, bundle.vocab_size), np.float32)
+        self._view_cache: dict[tuple[int, int], tuple[list, object]] = {}
+        self.kv = self._views(0, slots)[0]
         self.binding = self.session.io_binding()
         self._past: dict[str, np.ndarray] = {}
 
@@ -111,26 +113,41 @@ class Engine:
     def context_length(self) -> int:
         return self.bundle.context_length
 
-    def _run_shared(self, ids: list[int], total: int) -> np.ndarray:
+    def _views(self, lo: int, n: int) -> tuple[list, object]:
+        """OrtValues over slots lo..lo+n-1 of the cache and of the one-token logits buffer."""
+        if (lo, n) not in self._view_cache:
+            kv = [ort.OrtValue.ortvalue_from_numpy(a[lo : lo + n]) for a in self.kv_arrays]
+            logits = ort.OrtValue.ortvalue_from_numpy(self.logits_array[lo : lo + n])
+            self._view_cache[(lo, n)] = (kv, logits)
+        return self._view_cache[(lo, n)]
+
+    def _run_shared(self, rows: list[list[int]], totals: list[int], lo: int) -> np.ndarray:
+        """Logits [rows, vocab] of each row's last token; row i is slot lo + i, whose sequence
+        is `totals[i]` long with this row's tokens (GroupQueryAttention reads each row's
+        length from its mask and writes the new entries at that place)."""
+        n, seq = len(rows), len(rows[0])
+        kv, logits_buf = self._views(lo, n)
+        width = max(totals)
         b = self.binding
-        b.bind_cpu_input("input_ids", np.array([ids], np.int64))
-        b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
-        for name, buf in zip(self.past_names, self.kv):
+        b.bind_cpu_input("input_ids", np.array(rows, np.int64))
+        mask = (np.arange(width)[None] < np.array(totals)[:, None]).astype(np.int64)
+        b.bind_cpu_input("attention_mask", mask)
+        for name, buf in zip(self.past_names, kv):
             b.bind_ortvalue_input(name, buf)
         # Outputs come back in bind order, and a bound output must keep its shape: logits are
-        # bound first, to the fixed one-row buffer when one token goes in.
+        # bound first, to the fixed one-row-per-slot buffer when one token per row goes in.
         b.clear_binding_outputs()
-        if len(ids) == 1:
-            b.bind_ortvalue_output("logits", self.logits_buf)
+        if seq == 1:
+            b.bind_ortvalue_output("logits", logits_buf)
         else:
             b.bind_output("logits")
-        for name, buf in zip(self.present_names, self.kv):
+        for name, buf in zip(self.present_names, kv):
             b.bind_ortvalue_output(name, buf)
         self.session.run_with_iobinding(b)
-        if len(ids) > 1:
-            return b.get_outputs()[0].numpy()[0, -1]
+        if seq > 1:
+            return b.get_outputs()[0].numpy()[:, -1]
         # A view of the reused buffer: copied, or the next step would overwrite the caller's.
-        return self.logits_buf.numpy()[0, -1].copy()
+        return self.logits_array[lo : lo + n, 0].copy()
 
     def _run_concat(self, ids: list[int], total: int) -> np.ndarray:
         past_len = total - len(ids)
@@ -149,13 +166,26 @@ class Engine:
         self._past = dict(zip(self.past_names, present))
         return logits[0, -1]
 
-    def forward(self, ids: list[int], past_len: int) -> np.ndarray:
-        """Logits [vocab] of the last of `ids`, fed after `past_len` cached tokens."""
+    def forward(self, ids: list[int], past_len: int, slot: int = 0) -> np.ndarray:
+        """Logits [vocab] of the last of `ids`, fed after `past_len` cached tokens of `slot`."""
         total = past_len + len(ids)
         if not ids or total > self.context_length:
             raise ValueError(f"{total} tokens do not fit the context of {self.context_length}")
-        run = self._run_shared if self.bundle.share_buffer else self._run_concat
-        return run(ids, total)
+        if not self.bundle.share_buffer:
+            return self._run_concat(ids, total)
+        return self._run_shared([list(ids)], [total], slot)[0]
+
+    def decode(self, tokens: list[int], totals: list[int]) -> np.ndarray:
+        """One step of slots 0..n-1 in one run: logits [n, vocab]. `totals[i]` is slot i's
+        length with its new token; an idle slot below n can take any token with total 1 (it
+        only writes its own position 0, which its next prefill overwrites)."""
+        if not 0 < len(tokens) == len(totals) <= self.slots:
+            raise ValueError(
+                f"{len(tokens)} tokens for {len(totals)} lengths and {self.slots} slots"
+            )
+        if max(totals) > self.context_length or min(totals) < 1:
+            raise ValueError(f"lengths {totals} do not fit the context of {self.context_length}")
+        return self._run_shared([[t] for t in tokens], list(totals), 0)
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         """Yield new token ids until a stop id (not yielded), max_tokens or the context's end.

@@ -131,3 +131,30 @@ def test_a_graph_without_a_shared_cache_gives_the_same_tokens(bundle, engine, tm
     assert list(Engine(other, threads=1).generate(PROMPT, params)) == list(
         engine.generate(PROMPT, params)
     )
+
+
+def test_slots_prefilled_apart_then_stepped_together_match_full_forwards(bundle):
+    """What continuous batching needs: each slot is prefilled alone (any prompt length), then
+    all step in one batched run with ragged lengths; a slot can take a new sequence while the
+    others continue."""
+    engine, lm = Engine(read_bundle(bundle), threads=1, slots=3), _reference(bundle)
+    rng = np.random.default_rng(0)
+    seqs = [PROMPT[:5], PROMPT + [9, 10], PROMPT[:2]]
+    for slot, s in enumerate(seqs):
+        engine.forward(s, 0, slot=slot)
+    ptrs = [kv.data_ptr() for kv in engine.kv]
+    worst = 0.0
+    for step in range(12):
+        for s in seqs:
+            s.append(int(rng.integers(8, 2048)))
+        if step == 6:  # slot 2 finishes; a new request takes it, the others go on
+            seqs[2] = [0, 77, 78, 79]
+            engine.forward(seqs[2][:-1], 0, slot=2)
+        got = engine.decode([s[-1] for s in seqs], [len(s) for s in seqs])
+        for i, s in enumerate(seqs):
+            want = lm.logits(np.array([s]))[0, -1]
+            worst = max(worst, float(np.abs(got[i] - want).max() / np.abs(want).max()))
+    assert worst < 1e-5
+    assert [kv.data_ptr() for kv in engine.kv] == ptrs
+    with pytest.raises(ValueError, match="do not fit the context"):
+        engine.decode([1, 2], [5, CONTEXT + 1])
