@@ -52,7 +52,8 @@ class Settings:
     model_name: str | None = None  # default: the bundle folder's name
     threads: int = 0  # ONNX Runtime intra-op threads; 0: one per core
     api_key: str | None = None  # when set, `Authorization: Bearer KEY` on all but /health
-    max_queue: int = 16  # requests waiting for the engine before 429
+    max_queue: int = 16  # requests waiting for a slot before 429
+    slots: int = 4  # sequences decoded together (each holds a full-context KV cache)
     max_body_bytes: int = 1 << 20
     cors_origins: tuple[str, ...] = ()  # none: CORS off
 
@@ -120,12 +121,16 @@ def make_lifespan(settings: Settings, loader: Callable[[Settings], Service]):
         task = asyncio.create_task(load())
         yield
         task.cancel()
+        if app.state.service is not None:
+            await app.state.service.scheduler.close()
 
     return lifespan
 
 
 def default_loader(settings: Settings) -> Service:
-    return Service.load(settings.bundle, settings.threads, settings.model_name, settings.max_queue)
+    return Service.load(
+        settings.bundle, settings.threads, settings.model_name, settings.max_queue, settings.slots
+    )
 
 
 def _sse(obj) -> str:
@@ -179,7 +184,8 @@ def add_routes(app: FastAPI) -> None:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request):
         svc = getattr(request.app.state, "service", None)
-        waiting, running = (svc.waiting, int(svc.lock.locked())) if svc else (0, 0)
+        sched = svc.scheduler if svc else None
+        waiting, running = (len(sched.waiting), len(sched.running)) if sched else (0, 0)
         text = request.app.state.metrics.render(waiting, running)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

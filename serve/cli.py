@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"require 'Authorization: Bearer KEY' on all but /health (default: ${KEY_ENV})",
     )
     p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
+    p.add_argument(
+        "--slots", type=int, default=4, help="requests decoded together (each holds a KV cache)"
+    )
     p.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument(
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("threads", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
+    if args.slots < 1:
+        sys.exit("error: --slots must be 1 or more")
     try:
         import uvicorn
 
@@ -62,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         api_key=args.api_key or None,
         max_queue=args.max_queue,
+        slots=args.slots,
         max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin),
     )

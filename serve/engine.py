@@ -1,13 +1,15 @@
 """The engine: one ONNX Runtime session over an export bundle, token ids in, token ids out.
 
 It knows nothing of text. A request is a prefill (the whole prompt in one run) and then one run
-per new token through the KV cache. For the builder's graphs (manifest `past_present_share_buffer`)
-the cache is one buffer per layer, allocated once at the full context length and bound as both
-`past_key_values.*` input and `present.*` output: GroupQueryAttention writes each new entry in
-place and reads only the first `attention_mask` positions, so no step copies or reallocates the
-cache, and stale entries from an earlier request are never read (measured on the 0.4B model: 36
-vs 20 tokens/s at 1,536 tokens of context against a cache that grows by concatenation). Other
-graphs (optimum's) get the growing cache they were built for.
+per new token through the KV cache; with several slots, one run steps many sequences (the
+scheduler in serve/scheduler.py decides which). For the builder's graphs (manifest
+`past_present_share_buffer`) the cache is one buffer per layer, allocated once at the full
+context length and bound as both `past_key_values.*` input and `present.*` output:
+GroupQueryAttention writes each new entry in place and reads only the first `attention_mask`
+positions, so no step copies or reallocates the cache, and stale entries from an earlier request
+are never read (measured on the 0.4B model: 36 vs 20 tokens/s at 1,536 tokens of context against
+a cache that grows by concatenation). Other graphs (optimum's) get the growing cache they were
+built for, one slot only.
 """
 
 from __future__ import annotations

@@ -1,28 +1,24 @@
 """Completions: text in, text out, between the HTTP routes and the token-id engine.
 
-One engine holds one sequence at a time, so requests take turns behind a lock; each decode step
-runs in a worker thread (ONNX Runtime releases the GIL), which keeps the event loop free to
-accept, stream and notice clients that left. A request waiting beyond `max_queue` is refused
-with 429 instead of queueing without end. A client that disconnects cancels its stream between
-two steps, and the lock is released at once.
+Requests go to the scheduler (serve/scheduler.py), which batches the decode steps of all running
+sequences; a request beyond `max_queue` waiting is refused with 429 instead of queueing without
+end, and a client that disconnects (its stream closed) frees its slot at the next step.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import anyio
-
 from serve.engine import Engine, read_bundle
 from serve.metrics import Metrics
 from serve.protocol import CompletionRequest
+from serve.scheduler import QueueFull, Scheduler
 from serve.textstream import TextStream
 
 CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream)
-_END = object()
 
 
 class RequestError(Exception):
@@ -48,18 +44,24 @@ class Piece:
 class Service:
     def __init__(self, engine: Engine, tokenizer, name: str, max_queue: int = 16):
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
-        self.max_queue = max_queue
-        self.lock = asyncio.Lock()
-        self.waiting = 0
+        self.scheduler = Scheduler(engine, max_queue)
         self.metrics = Metrics()  # the app puts its own here, shared with its middleware
 
     @classmethod
-    def load(cls, bundle: str, threads: int = 0, name: str | None = None, max_queue: int = 16):
+    def load(
+        cls,
+        bundle: str,
+        threads: int = 0,
+        name: str | None = None,
+        max_queue: int = 16,
+        slots: int = 1,
+    ):
         from tokenizers import Tokenizer
 
         b = read_bundle(bundle)
         tok = Tokenizer.from_file(str(b.tokenizer))
-        return cls(Engine(b, threads), tok, name or b.folder.resolve().name, max_queue)
+        engine = Engine(b, threads, slots if b.share_buffer else 1)
+        return cls(engine, tok, name or b.folder.resolve().name, max_queue)
 
     @property
     def context_length(self) -> int:
@@ -109,40 +111,25 @@ class Service:
         """Pieces of text as they become safe to send; the last one carries the finish reason
         and the token counts. Raises RequestError before the first piece."""
         ids = self.prompt_ids(req)
-        if self.lock.locked() and self.waiting >= self.max_queue:
-            raise RequestError(429, f"{self.waiting} requests are waiting; retry shortly", None)
-        self.waiting += 1
-        try:
-            await self.lock.acquire()
-        finally:
-            self.waiting -= 1
-        try:
-            async for piece in self._generate(ids, req):
-                yield piece
-        finally:
-            self.lock.release()
-
-    async def _generate(self, ids: list[int], req: CompletionRequest) -> AsyncIterator[Piece]:
         params = req.to_sampling_params(req.max_tokens, self.engine.bundle.eos_id)
         stream = TextStream(self.tokenizer.decode, req.stops(), ids[-CONTEXT_IDS:])
-        gen = self.engine.generate(ids, params)
         made, t0, ttft = 0, time.perf_counter(), 0.0
         try:
-            while not stream.stopped:
-                # Not abandoned on cancellation: a step in flight finishes before the generator
-                # is closed, so the engine's buffers are never used by two runs at once.
-                token = await anyio.to_thread.run_sync(next, gen, _END)
-                if token is _END:
-                    break
-                made += 1
-                if made == 1:
-                    ttft = time.perf_counter() - t0
-                    self.metrics.ttft.observe(ttft)
-                text = stream.push(token)
-                if text:
-                    yield Piece(text)
+            async with contextlib.aclosing(self.scheduler.generate(ids, params)) as tokens:
+                async for token in tokens:
+                    made += 1
+                    if made == 1:
+                        ttft = time.perf_counter() - t0
+                        self.metrics.ttft.observe(ttft)
+                    text = stream.push(token)
+                    if text:
+                        yield Piece(text)
+                    if stream.stopped:
+                        break  # closing the generator frees the slot
+        except QueueFull:
+            waiting = len(self.scheduler.waiting)
+            raise RequestError(429, f"{waiting} requests are waiting; retry shortly") from None
         finally:
-            gen.close()
             self.metrics.completion(len(ids), made, ttft, time.perf_counter() - t0)
         full = made >= req.max_tokens or len(ids) + made >= self.context_length
         reason = "stop" if stream.stopped or not full else "length"

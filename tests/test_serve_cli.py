@@ -31,6 +31,8 @@ def test_a_folder_that_is_not_a_bundle_is_one_line_error(tmp_path):
         main([str(tmp_path)])
     with pytest.raises(SystemExit, match="--threads must be 0 or more"):
         main([str(tmp_path), "--threads", "-1"])
+    with pytest.raises(SystemExit, match="--slots must be 1 or more"):
+        main([str(tmp_path), "--slots", "0"])
 
 
 def test_loopback_by_default_and_the_key_from_the_environment(bundle, monkeypatch):

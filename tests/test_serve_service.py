@@ -1,9 +1,11 @@
-"""Serve: requests taking turns on the one engine: a full queue is refused with 429 and
-Retry-After, and a stream abandoned mid-way (a client gone) frees the engine at once."""
+"""Serve: concurrent requests share batched decode steps and get the tokens they would get
+alone; a full queue is refused with 429 and Retry-After; a stream abandoned mid-way (a client
+gone) frees its slot."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,62 +13,117 @@ from test_serve_engine import tiny_bundle
 
 from serve.app import Settings, create_app
 from serve.protocol import CompletionRequest
+from serve.sampling import SamplingParams
 from serve.service import RequestError, Service
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory, tokenizer_path) -> Service:
-    return Service.load(str(tiny_bundle(tmp_path_factory, tokenizer_path)), threads=1, max_queue=1)
+def bundle(tmp_path_factory, tokenizer_path):
+    return tiny_bundle(tmp_path_factory, tokenizer_path)
 
 
-def test_an_abandoned_stream_releases_the_engine_and_the_next_request_runs(svc):
-    async def main():
-        stream = svc.complete(CompletionRequest(prompt="নদী", max_tokens=50, temperature=0))
-        await anext(stream)
-        assert svc.lock.locked()
-        await stream.aclose()  # what the server does when the client disconnects
-        assert not svc.lock.locked()
-        req = CompletionRequest(prompt="নদী", max_tokens=3, temperature=0)
-        return [p async for p in svc.complete(req)]
-
-    pieces = asyncio.run(main())
-    assert pieces[-1].completion_tokens == 3 and pieces[-1].finish_reason == "length"
+def _req(**kw) -> CompletionRequest:
+    return CompletionRequest(**{"prompt": "নদী", "temperature": 0, **kw})
 
 
-def test_a_full_queue_is_refused_and_waiting_requests_run_in_turn(svc):
-    async def main():
-        await svc.lock.acquire()  # a request in progress
-        req = CompletionRequest(prompt="a", max_tokens=2, temperature=0)
-        waiting = asyncio.create_task(_collect(svc.complete(req)))
-        await asyncio.sleep(0.05)
-        assert svc.waiting == 1
-        with pytest.raises(RequestError) as refused:
-            await anext(svc.complete(req))
-        svc.lock.release()
-        return refused.value, await waiting
-
-    refused, done = asyncio.run(main())
-    assert refused.status == 429 and refused.headers == {"Retry-After": "1"}
-    assert done[-1].completion_tokens == 2
-
-
-async def _collect(stream):
+async def _collect(stream) -> list:
     return [p async for p in stream]
 
 
-def test_429_over_http_carries_retry_after(tmp_path_factory, tokenizer_path):
-    bundle = tiny_bundle(tmp_path_factory, tokenizer_path)
-    loaded = Service.load(str(bundle), threads=1, max_queue=0)
+def _text(pieces) -> str:
+    return "".join(p.text for p in pieces)
+
+
+def test_concurrent_requests_share_batched_steps_and_get_what_they_get_alone(bundle):
+    svc = Service.load(str(bundle), threads=1, slots=4)
+    reqs = [_req(prompt=p, max_tokens=n, seed=i, temperature=1.0) for i, (p, n) in
+            enumerate([("নদী", 30), ("The river", 12), ("আমাদের গ্রামের নাম", 25), ("a", 20),
+                       ("ছোট", 18)])]  # fmt: skip
+    alone = [asyncio.run(_collect(svc.complete(r))) for r in reqs]
+    batch_sizes = []
+    decode = svc.engine.decode
+    svc.engine.decode = lambda tokens, totals: (
+        batch_sizes.append(len(tokens)) or decode(tokens, totals)
+    )
+
+    async def together():
+        return await asyncio.gather(*(_collect(svc.complete(r)) for r in reqs))
+
+    for a, b in zip(alone, asyncio.run(together())):
+        assert _text(a) == _text(b) and a[-1] == b[-1]
+    assert max(batch_sizes) == 4  # five requests, four slots: the fifth took a freed slot
+
+
+def test_an_abandoned_stream_frees_its_slot_and_the_next_request_runs(bundle):
+    svc = Service.load(str(bundle), threads=1, slots=1)
+
+    async def main():
+        stream = svc.complete(_req(max_tokens=80))
+        await anext(stream)
+        await stream.aclose()  # what the server does when the client disconnects
+        nxt = await _collect(svc.complete(_req(max_tokens=3)))
+        return nxt, len(svc.scheduler.running)
+
+    pieces, running = asyncio.run(main())
+    assert pieces[-1].completion_tokens == 3 and pieces[-1].finish_reason == "length"
+    assert running == 0
+
+
+def _blocked(svc: Service) -> threading.Event:
+    """Make the engine's batched step wait for the returned event (a request in progress)."""
+    go, decode = threading.Event(), svc.engine.decode
+
+    def slow(tokens, totals):
+        go.wait(10)
+        return decode(tokens, totals)
+
+    svc.engine.decode = slow
+    return go
+
+
+def test_a_full_queue_is_refused_and_waiting_requests_run_in_turn(bundle):
+    svc = Service.load(str(bundle), threads=1, slots=1, max_queue=1)
+    go = _blocked(svc)
+
+    async def main():
+        first = asyncio.create_task(_collect(svc.complete(_req(max_tokens=3))))
+        second = asyncio.create_task(_collect(svc.complete(_req(max_tokens=2))))
+        while len(svc.scheduler.waiting) < 1 or not svc.scheduler.running:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RequestError) as refused:
+            await anext(svc.complete(_req()))
+        go.set()
+        return refused.value, await first, await second
+
+    refused, first, second = asyncio.run(main())
+    assert refused.status == 429 and refused.headers == {"Retry-After": "1"}
+    assert first[-1].completion_tokens == 3 and second[-1].completion_tokens == 2
+
+
+def test_429_over_http_carries_retry_after(bundle):
+    loaded = Service.load(str(bundle), threads=1, slots=1, max_queue=0)
+    go = _blocked(loaded)
     app = create_app(Settings(bundle=str(bundle)), loader=lambda _s: loaded)
     with TestClient(app) as c:
         while c.get("/health").status_code != 200:
             pass
-        c.portal.call(loaded.lock.acquire)  # the app's own event loop holds the engine
+        stream = c.portal.call(_started, loaded)  # runs on the app's own event loop
         r = c.post("/v1/completions", json={"prompt": "a"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert "requests are waiting" in r.json()["error"]["message"]
-        c.portal.call(loaded.lock.release)
+        metrics = c.get("/metrics").text
+        assert "doel_requests_running 1" in metrics
+        go.set()
+        c.portal.call(stream.aclose)
         assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+async def _started(svc: Service):
+    # Token ids, not text: the prefill's first id arrives without a decode step (text might
+    # wait for the next id, which the blocked step holds back).
+    stream = svc.scheduler.generate([0, 5, 6], SamplingParams(max_tokens=50))
+    await anext(stream)
+    return stream
 
 
 def test_closing_the_http_stream_closes_the_service_generator():

@@ -1,0 +1,168 @@
+"""Continuous batching: concurrent requests share decode steps.
+
+Each request gets a slot of the engine's cache. One loop runs steps while there is work: a step
+first prefills the requests admitted to free slots (one run each), then advances every running
+sequence by one token in a single batched run, so the weights are read once per step for all of
+them and throughput grows with load. A finished or abandoned sequence frees its slot at the next
+step, and a waiting request takes it. Engine work and sampling run in a worker thread; slots,
+queues and cancellation are handled on the event loop alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from serve.engine import Engine
+from serve.sampling import SamplingParams, sample
+
+DONE = -1  # end of a sequence in its queue
+log = logging.getLogger("doel.serve")
+
+
+@dataclass(eq=False)
+class Seq:
+    prompt: list[int]
+    params: SamplingParams
+    context: np.ndarray  # prompt + completion ids so far, [context length]
+    rng: np.random.Generator
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    n: int = 0  # ids in `context`
+    slot: int = -1
+    cancelled: bool = False
+
+    @property
+    def made(self) -> int:
+        return self.n - len(self.prompt)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_queue: int = 16):
+        self.engine, self.max_queue = engine, max_queue
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.running: dict[int, Seq] = {}  # slot → sequence
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        """Token ids of one request as they come; raises QueueFull when too many wait."""
+        if len(self.waiting) >= self.max_queue and len(self.running) >= self.engine.slots:
+            raise QueueFull(len(self.waiting))
+        context = np.zeros(self.engine.context_length, np.int64)
+        context[: len(prompt)] = prompt
+        seq = Seq(list(prompt), params, context, np.random.default_rng(params.seed), n=len(prompt))
+        self.waiting.append(seq)
+        self._start()
+        try:
+            while (item := await seq.out.get()) != DONE:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            # Done, or a client gone: the slot is free for the next admission at once (a step
+            # in flight took its own list of sequences and will not put this one back).
+            seq.cancelled = True
+            if self.running.get(seq.slot) is seq:
+                del self.running[seq.slot]
+            self._wake.set()
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._task.get_loop() is not loop:
+            # A new event loop (tests run several): the event and the task belong to the old.
+            self._wake, self._task = asyncio.Event(), None
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.waiting or self.running:
+                self._drop_cancelled()
+                admit = self._admit()
+                if not (admit or self.running):
+                    break
+                # Not abandoned on cancellation: the engine's buffers are never used by two
+                # runs at once.
+                stepping = list(self.running.values())
+                try:
+                    events = await anyio.to_thread.run_sync(self._step, admit, stepping)
+                except Exception as e:  # a failed run ends its sequences, not the server
+                    log.exception("engine step failed")
+                    self._fail([*admit, *stepping], e)
+                    continue
+                self._dispatch(events)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _fail(self, seqs: list[Seq], error: Exception) -> None:
+        for s in seqs:
+            s.out.put_nowait(RuntimeError(f"the engine failed: {error}"))
+            if self.running.get(s.slot) is s:
+                del self.running[s.slot]
+
+    def _drop_cancelled(self) -> None:
+        self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
+        for slot in [k for k, s in self.running.items() if s.cancelled]:
+            del self.running[slot]
+
+    def _admit(self) -> list[Seq]:
+        free = [i for i in range(self.engine.slots) if i not in self.running]
+        admit = []
+        while self.waiting and free:
+            seq = self.waiting.popleft()
+            seq.slot = free.pop(0)  # lowest first: the batched run covers slots 0..max
+            admit.append(seq)
+        return admit
+
+    def _step(self, admit: list[Seq], stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
+        """In a worker thread: prefill the admitted, one batched step for the rest; sample."""
+        events = []
+        if stepping:
+            top = max(s.slot for s in stepping) + 1
+            tokens, totals = [0] * top, [1] * top  # idle slots: a harmless dummy row
+            for s in stepping:
+                tokens[s.slot], totals[s.slot] = int(s.context[s.n - 1]), s.n
+            logits = self.engine.decode(tokens, totals)
+            events += [self._pick(s, logits[s.slot]) for s in stepping]
+        for s in admit:
+            events.append(self._pick(s, self.engine.forward(s.prompt, 0, slot=s.slot)))
+        return events
+
+    def _pick(self, s: Seq, logits: np.ndarray) -> tuple[Seq, int | None, bool]:
+        """Sample the next id; (sequence, id or None at a stop id, finished)."""
+        p = s.params
+        token = sample(logits, p, s.rng, s.context[: s.n], s.context[len(s.prompt) : s.n])
+        if token in p.stop_token_ids:
+            return s, None, True
+        s.context[s.n] = token
+        s.n += 1
+        return s, token, s.made >= p.max_tokens or s.n >= self.engine.context_length
+
+    def _dispatch(self, events) -> None:
+        for s, token, finished in events:
+            if token is not None:
+                s.out.put_nowait(token)
+            if finished:
+                s.out.put_nowait(DONE)
+                if self.running.get(s.slot) is s:
+                    del self.running[s.slot]
+            elif not s.cancelled:
+                self.running[s.slot] = s
