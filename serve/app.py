@@ -175,6 +175,22 @@ async def _first(pieces):
     return again()
 
 
+async def _whole(svc: Service, pieces) -> Completion:
+    """A non-streamed completion: all pieces joined, usage from the last."""
+    text, last = [], None
+    async with contextlib.aclosing(pieces):
+        async for last in pieces:
+            text.append(last.text)
+    usage = Usage(
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        total_tokens=last.prompt_tokens + last.completion_tokens,
+    )
+    choice = Choice(text="".join(text), finish_reason=last.finish_reason)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    return Completion(id=rid, created=created, model=svc.name, choices=[choice], usage=usage)
+
+
 def add_routes(app: FastAPI) -> None:
     @app.get("/health", responses=ERRORS)
     async def health(request: Request):
@@ -201,23 +217,7 @@ def add_routes(app: FastAPI) -> None:
         pieces = await _first(svc.complete(req))
         if req.stream:
             return StreamingResponse(_stream(svc, req, pieces), media_type="text/event-stream")
-        text, last = [], None
-        async with contextlib.aclosing(pieces):
-            async for last in pieces:
-                text.append(last.text)
-        usage = Usage(
-            prompt_tokens=last.prompt_tokens,
-            completion_tokens=last.completion_tokens,
-            total_tokens=last.prompt_tokens + last.completion_tokens,
-        )
-        choice = Choice(text="".join(text), finish_reason=last.finish_reason)
-        return Completion(
-            id=f"cmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=svc.name,
-            choices=[choice],
-            usage=usage,
-        )
+        return await _whole(svc, pieces)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):
