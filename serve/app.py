@@ -15,10 +15,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.guard import Guard
@@ -192,6 +193,12 @@ async def _whole(svc: Service, pieces) -> Completion:
 
 
 def add_routes(app: FastAPI) -> None:
+    page = (Path(__file__).parent / "playground.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground():
+        return HTMLResponse(page)
+
     @app.get("/health", responses=ERRORS)
     async def health(request: Request):
         service(request)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import hmac
 import json
 
-OPEN_PATHS = ("/health",)  # answered without a key, so load balancers can probe
+# Answered without a key: probes, and the playground page (it holds no data; its requests
+# carry the key typed into it).
+OPEN_PATHS = ("/health", "/")
 
 
 async def _reply(send, status: int, message: str, kind: str, headers=()) -> None:

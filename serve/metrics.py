@@ -8,7 +8,7 @@ import bisect
 from collections import Counter
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/tokenize", "/detokenize")
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/tokenize", "/detokenize")
 
 
 class Histogram:

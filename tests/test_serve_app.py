@@ -189,6 +189,7 @@ def test_the_api_key_guards_everything_but_health(bundle):
         ok = {"Authorization": "Bearer s3cret"}
         assert c.post("/tokenize", json={"prompt": "a"}, headers=ok).status_code == 200
         assert c.get("/openapi.json").status_code == 401
+        assert c.get("/").status_code == 200  # the page; its requests carry the key
 
 
 def _metric(client: TestClient, line_start: str) -> float:
@@ -212,3 +213,13 @@ def test_metrics_count_requests_tokens_and_first_token_times(client):
     assert r.headers["content-type"].startswith("text/plain")
     assert "# TYPE doel_queue_depth gauge" in r.text and "doel_queue_depth 0" in r.text
     assert 'le="+Inf"' in r.text
+
+
+def test_the_playground_page_streams_from_the_completions_route(client):
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert '<html lang="bn">' in page and 'id="prompt"' in page
+    for control in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"):
+        assert f'id="{control}"' in page
+    assert '"/v1/completions"' in page and "stream: true" in page and "getReader" in page
