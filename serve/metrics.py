@@ -74,7 +74,7 @@ class Metrics:
             *block(
                 "doel_time_to_first_token_seconds",
                 "histogram",
-                "from the engine taking a request to its first token",
+                "from a request's arrival to its first token (waiting for a slot included)",
                 self.ttft.lines("doel_time_to_first_token_seconds"),
             ),
             *block(
