@@ -14,6 +14,7 @@ the CPU (useful only to check the script).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import re
@@ -176,6 +177,21 @@ def markdown(r: dict) -> str:
     )
 
 
+def run_verify(cfg: TrainConfig, out: Path) -> bool:
+    """The full suite on this device with the preset's settings; report in `out`."""
+    import tempfile
+
+    from benchmarks.bench_dist import make_shards
+    from train.verify import run_suite
+
+    shards = make_shards(Path(tempfile.mkdtemp(prefix="doel-verify-")))
+    # The sample is small: shorter windows and batches, the preset's model, dtype and compile.
+    cfg = dataclasses.replace(
+        cfg, seq_len=min(cfg.seq_len, 256), batch_size=min(cfg.batch_size, 4), grad_accum=1
+    )
+    return run_suite(cfg, shards, "full", out_dir=out).ok
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="bangla-0.4b")
@@ -183,12 +199,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run the whole verification suite (on shards of the built-in sample)",
+    )
     args = p.parse_args()
     cfg = load_config(TrainConfig, resolve_config(args.config), args.set)
     r = report(cfg, measure(cfg, args.steps, args.warmup), args.config)
     slug = re.sub(r"[^a-z0-9]+", "-", r["device"].lower()).strip("-")
     stem = args.out / f"gpu_{args.config}_{slug}_{r['date']}"
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.verify:
+        r["verify_ok"] = run_verify(cfg, stem.with_name(stem.name.replace("gpu_", "verify_", 1)))
     stem.with_suffix(".json").write_text(json.dumps(r, indent=1))
     stem.with_suffix(".md").write_text(markdown(r))
     print(markdown(r))

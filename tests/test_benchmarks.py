@@ -20,6 +20,7 @@ def test_gpu_benchmark_script_reports_mfu_and_the_gate(tmp_path):
         "2",
         "--warmup",
         "1",
+        "--verify",
         "--out",
         str(tmp_path),
     ]
@@ -28,4 +29,5 @@ def test_gpu_benchmark_script_reports_mfu_and_the_gate(tmp_path):
     (result,) = tmp_path.glob("gpu_tiny_cpu_*.json")
     r = json.loads(result.read_text())
     assert r["gate_ok"] and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1.5
+    assert r["verify_ok"] and list(tmp_path.glob("verify_tiny_cpu_*/verify.md"))
     assert r["backward_over_forward"] > 0 and (tmp_path / result.name).with_suffix(".md").is_file()
