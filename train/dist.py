@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-STRATEGIES = ("ddp", "fsdp")
 HEARTBEAT = "doel/step/"  # key prefix in torchrun's store: the step each rank last began
 
 

@@ -58,6 +58,7 @@ class RunLoop:
         self.write = metrics.write if metrics else (lambda row: None)
         self.bad_step = torch.full((), -1, dtype=torch.long, device=device)
         self.last_ckpt = None
+        self._task_items, self._task_tok, self._task_warned = None, None, False
 
     def loop(self, step: int, tokens_seen: int, meta: dict) -> None:
         cfg = self.cfg
@@ -73,7 +74,8 @@ class RunLoop:
             )
             finite = torch.isfinite(out["loss"])
             self.bad_step = torch.where(~finite & (self.bad_step < 0), step + 1, self.bad_step)
-            step, tokens_seen = step + 1, tokens_seen + out["tokens"]
+            # int64 on the device: exact over billions of tokens, and no host sync.
+            step, tokens_seen = step + 1, tokens_seen + out["tokens"].long()
             if self.step_hook is not None:
                 self.step_hook(step)
             t_train += time.perf_counter() - t0
@@ -139,7 +141,7 @@ class RunLoop:
                 "grad_norm": gnorm,
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu,
-                "tokens": tokens_seen,
+                "tokens": int(tokens_seen),
                 "time": time.time(),
             }
         )
@@ -182,7 +184,7 @@ class RunLoop:
         """Accuracy on the fixed first items of a multiple-choice task. Scored by rank 0 on
         its own copy of the weights, so it cannot run on FSDP shards (said once)."""
         if self.dist.enabled and self.cfg.strategy == "fsdp":
-            if not getattr(self, "_task_warned", False):
+            if not self._task_warned:
                 self.log("note: eval_task is skipped under FSDP (rank 0 holds only a shard)")
                 self._task_warned = True
             return
@@ -193,7 +195,7 @@ class RunLoop:
         from train.tokenizer import load_tokenizer
 
         name, _, path = self.cfg.eval_task.partition("=")
-        if not hasattr(self, "_task_items"):
+        if self._task_items is None:
             self._task_items = load_task(name, path, limit=self.cfg.eval_task_limit)
             self._task_tok = load_tokenizer(self.tok)
         r = task_accuracy(self.model, self._task_tok, self._task_items, device=self.device)
@@ -207,7 +209,7 @@ class RunLoop:
         self._check_finite()
         state = {
             "loader": self.loader.state_dict(),
-            "tokens_seen": tokens_seen,
+            "tokens_seen": int(tokens_seen),
             "config": resolved(self.cfg),
         }
         self.last_ckpt = save_checkpoint(
@@ -235,7 +237,7 @@ class RunLoop:
                 meta=self.meta,
                 train_state={
                     "step": self.step,
-                    "tokens_seen": self.tokens_seen,
+                    "tokens_seen": int(self.tokens_seen),
                     "config": resolved(self.cfg),
                 },
                 hardware=f"{self.dist.world_size} × {dev}",

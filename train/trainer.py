@@ -19,6 +19,7 @@ import torch.distributed as dist
 from train.model import IGNORE_INDEX, ModelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
+STRATEGIES = ("ddp", "fsdp")  # data parallelism under torchrun (train/dist.py)
 DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -83,8 +84,8 @@ class TrainConfig:
             raise ValueError(
                 f"eval_task must be NAME=PATH, e.g. hellaswag=val.jsonl, got {self.eval_task!r}"
             )
-        if self.strategy not in ("ddp", "fsdp"):
-            raise ValueError(f"strategy must be ddp or fsdp, got {self.strategy!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
         if self.dtype not in DTYPES:
@@ -186,14 +187,14 @@ def train_step(
     """One optimizer step over a list of (inputs, targets) micro-batches already on the device.
     The loss is normalised by the target tokens of the whole step across all ranks (DDP and
     FSDP average gradients over ranks, hence the world-size factor). Returns loss (mean nats
-    per target token), grad_norm and tokens (global) as tensors/ints."""
+    per target token), grad_norm and tokens (global), all tensors on the device."""
     from train.dist import all_reduce_sum
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    local = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
-    n_tokens = int(all_reduce_sum(torch.tensor(local, dtype=torch.float64)))
-    if n_tokens == 0:
-        raise ValueError("a training step without target tokens (every target is ignored)")
+    # Counted on the device: an int() here would make the host wait for the GPU once per
+    # micro-batch. A step without any target gives a NaN loss, which the run stops on.
+    local = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches]).sum()
+    n_tokens = all_reduce_sum(local.float())
     total = None
     for i, (x, y) in enumerate(micro_batches):
         with _no_sync(model, last=i == len(micro_batches) - 1):
