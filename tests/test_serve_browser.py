@@ -1,0 +1,133 @@
+"""The playground in headless Chromium (Debian's `chromium` and `chromium-driver`, through
+selenium) against a real `doel-serve` process: type a Bangla prompt, press Generate, watch the
+completion grow piece by piece to the server's own text, and take a screenshot that is a real
+PNG with something drawn in it. Skipped only where Chromium is not installed (`.ci/run`
+installs it)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import zlib
+
+import httpx2
+import pytest
+from live_server import live_server
+from test_serve_engine import tiny_bundle
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and DRIVER),
+    reason="headless Chromium is not installed: apt-get install chromium chromium-driver "
+    "(.ci/run does this)",
+)
+webdriver = pytest.importorskip("selenium.webdriver", reason="pip install 'doel[dev]'")
+
+PROMPT = "নদীর ধারে একটি ছোট গ্রাম ছিল।"
+MAX_TOKENS = 64
+
+# Every change to the completion, with its time: several growing snapshots mean it streamed.
+WATCH = """
+window.seen = [];
+new MutationObserver(() => {
+  const c = document.getElementById("completion");
+  if (c) window.seen.push([performance.now(), c.textContent]);
+}).observe(document.getElementById("output"), {childList: true, subtree: true,
+                                                characterData: true});
+"""
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tokenizer_path):
+    return tiny_bundle(tmp_path_factory, tokenizer_path)
+
+
+@pytest.fixture(scope="module")
+def server(bundle, tmp_path_factory):
+    with live_server(bundle, tmp_path_factory.mktemp("browser")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",  # CI runs as root, where Chromium's sandbox refuses to start
+        "--disable-dev-shm-usage",  # containers often have a small /dev/shm
+        "--no-proxy-server",  # loopback only, whatever the environment says
+        "--window-size=1000,800",
+    ):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def _set(el, value: str) -> None:
+    el.clear()
+    el.send_keys(value)
+
+
+def png_facts(data: bytes) -> tuple[int, int, int]:
+    """(width, height, distinct byte values in the decoded image) of an 8-bit RGB(A) PNG;
+    fails on anything that is not a well-formed one."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,), kind = struct.unpack(">I", data[pos : pos + 4]), data[pos + 4 : pos + 8]
+        body, crc = data[pos + 8 : pos + 8 + n], data[pos + 8 + n : pos + 12 + n]
+        assert struct.unpack(">I", crc)[0] == zlib.crc32(kind + body), f"bad CRC in {kind}"
+        chunks.setdefault(kind, []).append(body)
+        pos += 12 + n
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][0][:10])
+    assert depth == 8 and color in (2, 6) and b"IEND" in chunks
+    raw = zlib.decompress(b"".join(chunks[b"IDAT"]))
+    assert len(raw) == height * (1 + width * (3 if color == 2 else 4))
+    return width, height, len(set(raw))
+
+
+def test_the_playground_streams_a_bangla_completion_and_screenshots(
+    server, browser, bundle, tmp_path
+):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{server.url}/")
+    wait = WebDriverWait(browser, 20)
+    wait.until(lambda d: d.find_element(By.ID, "model").text == bundle.name)  # /v1/models ran
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.send_keys(PROMPT)
+    assert prompt.get_property("value") == PROMPT  # typed, key by key, through the keyboard
+    _set(browser.find_element(By.ID, "max_tokens"), str(MAX_TOKENS))
+    _set(browser.find_element(By.ID, "seed"), "5")  # the default temperature 0.8, seeded
+    browser.execute_script(WATCH)
+    browser.find_element(By.ID, "go").click()
+    status = browser.find_element(By.ID, "status")
+    wait.until(lambda _d: re.fullmatch(r"\d+ tokens, \w+|error: .*", status.text))
+    assert re.fullmatch(r"\d+ tokens, (length|stop)", status.text), status.text
+
+    shown = browser.find_element(By.ID, "completion").get_property("textContent")
+    # The page sent its defaults with our values; seeded, that is one text, which the server
+    # also gives whole.
+    req = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95}
+    req |= {"top_k": 0, "repetition_penalty": 1.1, "seed": 5}
+    want = httpx2.post(f"{server.url}/v1/completions", json=req, trust_env=False, timeout=30)
+    assert shown and shown == want.json()["choices"][0]["text"]
+    assert status.text.startswith(f"{want.json()['usage']['completion_tokens']} tokens")
+    steps = [t for _, t in browser.execute_script("return window.seen")]
+    growing = [t for i, t in enumerate(steps) if t and (i == 0 or t != steps[i - 1])]
+    assert len(growing) >= 2, f"the completion appeared at once, not streamed: {steps}"
+    assert all(b.startswith(a) for a, b in zip(growing, growing[1:]))
+    assert growing[-1] == shown
+
+    png = browser.get_screenshot_as_png()
+    (tmp_path / "playground.png").write_bytes(png)
+    width, height, values = png_facts(png)
+    assert width >= 800 and height >= 500 and len(png) > 10_000
+    assert values > 20, "a blank screenshot"  # text is drawn with many shades of grey
