@@ -68,12 +68,17 @@ def check_data(s: Setup) -> CheckResult:
             f"repeat an earlier one ({rep['repeated_share']:.1%})"
         )
     shares = {}
-    for name, src in meta.get("sources", {}).items():
+    # Shares are asked of the training mix: explicit validation files (sources of their own,
+    # with no training characters) must not dilute them.
+    sources = meta.get("sources", {})
+    train_chars = sum(s["train_characters"] for s in sources.values()) or 1
+    for name, src in sources.items():
         asked = src.get("requested_char_share")
         shares[name] = {k: src.get(k) for k in ("char_share", "token_share", "chars_per_token")}
         shares[name]["requested_char_share"] = asked
-        if asked is not None and abs(src["char_share"] - asked) > v.share_tolerance:
-            bad.append(f"{name}: {src['char_share']:.1%} of characters, {asked:.1%} asked")
+        got = src["train_characters"] / train_chars
+        if asked is not None and abs(got - asked) > v.share_tolerance:
+            bad.append(f"{name}: {got:.1%} of training characters, {asked:.1%} asked")
     numbers["sources"] = shares
     return CheckResult(
         "data",
