@@ -1,8 +1,8 @@
 """`doel-train` (or `python -m train`): a thin command line over train's functions.
 
-Commands: tokenizer, fertility, prepare, fit, check-gradients, verify, eval, plot, demo. Heavy
-imports happen inside each command, so a missing extra is reported with the `pip install` line
-that fixes it.
+Commands: tokenizer, fertility, prepare, fit, check-gradients, verify, eval, plot, demo, recipe.
+Heavy imports happen inside each command, so a missing extra is reported with the `pip install`
+line that fixes it.
 """
 
 from __future__ import annotations
@@ -162,7 +162,13 @@ def _cmd_plot(args) -> None:
 def _cmd_demo(args) -> None:
     from train.demo import run_demo
 
-    run_demo(args.out, args.vocab_size, args.config, args.set)
+    run_demo(args.out, args.vocab_size, args.config, args.set, args.serve, args.port)
+
+
+def _cmd_recipe(args) -> None:
+    from train.recipe_run import main as recipe_main
+
+    recipe_main(args)
 
 
 def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> None:
@@ -273,7 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vocab-size", type=int, default=4096)
     d.add_argument("--config", default="demo", help="training preset or TOML (default demo)")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument(
+        "--serve", action="store_true", help="keep serving the bundle at the end until Ctrl-C"
+    )
+    d.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     d.set_defaults(func=_cmd_demo)
+
+    from train.recipe_run import add_arguments  # standard library only at import
+
+    rc = sub.add_parser("recipe", help="a whole recipe: data -> model -> bundles, cost up front")
+    add_arguments(rc)
+    rc.set_defaults(func=_cmd_recipe)
     return p
 
 

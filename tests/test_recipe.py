@@ -1,0 +1,363 @@
+"""The rented-GPU recipe (`doel-train recipe`): the shipped file and its budget, bad recipes named
+by field, the disk and memory estimate and its refusal, the projection and the confirmation, a
+download that resumes where it stopped (local files and the `datasets` streaming path), the
+whole dry run from .txt/.jsonl/.parquet stand-ins with a rerun that skips every stage, the
+torchrun command, and the GPU slice refusing without CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.cli import build_parser, main
+from train.common import DoelError
+from train.config import load_config
+from train.model import Llama, ModelConfig
+from train.recipe import DataSpec, HubSource, load_recipe, make_plan
+from train.recipe_checks import (
+    check_stage,
+    confirm,
+    estimate_needs,
+    parameter_count,
+    projection,
+)
+from train.recipe_data import fetch_source
+from train.recipe_run import run_recipe
+from train.recipe_stages import torchrun_command
+from train.textio import iter_documents
+from train.trainer import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "bangla-0.4b" / "recipe.toml"
+SAMPLE = ROOT / "train" / "sample"
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_the_shipped_recipe_trains_its_budget_bangla_first(tmp_path, gpus):
+    recipe = load_recipe(RECIPE)
+    one = make_plan(recipe, tmp_path).train_cfg
+    cfg = make_plan(recipe, tmp_path, gpus=gpus).train_cfg
+    per_step = cfg.tokens_per_step * gpus
+    assert per_step == one.tokens_per_step  # the global batch does not depend on the GPUs
+    assert recipe.token_budget <= cfg.steps * per_step < recipe.token_budget + per_step
+    assert cfg.model.vocab_size == recipe.tokenizer.vocab_size == 32768
+    assert (cfg.dtype, cfg.compile) == ("bfloat16", True)
+    bangla = sum(s.share for s in recipe.sources if s.language == "bn")
+    assert bangla > 0.5 and {"int4", "int8"} <= set(recipe.export.quants)
+    assert sum(recipe.corpus_chars.values()) >= recipe.token_budget * 4 - len(recipe.sources)
+
+
+def test_the_dry_run_is_the_same_recipe_at_tiny_scale(tmp_path):
+    real, dry = load_recipe(RECIPE), load_recipe(RECIPE, dry_run=True)
+    assert [(s.name, s.dataset, s.share) for s in dry.sources] == [
+        (s.name, s.dataset, s.share) for s in real.sources
+    ]
+    cfg = make_plan(dry, tmp_path, dry_run=True).train_cfg
+    assert (cfg.device, cfg.model.hidden_size, cfg.model.vocab_size) == ("cpu", 64, 512)
+    assert cfg.steps * cfg.tokens_per_step >= dry.token_budget
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("share = 0.40", "share = -0.40", "sangraha: share must be > 0"),
+        ("share = 0.35", "share = 0.30", "shares add up to 0.95"),
+        ("token_budget = 2_000_000_000", "token_budget = 0", "token_budget must be"),
+        ('quants = ["int4", "int8"]', 'quants = ["int3"]', "quants: ['int3'] unknown"),
+        ('periodic_task = "bn_tydiqa"', 'periodic_task = "mmlu"', "periodic_task 'mmlu'"),
+        ("vocab_size = 32768", "vocab_size = 100", "vocab_size=100 is smaller"),
+        ('name = "bangla-0.4b"', 'name = "bangla-0.4b"\ncolour = 1', "unknown config keys"),
+    ],
+)
+def test_a_bad_recipe_is_refused_naming_the_field(tmp_path, old, new, message):
+    text = RECIPE.read_text(encoding="utf-8")
+    assert old in text
+    (tmp_path / "recipe.toml").write_text(text.replace(old, new, 1), encoding="utf-8")
+    with pytest.raises(DoelError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_recipe(tmp_path / "recipe.toml")
+
+
+def test_the_parameter_count_is_the_models():
+    for cfg in (
+        load_config(TrainConfig, ROOT / "configs" / "small.toml").model,
+        ModelConfig(64, 96, 160, 3, 6, 2, 128, tie_word_embeddings=False),
+    ):
+        assert parameter_count(cfg) == Llama(cfg).num_parameters()
+
+
+def needs(**change):
+    args = dict(
+        chars={"bn": 4e9, "en": 4e9},
+        languages={"bn": "bn", "en": "en"},
+        chars_per_token=4.0,
+        vocab_size=32768,
+        params=400e6,
+        keep_checkpoints=3,
+        quants={"int4": True, "int8": False},
+        tokenizer_chars=1e9,
+        overlap_sample=64,
+    )
+    return estimate_needs(**(args | change))
+
+
+def test_the_estimate_follows_the_budget_and_refuses_what_does_not_fit(tmp_path):
+    base = needs()
+    assert needs(chars={"bn": 8e9, "en": 8e9})["shards"].disk == 2 * base["shards"].disk
+    assert needs(vocab_size=70_000)["shards"].disk == 2 * base["shards"].disk  # uint32 tokens
+    assert needs(languages={"bn": "en", "en": "en"})["data"].disk < base["data"].disk
+    extra = needs(keep_checkpoints=5)["train"].disk - base["train"].disk
+    assert extra == pytest.approx(2 * 400e6 * 12)  # fp32 weights + two Adam moments each
+    assert needs(quants={"int4": False})["export"].disk < base["export"].disk
+    shards = base["shards"]
+    check_stage("shards", shards, free=2 * shards.disk, ram=2 * shards.ram, where=tmp_path)
+    with pytest.raises(DoelError, match=r"stage shards: needs about 4\.00 GB of disk .* free"):
+        check_stage("shards", shards, free=1e6, ram=None, where=tmp_path)
+    with pytest.raises(DoelError, match="GB of memory"):
+        check_stage("shards", shards, free=2 * shards.disk, ram=1e6, where=tmp_path)
+
+
+def test_the_projection_and_the_confirmation(capsys):
+    p = projection(steps=3815, done=815, sec_per_step=3.0, gpus=8, price=3.0)
+    assert p["remaining_s"] / p["total_s"] == pytest.approx(3000 / 3815)
+    assert p["total_usd"] == pytest.approx(3815 * 3 / 3600 * 8 * 3)
+    assert projection(3815, 0, 3.0, 1, 6.0)["total_usd"] == pytest.approx(p["total_usd"] / 4)
+    confirm("train?", False, Tty("y\n"))
+    confirm("train?", True, io.StringIO(""))  # --yes needs nobody to answer
+    with pytest.raises(DoelError, match="not confirmed"):
+        confirm("train?", False, Tty("\n"))
+    with pytest.raises(DoelError, match="pass --yes"):
+        confirm("train?", False, io.StringIO("y\n"))  # a pipe: nobody can answer
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+class Interrupted(Exception):
+    pass
+
+
+def stop_at(n):
+    def hook(chunks):
+        if chunks == n:
+            raise Interrupted
+
+    return hook
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("chunk-*")}
+
+
+def resumes_like_a_whole_download(tmp_path, src, local, data):
+    whole = fetch_source(src, 3000, tmp_path / "whole", data, local, log=lambda *a: None)
+    with pytest.raises(Interrupted):
+        fetch_source(src, 3000, tmp_path / "cut", data, local, lambda *a: None, stop_at(2))
+    cut = tmp_path / "cut" / src.name
+    marker = json.loads((cut / "progress.json").read_text())
+    assert marker["chunks"] == 2 and not marker["done"]
+    # What a kill in the middle of the third chunk leaves: a temporary file, a half chunk.
+    (cut / ".chunk-00002.jsonl.abc.tmp").write_text('{"text": "half')
+    (cut / "chunk-00002.jsonl").write_text('{"text": "half a chunk"}\n')
+    first = (cut / "chunk-00000.jsonl").stat().st_mtime_ns
+    again = fetch_source(src, 3000, tmp_path / "cut", data, local, log=lambda *a: None)
+    assert files(tmp_path / "cut") == files(tmp_path / "whole")
+    assert not list(cut.glob(".*.tmp"))
+    assert (cut / "chunk-00000.jsonl").stat().st_mtime_ns == first  # not fetched again
+    keys = ("documents", "chars", "heldout_chars", "chunks", "done")
+    assert {k: again[k] for k in keys} == {k: whole[k] for k in keys}
+    assert whole["done"] and whole["chars"] >= 3000 and whole["heldout_chars"] > 0
+    return whole
+
+
+def test_an_interrupted_download_continues_where_it_stopped(tmp_path):
+    docs = [f"document {i}: " + "নদীর ধারে একটি গ্রাম। " * (3 + i % 5) for i in range(200)]
+    path = write_jsonl(tmp_path / "web.jsonl", docs, field="body")
+    src = HubSource("web", "owner/web", 1.0, text_field="body")
+    data = DataSpec(heldout_every=7, chunk_chars=500)
+    whole = resumes_like_a_whole_download(tmp_path, src, str(path), data)
+    chunks = sorted((tmp_path / "whole" / "web-heldout").iterdir())
+    held = [d for f in chunks for d in iter_documents(str(f), "text")]
+    assert held == [docs[i - 1].strip() for i in range(7, whole["documents"] + 1, 7)]
+
+
+def test_the_hub_stream_resumes_from_its_own_position(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    pytest.importorskip("datasets")
+    docs = [f"row {i} " + "The river runs past the village. " * (2 + i % 4) for i in range(150)]
+    path = write_jsonl(tmp_path / "rows.jsonl", docs)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    src = HubSource("hub", "json", 1.0, language="en", data_files=str(path))
+    whole = resumes_like_a_whole_download(
+        tmp_path, src, None, DataSpec(heldout_every=5, chunk_chars=400)
+    )
+    assert whole["stream_state"]  # the datasets library's own position, not a row count
+
+
+def write_tydiqa(path: Path, passages: list[str]) -> Path:
+    data = []
+    for i, p in enumerate(passages):
+        qa = {"id": f"q{i}", "question": "কী?", "answers": [{"text": " ".join(p.split()[:2])}]}
+        data.append({"paragraphs": [{"context": p, "qas": [qa]}]})
+    path.write_text(json.dumps({"data": data}, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def write_arc(path: Path, sentences: list[str]) -> Path:
+    """llm-foundry's multiple-choice JSONL: query, choices, gold."""
+    n = len(sentences)
+    rows = [
+        {"query": s, "choices": [sentences[(i + k) % n] for k in range(4)], "gold": 0}
+        for i, s in enumerate(sentences)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory) -> dict[str, str]:
+    """Local files with the hub sources' schema: .jsonl and .parquet with a `text` field, .txt
+    paragraphs; and two task files. Each source gets its own paragraphs."""
+    folder = tmp_path_factory.mktemp("standins")
+    bn = list(iter_documents(str(SAMPLE / "bn.txt")))
+    en = list(iter_documents(str(SAMPLE / "en.txt")))
+    out = {
+        "sangraha": write_jsonl(folder / "sangraha.jsonl", bn[0:16]),
+        "wikipedia-bn": folder / "wiki.txt",
+        "fineweb-edu": write_jsonl(folder / "edu.jsonl", en[:36]),
+        "bn_tydiqa": write_tydiqa(folder / "tydiqa.json", bn[30:36]),
+        "arc_easy": write_arc(folder / "arc.jsonl", [s.split(".")[0] for s in en[36:]]),
+    }
+    out["wikipedia-bn"].write_text("\n\n".join(bn[25:30]) + "\n", encoding="utf-8")
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        out["fineweb2-bn"] = folder / "fineweb2.parquet"
+        pq.write_table(pa.table({"text": bn[16:25], "id": list(range(9))}), out["fineweb2-bn"])
+    except ModuleNotFoundError:  # the train extra brings pyarrow; without it, JSONL
+        out["fineweb2-bn"] = write_jsonl(folder / "fineweb2.jsonl", bn[16:25])
+    return {k: str(v) for k, v in out.items()}
+
+
+def dry_plan(out: Path, stand_ins: dict, *sets: str):
+    recipe = load_recipe(RECIPE, list(sets), dry_run=True)
+    # int4 with its ORT model is the bundle phones run; int8 adds time, not coverage.
+    recipe = dataclasses.replace(
+        recipe, export=dataclasses.replace(recipe.export, quants=("int4",))
+    )
+    return make_plan(recipe, out, dry_run=True, yes=True, local=stand_ins)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory, stand_ins):
+    out = tmp_path_factory.mktemp("dry") / "run"
+    plan = dry_plan(out, stand_ins)
+    logs: list[str] = []
+    summary = run_recipe(plan, log=logs.append)
+    return plan, summary, logs
+
+
+def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, stand_ins):
+    plan, s, _ = dry_run
+    out = plan.out
+    assert set(s) == {
+        "recipe", "dry_run", "hardware", "gpus", "stages", "wall_seconds", "training", "cost",
+        "eval", "exports", "artifacts",
+    }  # fmt: skip
+    assert list(s["stages"]) == ["data", "tokenizer", "shards", "verify", "train", "eval", "export"]
+    assert all(m["done"] and m["attempts"] == 1 for m in s["stages"].values())
+    cfg = plan.train_cfg
+    assert s["training"]["steps"] == cfg.steps
+    assert s["training"]["tokens"] == cfg.steps * cfg.tokens_per_step
+    assert s["training"]["tokens_per_s"] > 0 and s["training"]["projection"]["steps"] == cfg.steps
+    assert s["cost"]["total_usd"] > s["cost"]["training_usd"] > 0
+    for lang in ("bn", "en"):  # four steps already beat the random twin on held-out text
+        x = s["eval"]["languages"][lang]
+        assert x["bits_per_char"] < x["random_twin_bits_per_char"]
+    assert set(s["eval"]["tasks"]) == {"bn_tydiqa", "arc_easy"}
+    for path in (
+        "tokenizer/tokenizer.json",
+        "tokenizer/fertility.json",
+        "shards/meta.json",
+        "verify/verify.json",
+        "run/final/model.safetensors",
+        "bundle-int4/manifest.json",
+        "bundle-int4/model.ort",
+        "summary.md",
+    ):
+        assert (out / path).is_file(), path
+    assert "Held-out bits per character" in (out / "run/final/README.md").read_text("utf-8")
+    meta = json.loads((out / "shards/meta.json").read_text())
+    assert meta["sources"]["fineweb2-bn"]["requested_char_share"] == pytest.approx(0.2)
+    assert meta["sources"]["sangraha"]["paths"][0].startswith(str(out / "data"))
+    rows = [json.loads(x) for x in (out / "run/metrics.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in rows if r["kind"] == "task"} == {"bn_tydiqa"}  # periodic
+    progress = json.loads((out / "data/fineweb2-bn/progress.json").read_text())
+    assert progress["source"]["local"] == stand_ins["fineweb2-bn"]
+
+
+def test_a_rerun_skips_every_completed_stage(dry_run, stand_ins):
+    plan, first, _ = dry_run
+    watched = ["tokenizer/tokenizer.json", "shards/meta.json", "run/final/model.safetensors"]
+    watched += ["bundle-int4/manifest.json", "data/sangraha/chunk-00000.jsonl"]
+    before = {p: (plan.out / p).stat().st_mtime_ns for p in watched}
+    logs: list[str] = []
+    # A new price changes no artifact: everything is skipped, the dollars follow the price.
+    again = run_recipe(dry_plan(plan.out, stand_ins, "hourly_price=6"), log=logs.append)
+    for stage in first["stages"]:
+        assert any(line.startswith(f"[{stage}] complete") for line in logs), stage
+    assert {p: (plan.out / p).stat().st_mtime_ns for p in watched} == before
+    assert again["stages"] == first["stages"]
+    assert again["cost"]["total_usd"] == pytest.approx(2 * first["cost"]["total_usd"])
+
+
+def test_too_little_disk_stops_before_anything_is_written(tmp_path, stand_ins):
+    plan = dry_plan(tmp_path / "run", stand_ins)
+    with pytest.raises(DoelError, match=r"needs about .* GB of disk .* 0\.00 GB free"):
+        run_recipe(plan, log=lambda *a: None, probe_fn=lambda path: (1000.0, None))
+    assert not (tmp_path / "run" / "data").exists()
+
+
+def test_the_torchrun_command_trains_the_plans_config(tmp_path):
+    plan = make_plan(load_recipe(RECIPE), tmp_path, gpus=8)
+    cmd = torchrun_command(plan, tmp_path / "shards", tmp_path / "run", tmp_path / "tok.json")
+    assert "--nproc_per_node=8" in cmd and cmd[cmd.index("-m", 3) + 1] == "train"
+    args = build_parser().parse_args(cmd[cmd.index("train") + 1 :])
+    from train.cli import _train_config
+
+    assert _train_config(args) == plan.train_cfg
+    assert (
+        plan.train_cfg.grad_accum * 8
+        == make_plan(load_recipe(RECIPE), tmp_path).train_cfg.grad_accum
+    )
+
+
+def test_without_a_terminal_it_refuses_to_train_but_prepares_data(tmp_path, monkeypatch, stand_ins):
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    local = [f"--local={k}={v}" for k, v in stand_ins.items()]
+    args = ["recipe", "--dry-run", "--out", str(tmp_path / "r"), *local]
+    with pytest.raises(SystemExit, match="pass --yes"):
+        main(args)
+    assert not (tmp_path / "r" / "data").exists()
+    main([*args, "--until", "shards"])  # no training, no question
+    assert (tmp_path / "r" / "shards" / "meta.json").is_file()
+    assert not (tmp_path / "r" / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_gpu_slice_refuses_clearly_without_cuda(tmp_path):
+    with pytest.raises(SystemExit, match="needs? .*CUDA|CUDA GPU"):
+        main(["recipe", "--gpu-slice", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())

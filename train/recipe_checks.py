@@ -1,0 +1,289 @@
+"""What the recipe checks before it spends money: disk and memory per stage, the measured speed
+of a few training steps and the projected time and cost, the user's confirmation; and the GPU
+slice (a fixed-length run of the real configuration on synthetic tokens).
+
+`estimate_needs` is a pure function of the plan's numbers (tested); `check_stage` compares one
+stage's needs with what `probe` finds (free disk under the run folder, MemAvailable from
+/proc/meminfo) and stops with a message that says how much is missing and what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from train.common import DoelError
+
+GB = 1e9
+BYTES_PER_CHAR = {"bn": 3.0}  # UTF-8: Bengali letters take 3 bytes; other languages ~1
+ADAM_STATE = 8  # two fp32 moments a parameter
+EXPORT_BYTES = {"fp32": 4.0, "int8": 1.4, "int4": 0.95}  # bundle bytes a parameter (measured)
+
+
+def parameter_count(m) -> int:
+    """Parameters of the Llama in train/model.py for a ModelConfig, without building it."""
+    kv = m.num_key_value_heads * (m.hidden_size // m.num_attention_heads)
+    layer = 2 * m.hidden_size * (m.hidden_size + kv) + 3 * m.hidden_size * m.intermediate_size
+    layer += 2 * m.hidden_size  # the two RMSNorms
+    embed = m.vocab_size * m.hidden_size
+    head = 0 if m.tie_word_embeddings else embed
+    return embed + head + m.num_hidden_layers * layer + m.hidden_size
+
+
+@dataclass(frozen=True)
+class Need:
+    disk: float  # bytes the stage writes
+    ram: float  # bytes of host memory it holds at its peak
+    why: str  # the arithmetic, for the message
+
+
+def estimate_needs(
+    chars: dict[str, float],
+    languages: dict[str, str],
+    chars_per_token: float,
+    vocab_size: int,
+    params: int,
+    keep_checkpoints: int,
+    quants: dict[str, bool],
+    tokenizer_chars: float,
+    overlap_sample: int,
+) -> dict[str, Need]:
+    """Bytes each stage needs. chars: characters per source still to fetch; quants: {quant:
+    mobile?}. Rough where it must be (the BPE trainer's memory), exact where it can be (shards
+    are tokens x 2 or 4 bytes)."""
+    total_chars = sum(chars.values())
+    text = sum(c * BYTES_PER_CHAR.get(languages[n], 1.0) for n, c in chars.items()) * 1.02
+    tokens = total_chars / chars_per_token
+    itemsize = 2 if vocab_size <= 65536 else 4
+    ckpt = params * (4 + ADAM_STATE)
+    exports = sum(params * EXPORT_BYTES[q] * (2 if mobile else 1) for q, mobile in quants.items())
+    return {
+        "data": Need(text, 64e6 + 4 * min(total_chars, 5e7), f"{total_chars:,.0f} characters"),
+        "tokenizer": Need(
+            1e7, 1.0 * min(tokenizer_chars, total_chars) + 2e8, "word counts of its text"
+        ),
+        "shards": Need(
+            tokens * itemsize,
+            tokens * 8 / overlap_sample + total_chars / 1000 * 120 + 1e9,
+            f"{tokens:,.0f} tokens x {itemsize} bytes",
+        ),
+        "verify": Need(ckpt, params * 20, "one checkpoint of the resume check"),
+        "train": Need(
+            ckpt * (keep_checkpoints + 1) + params * 4,
+            params * 20,
+            f"{keep_checkpoints} + 1 checkpoints of {params:,} parameters x 12 bytes + final",
+        ),
+        "eval": Need(1e6, params * 8 + 1e9, "the model and its random twin"),
+        "export": Need(
+            exports + params * 4, params * 16, f"bundles {sorted(quants)} + a staging copy"
+        ),
+        "summary": Need(1e6, 1e8, "the report"),
+    }
+
+
+def probe(path: Path) -> tuple[float, float | None]:
+    """(free bytes on the file system holding `path`, MemAvailable bytes or None)."""
+    path = Path(path)
+    while not path.exists():
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return free, float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return free, None  # not Linux: the memory check is left out
+
+
+def check_stage(stage: str, need: Need, free: float, ram: float | None, where: Path) -> None:
+    if need.disk > free:
+        raise DoelError(
+            f"stage {stage}: needs about {need.disk / GB:,.2f} GB of disk ({need.why}) but "
+            f"{where} has {free / GB:,.2f} GB free. Free space there, or pass --out on a "
+            "larger disk; a rerun continues where this one stopped"
+        )
+    if ram is not None and need.ram > ram:
+        raise DoelError(
+            f"stage {stage}: needs about {need.ram / GB:,.2f} GB of memory but "
+            f"{ram / GB:,.2f} GB is available. Close other programs or use a larger machine"
+        )
+
+
+def projection(steps: int, done: int, sec_per_step: float, gpus: int, price: float) -> dict:
+    """Time and cost of the whole budget and of what is left, at `price` a GPU-hour."""
+    total, left = steps * sec_per_step, (steps - done) * sec_per_step
+    return {
+        "steps": steps,
+        "steps_done": done,
+        "sec_per_step": sec_per_step,
+        "total_s": total,
+        "remaining_s": left,
+        "gpus": gpus,
+        "hourly_price": price,
+        "total_usd": total / 3600 * gpus * price,
+        "remaining_usd": left / 3600 * gpus * price,
+    }
+
+
+def require_answer(yes: bool, stdin=None) -> None:
+    """Refuse early when nobody can answer the question (a pipe, a batch job) unless --yes."""
+    if not yes and not (stdin or sys.stdin).isatty():
+        raise DoelError(
+            "stdin is not a terminal, so the recipe cannot ask before it spends GPU time; "
+            "pass --yes to accept the projected time and cost"
+        )
+
+
+def confirm(question: str, yes: bool, stdin=None) -> None:
+    """Ask on stdin; go on only on y/yes (or --yes)."""
+    if yes:
+        print(f"{question} yes (--yes)")
+        return
+    require_answer(yes, stdin)
+    stdin = stdin or sys.stdin
+    print(f"{question} [y/N] ", end="", flush=True)
+    answer = stdin.readline().strip().lower()
+    if answer not in ("y", "yes"):
+        raise DoelError("stopped before training (not confirmed); nothing was trained")
+
+
+def measure_steps(cfg, next_batches, warmup: int, steps: int, seconds=None, log=print) -> dict:
+    """Time `steps` optimizer steps (or as many as fit in `seconds`) of a fresh model built
+    as `fit` builds it, after `warmup` untimed ones (compilation, allocator). next_batches()
+    gives one step's micro-batches on the device."""
+    import torch
+
+    from train.metrics import peak_flops
+    from train.model import Llama
+    from train.trainer import autocast, build_optimizer, resolve_device, resolve_dtype, train_step
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    ctx = lambda: autocast(device, dtype)  # noqa: E731
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        torch.manual_seed(cfg.seed)
+        with torch.device(device):
+            model = Llama(cfg.model)
+        opt = build_optimizer(model, cfg, device)
+        fwd = torch.compile(model) if cfg.compile else model
+        t0 = time.perf_counter()
+        try:
+            train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 (inductor raises many kinds; fit goes eager too)
+            if fwd is model:
+                raise
+            log(f"WARNING: torch.compile failed ({type(e).__name__}); measuring eager")
+            fwd = model
+        for _ in range(warmup - 1):
+            train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
+        sync()
+        warm_s, times = time.perf_counter() - t0, []
+        while len(times) < steps or (seconds and sum(times) < seconds):
+            t = time.perf_counter()
+            train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
+            sync()
+            times.append(time.perf_counter() - t)
+    except torch.OutOfMemoryError:
+        raise DoelError(
+            f"out of GPU memory at batch_size={cfg.batch_size} x seq_len={cfg.seq_len}: halve "
+            "batch_size and double grad_accum (train.set in the recipe; same tokens a step)"
+        ) from None
+    sec = sorted(times)[len(times) // 2]  # the median: robust to a stray slow step
+    flops = model.flops_per_token(cfg.seq_len)
+    peak, source = peak_flops(device, dtype)
+    tps = cfg.tokens_per_step / sec
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""),
+        "compile": cfg.compile,
+        "warmup_s": warm_s,
+        "steps_timed": len(times),
+        "sec_per_step": sec,
+        "tokens_per_s": tps,
+        "mfu": tps * flops["total"] / peak if peak else None,
+        "peak_source": source,
+        "parameters": model.num_parameters(),
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / GB if cuda else None,
+        "gpu_memory_gb": torch.cuda.get_device_properties(device).total_memory / GB
+        if cuda
+        else None,
+    }
+    del model, opt, fwd
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def format_projection(m: dict, p: dict, tokens: int) -> str:
+    mfu = f", MFU {100 * m['mfu']:.1f}%" if m["mfu"] is not None else ""
+    from train.metrics import format_duration
+
+    mem = ""
+    if m["peak_memory_gb"] is not None:
+        mem = f", peak memory {m['peak_memory_gb']:.1f} of {m['gpu_memory_gb']:.0f} GB"
+    lines = [
+        f"measured {m['steps_timed']} steps on {m['device']} ({m['dtype']}, compile="
+        f"{m['compile']}): {m['sec_per_step']:.3f} s a step, {m['tokens_per_s']:,.0f} tokens/s "
+        f"a GPU{mfu}{mem}",
+        f"projected: {p['steps']:,} steps for {tokens / 1e6:,.1f}M tokens = "
+        f"{format_duration(p['total_s'])} on {p['gpus']} GPU(s), ${p['total_usd']:,.2f} at "
+        f"${p['hourly_price']:.2f}/GPU-hour",
+    ]
+    if p["steps_done"]:
+        lines.append(
+            f"left after the checkpoint at step {p['steps_done']:,}: "
+            f"{format_duration(p['remaining_s'])}, ${p['remaining_usd']:,.2f}"
+        )
+    return "\n".join(lines)
+
+
+def gpu_slice(cfg, preset: str, token_budget: int, seconds: float, out: Path, log=print) -> dict:
+    """A fixed-length run of the real configuration on synthetic tokens (throughput does not
+    depend on their values): tokens/s, MFU, memory, and the projected time and cost of the
+    token budget, written to out/recipe_slice_<device>_<date>.{json,md}."""
+    import datetime
+    import json
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DoelError(
+            "--gpu-slice measures the real configuration on a CUDA GPU, and torch sees none "
+            f"here (torch {torch.__version__}, cuda available: False). Run it on the GPU "
+            "machine, or try the recipe on this one with --dry-run"
+        )
+    device = torch.device("cuda")
+    shape = (cfg.batch_size, cfg.seq_len)
+    pool = [torch.randint(0, cfg.model.vocab_size, shape, device=device) for _ in range(4)]
+    batches = [(x, torch.roll(x, -1, 1)) for x in pool]
+
+    def next_batches():
+        return [batches[i % 4] for i in range(cfg.grad_accum)]
+
+    log(f"GPU slice: {preset} for {seconds:.0f} s of timed steps on synthetic tokens")
+    m = measure_steps(cfg, next_batches, 3, 5, seconds=seconds, log=log)
+    steps = math.ceil(token_budget / cfg.tokens_per_step)
+    p = projection(steps, 0, m["sec_per_step"], 1, cfg.hourly_price)
+    text = format_projection(m, p, token_budget)
+    log(text)
+    day = datetime.date.today().isoformat()
+    slug = "".join(c if c.isalnum() else "-" for c in m["device"].lower()).strip("-")
+    stem = Path(out) / f"recipe_slice_{slug}_{day}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    result = {"date": day, "preset": preset, "measured": m, "projection": p}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    stem.with_suffix(".md").write_text(f"# GPU slice: `{preset}`\n\n{text}\n", encoding="utf-8")
+    log(f"wrote {stem}.json and .md")
+    return result

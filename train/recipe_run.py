@@ -1,0 +1,239 @@
+"""`doel-train recipe`: the stages of a recipe, each skipped when its outputs are complete.
+
+data → tokenizer (+ fertility) → shards → verify → train → eval (+ model card) → export →
+summary, all in RUN (default runs/NAME). RUN/stages/STAGE.json records a stage: the fingerprint
+of the settings it depends on (chained through the stages before it, so a new tokenizer redoes
+the shards, training and what follows), whether it finished, and the seconds spent on it over
+every attempt (the summary's time and cost are what was paid, interruptions included).
+
+Training runs in this process on one device. On several GPUs only the training stage goes
+under torchrun, as a child process (`python -m torch.distributed.run ... -m train fit`): the
+data, tokenizer and export stages must run once, not once per rank, and a crashed rank is
+restarted by torchrun from the last checkpoint without repeating them. The verify stage runs
+on one GPU the checks `fit` leaves out, so the two together are the whole suite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from train import recipe_stages
+from train.common import DoelError, atomic_write_json
+from train.recipe_checks import (
+    Need,
+    check_stage,
+    estimate_needs,
+    parameter_count,
+    probe,
+    require_answer,
+)
+
+STAGES = ("data", "tokenizer", "shards", "verify", "train", "eval", "export", "summary")
+DEPENDS = {  # stage -> (the stage before it in the chain, the plan parts it reads)
+    "data": (None, ("sources", "data", "token_budget", "local")),
+    "tokenizer": ("data", ("tokenizer",)),
+    "shards": ("tokenizer", ("prepare",)),
+    "verify": ("shards", ("train", "gpus")),
+    "train": ("shards", ("train", "gpus")),
+    "eval": ("train", ("eval", "tasks")),
+    "export": ("train", ("export",)),
+}
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+class RecipeRun:
+    def __init__(self, plan, log=print, probe_fn=probe, stdin=None, on_chunk=None):
+        self.plan, self.log, self.probe, self.stdin = plan, log, probe_fn, stdin
+        self.on_chunk = on_chunk
+        out = plan.out
+        self.data, self.tok = out / "data", out / "tokenizer" / "tokenizer.json"
+        self.shards, self.run, self.stages = out / "shards", out / "run", out / "stages"
+        cfg = plan.train_cfg
+        quants = {q: q in plan.recipe.export.mobile for q in plan.recipe.export.quants}
+        self.needs = estimate_needs(
+            {n: c - self._fetched(n) for n, c in plan.recipe.corpus_chars.items()},
+            {s.name: s.language for s in plan.recipe.sources},
+            plan.recipe.data.chars_per_token,
+            plan.recipe.tokenizer.vocab_size,
+            parameter_count(cfg.model),
+            cfg.keep_checkpoints,
+            quants,
+            plan.recipe.tokenizer.max_chars,
+            plan.recipe.prepare.overlap_sample,
+        )
+
+    def _fetched(self, name: str) -> int:
+        state = _read(self.plan.out / "data" / name / "progress.json") or {}
+        return state.get("chars", 0)
+
+    def fingerprint(self, stage: str) -> str:
+        before, parts = DEPENDS[stage]
+        whole = self.plan.fingerprint_of(*parts) | {"local": self.plan.local, "tasks": None}
+        if stage == "eval":
+            whole["tasks"] = self.plan.tasks
+        text = json.dumps([before and self.fingerprint(before), whole], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def complete(self, stage: str) -> bool:
+        """Finished with the current settings, and its outputs are still there."""
+        if stage == "summary":
+            return False  # cheap, and it reads every other stage
+        mark = _read(self.stages / f"{stage}.json")
+        if not mark or not mark["done"] or mark["fingerprint"] != self.fingerprint(stage):
+            return False
+        outputs = {
+            "data": [self.data / s.name / "progress.json" for s in self.plan.recipe.sources],
+            "tokenizer": [self.tok, self.tok.parent / "fertility.json"],
+            "shards": [self.shards / "meta.json"],
+            "verify": [self.plan.out / "verify" / "verify.json"],
+            "train": [self.run / "final" / "model.safetensors"],
+            "eval": [self.plan.out / "eval.json"],
+            "export": [
+                self.plan.out / f"bundle-{q}" / "manifest.json"
+                for q in self.plan.recipe.export.quants
+            ],
+        }[stage]
+        return all(p.exists() for p in outputs)
+
+    def preflight(self, stages: list[str]) -> None:
+        """Everything that can be refused before a byte is downloaded."""
+        plan, todo = self.plan, [s for s in stages if not self.complete(s)]
+        if plan.missing_tasks:
+            self.log(
+                "note: these task files are missing and will be left out (--eval-dir DIR, or "
+                f"--local NAME=PATH): {plan.missing_tasks}"
+            )
+        if "train" in todo:
+            require_answer(plan.yes, self.stdin)
+            self._check_devices()
+        hub = [s.dataset for s in plan.recipe.sources if s.name not in plan.local]
+        if "data" in todo and hub and not plan.dry_run:
+            try:
+                import datasets  # noqa: F401
+            except ModuleNotFoundError:
+                raise DoelError(
+                    f"streaming {hub} needs the datasets package: pip install 'datasets>=2.19'"
+                ) from None
+        free, ram = self.probe(plan.out)
+        disk = sum(self.needs[s].disk for s in todo)
+        check_stage("the whole recipe", Need(disk, 0, f"stages {todo}"), free, ram, plan.out)
+
+    def _check_devices(self) -> None:
+        import torch
+
+        plan = self.plan
+        if plan.dry_run or plan.train_cfg.device == "cpu":
+            return
+        if not torch.cuda.is_available():
+            raise DoelError(
+                "training the recipe needs a CUDA GPU and torch sees none. Try it here with "
+                "--dry-run, or run the data stages on this machine with --until shards"
+            )
+        if plan.gpus > torch.cuda.device_count():
+            raise DoelError(f"--gpus {plan.gpus}, but {torch.cuda.device_count()} are visible")
+
+    def stage(self, name: str, fn) -> None:
+        path = self.stages / f"{name}.json"
+        mark = _read(path) or {"seconds": 0.0, "attempts": 0}
+        if self.complete(name):
+            self.log(f"[{name}] complete ({mark['seconds']:.1f} s before): skipped")
+            return
+        self.log(f"[{name}]")
+        free, ram = self.probe(self.plan.out)
+        check_stage(name, self.needs[name], free, ram, self.plan.out)
+        t0, done = time.perf_counter(), False
+        try:
+            fn(self)
+            done = True
+        finally:  # an interrupted stage's time was paid too
+            atomic_write_json(
+                path,
+                {
+                    "fingerprint": self.fingerprint(name) if name in DEPENDS else None,
+                    "done": done,
+                    "seconds": mark["seconds"] + time.perf_counter() - t0,
+                    "attempts": mark["attempts"] + 1,
+                },
+            )
+
+    def corpus(self) -> dict:
+        from train.recipe_data import corpus
+
+        sources = self.plan.recipe.sources
+        progress = {s.name: _read(self.data / s.name / "progress.json") for s in sources}
+        return corpus(self.plan.recipe, self.data, progress)
+
+
+def run_recipe(plan, until: str = "summary", log=print, **kw) -> dict:
+    """Run the stages up to `until`; returns the summary (None when stopped earlier)."""
+    if until not in STAGES:
+        raise DoelError(f"--until {until!r}: choose one of {STAGES}")
+    stages = list(STAGES[: STAGES.index(until) + 1])
+    r = RecipeRun(plan, log=log, **kw)
+    cfg = plan.train_cfg
+    log(
+        f"recipe {plan.recipe.name}{' (dry run)' if plan.dry_run else ''} -> {plan.out}: "
+        f"{plan.recipe.token_budget:,} tokens = {cfg.steps:,} steps of "
+        f"{cfg.tokens_per_step * plan.gpus:,} on {plan.gpus} device(s); stages {stages}"
+    )
+    r.preflight(stages)
+    for name in stages:
+        r.stage(name, getattr(recipe_stages, "evaluate" if name == "eval" else name))
+    return _read(plan.out / "summary.json") if until == "summary" else None
+
+
+def add_arguments(p) -> None:
+    """`doel-train recipe`'s options (train/cli.py hands the parsed ones to `main`)."""
+    p.add_argument("recipe", nargs="?", default="bangla-0.4b", help="name, folder or TOML")
+    p.add_argument("--dry-run", action="store_true", help="tiny, on this CPU, local files")
+    p.add_argument("--yes", action="store_true", help="train without asking (needed without a tty)")
+    p.add_argument("--price-per-hour", type=float, help="dollars a GPU-hour (default the recipe's)")
+    p.add_argument("--out", help="run folder (default runs/NAME or runs/NAME-dry-run)")
+    p.add_argument("--gpus", type=int, help="GPUs to train on (default all visible; >1: torchrun)")
+    p.add_argument("--local", nargs="+", default=[], metavar="NAME=PATH", help="a source's file")
+    p.add_argument("--eval-dir", help="the task files' folder (default the recipe's task_dir)")
+    p.add_argument("--until", default="summary", choices=STAGES, help="stop after this stage")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe field")
+    p.add_argument("--gpu-slice", action="store_true", help="time the real config (needs CUDA)")
+    p.add_argument("--slice-seconds", type=float, default=600.0, help="timed seconds of the slice")
+
+
+def main(args) -> None:
+    from train.recipe import load_recipe, make_plan, resolve_recipe
+    from train.recipe_checks import gpu_slice
+
+    sets = list(args.set)
+    if args.price_per_hour is not None:
+        sets.append(f"hourly_price={args.price_per_hour}")
+    recipe = load_recipe(resolve_recipe(args.recipe), sets, dry_run=args.dry_run)
+    known = [s.name for s in recipe.sources] + list(recipe.eval.tasks)
+    local = {}
+    for item in args.local:
+        name, sep, path = item.partition("=")
+        if not sep or name not in known:
+            raise DoelError(f"--local {item!r}: expected NAME=PATH with NAME one of {known}")
+        local[name] = path
+    gpus = args.gpus or (1 if args.dry_run else _visible_gpus())
+    if gpus < 1:
+        raise DoelError(f"--gpus must be >= 1, got {gpus}")
+    out = args.out or f"runs/{recipe.name}{'-dry-run' if args.dry_run else ''}"
+    plan = make_plan(recipe, out, args.dry_run, gpus, args.yes, local, args.eval_dir)
+    if args.gpu_slice:
+        where = Path(args.out or "benchmarks/results")
+        gpu_slice(
+            plan.train_cfg, recipe.train.preset, recipe.token_budget, args.slice_seconds, where
+        )
+        return
+    run_recipe(plan, args.until)
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return max(1, torch.cuda.device_count())

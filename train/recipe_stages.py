@@ -1,0 +1,198 @@
+"""What each stage of a recipe does, as a function of the running recipe `r`
+(train/recipe_run.py: its plan, its folders, its log). Each reads what the stages before it
+wrote and writes its own outputs; whether it runs at all is decided by the runner.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from train.common import DoelError, atomic_write_json
+from train.recipe_checks import confirm, format_projection, measure_steps, projection
+
+
+def data(r) -> None:
+    from train.recipe_data import fetch_all, standins
+
+    local = r.plan.local
+    if r.plan.dry_run:
+        local = standins(r.plan.recipe, r.plan.out / "standins", local)
+    fetch_all(r.plan.recipe, local, r.data, r.log, r.on_chunk)
+
+
+def tokenizer(r) -> None:
+    from train.fertility import fertility, format_report, load_any
+    from train.prepare import parse_weights
+    from train.textio import iter_source, resolve_sources
+    from train.tokenizer import train_tokenizer
+
+    c = r.corpus()
+    sources = resolve_sources(c["train"])
+    weights = parse_weights(c["weights"], sources)
+    train_tokenizer(sources, r.plan.recipe.tokenizer, r.tok.parent, weights)
+    held = resolve_sources(c["heldout_dirs"])
+    report = fertility(load_any(r.tok), (d for s in held for d in iter_source(s)))
+    text = format_report(str(r.tok), report)
+    r.log(text)
+    atomic_write_json(r.tok.parent / "fertility.json", report)
+    (r.tok.parent / "fertility.md").write_text(text + "\n", encoding="utf-8")
+
+
+def shards(r) -> None:
+    from train.prepare import prepare
+
+    c = r.corpus()
+    prepare(
+        r.tok, c["train"], r.shards, r.plan.recipe.prepare, c["weights"],
+        c["heldout_dirs"], log=r.log,
+    )  # fmt: skip
+
+
+def verify(r) -> None:
+    from train.verify import run_suite, select
+
+    fit_runs = select("fast")
+    if r.plan.gpus > 1:  # what fit leaves out under torchrun (train/fit.py)
+        fit_runs = [n for n in fit_runs if n not in ("parity", "ties", "step")]
+    names = [n for n in select("full") if n not in fit_runs]
+    out = r.plan.out / "verify"
+    report = run_suite(
+        r.plan.train_cfg,
+        r.shards,
+        "full",
+        out,
+        tokenizer=r.tok,
+        vcfg=r.plan.recipe.verify,
+        checks=names,
+        log=r.log,
+    )
+    if not report.ok:
+        raise DoelError(f"the verification suite failed {report.failed}: see {out}/verify.md")
+
+
+def train(r) -> None:
+    from train.checkpoint import latest_checkpoint
+    from train.loader import TokenLoader
+    from train.loop import batches_on
+    from train.metrics import format_duration
+    from train.trainer import resolve_device
+
+    plan, cfg = r.plan, r.plan.train_cfg
+    started = r.stages / "train.started.json"
+    if (_read_json(started) or {}).get("fingerprint") != r.fingerprint("train"):
+        for old in ("checkpoints", "final", "metrics.jsonl"):  # another recipe's run
+            p = r.run / old
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    last = latest_checkpoint(r.run)
+    done = int(last.name.split("-")[1]) if last else 0
+    device = resolve_device(cfg.device)
+    loader = TokenLoader(r.shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    spec = plan.recipe.train
+    m = measure_steps(
+        cfg,
+        lambda: batches_on(loader, device, cfg.grad_accum),
+        spec.measure_warmup,
+        spec.measure_steps,
+        log=r.log,
+    )
+    p = projection(cfg.steps, done, m["sec_per_step"], plan.gpus, cfg.hourly_price)
+    r.log(format_projection(m, p, cfg.steps * cfg.tokens_per_step * plan.gpus))
+    atomic_write_json(r.plan.out / "measure.json", {"measured": m, "projection": p})
+    cost = f"{format_duration(p['remaining_s'])} and ${p['remaining_usd']:,.2f}"
+    confirm(f"train for about {cost}?", plan.yes, r.stdin)
+    atomic_write_json(started, {"fingerprint": r.fingerprint("train")})
+    if plan.gpus > 1:
+        cmd = torchrun_command(plan, r.shards, r.run, r.tok)
+        r.log("under torchrun: " + " ".join(cmd))
+        rc = subprocess.run(cmd, check=False).returncode
+        if rc:
+            raise DoelError(
+                f"training under torchrun failed (exit {rc}; its log is above). Rerun the "
+                "recipe: it resumes from the last checkpoint"
+            )
+    else:
+        from train.fit import fit
+
+        fit(cfg, r.shards, r.run, tokenizer=r.tok, log=r.log)
+
+
+def evaluate(r) -> None:
+    from train.evaluate import evaluate_checkpoint, format_eval
+    from train.recipe_summary import write_card
+
+    spec, cfg = r.plan.recipe.eval, r.plan.train_cfg
+    result = evaluate_checkpoint(
+        r.run / "final",
+        r.corpus()["heldout"],
+        seq_len=cfg.seq_len,
+        max_chars=spec.max_chars,
+        device=_device_name(cfg),
+        max_new_tokens=spec.max_new_tokens,
+        tasks=r.plan.tasks,
+        limit=spec.task_limit or None,
+    )
+    atomic_write_json(r.plan.out / "eval.json", result)
+    text = format_eval(result)
+    (r.plan.out / "eval.md").write_text(text + "\n", encoding="utf-8")
+    r.log(text)
+    write_card(r, result)
+
+
+def export(r) -> None:
+    from export.bundle import ExportOptions, bundle_bytes, export_checkpoint, summary
+
+    spec, c, rows = r.plan.recipe.export, r.corpus(), {}
+    texts = tuple(f for files in c["heldout"].values() for f in files)
+    for quant in spec.quants:
+        out = r.plan.out / f"bundle-{quant}"
+        opts = ExportOptions(
+            quant=quant,
+            mobile=quant in spec.mobile,
+            texts=texts,
+            eval_tokens=spec.eval_tokens,
+            force=True,
+            log=lambda m: r.log(f"  {m}"),
+        )
+        manifest = export_checkpoint(r.run / "final", out, opts)
+        r.log(summary(out, manifest))
+        rows[quant] = {
+            "path": str(out),
+            "bytes": bundle_bytes(manifest),
+            "mobile": quant in spec.mobile,
+            "loss_increase_nats_per_token": manifest["parity"]["loss"]["increase_nats_per_token"],
+        }
+    atomic_write_json(r.plan.out / "exports.json", rows)
+
+
+def _device_name(cfg) -> str:
+    from train.trainer import resolve_device
+
+    return resolve_device(cfg.device).type
+
+
+def torchrun_command(plan, shards: Path, run: Path, tok: Path) -> list[str]:
+    """`doel-train fit` under torchrun with the recipe's training config (the preset and its
+    overrides, as on the command line). --max-restarts: a crashed rank brings the job back
+    from the last checkpoint; the recipe cleared old runs before, so no --fresh here."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={plan.gpus}", "--max-restarts=2", "-m", "train", "fit"]
+    cmd += ["--config", str(plan.preset), "--data", str(shards), "--out", str(run)]
+    cmd += ["--tokenizer", str(tok)]
+    for item in plan.train_sets:
+        cmd += ["--set", item]
+    return cmd
+
+
+def summary(r) -> None:
+    from train.recipe_summary import write_summary
+
+    write_summary(r)
+
+
+def _read_json(path: Path) -> dict | None:
+    import json
+
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None

@@ -1,0 +1,183 @@
+"""The recipe's last words: the model card with the final evaluation, and RUN/summary.{json,md}
+(time per stage over every attempt, tokens/s, MFU, dollars at the hourly price, the evaluation
+table, the bundles). Everything is read back from the files the stages wrote, so a summary of a
+resumed run counts the time of the runs before it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from train.common import atomic_write_bytes, atomic_write_json
+
+
+def _read(path: Path):
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v == v)  # NaN (no peak figure) left out
+    return values[len(values) // 2] if values else None
+
+
+def _train_rows(run: Path) -> list[dict]:
+    from train.metrics import read_metrics
+
+    path = run / "metrics.jsonl"
+    return [r for r in read_metrics(path) if r["kind"] == "train"] if path.is_file() else []
+
+
+def _hardware(r) -> tuple[str, bool]:
+    measured = (_read(r.plan.out / "measure.json") or {}).get("measured", {})
+    device = measured.get("device", "cpu")
+    return f"{r.plan.gpus} × {device}", device != "cpu"
+
+
+def write_card(r, eval_result: dict) -> Path:
+    """The final folder's model card again, now with the final evaluation."""
+    from train.loader import read_meta
+    from train.modelcard import write_model_card
+
+    final = r.run / "final"
+    rows = _train_rows(r.run)
+    state = {
+        "step": rows[-1]["step"] if rows else 0,
+        "tokens_seen": rows[-1]["tokens"] if rows else 0,
+        "config": _read(final / "train_config.json"),
+    }
+    hardware, gpu = _hardware(r)
+    return write_model_card(
+        final,
+        meta=read_meta(r.shards),
+        train_state=state,
+        eval_result=eval_result,
+        hardware=hardware,
+        seconds=(_read(r.stages / "train.json") or {}).get("seconds"),
+        hourly_price=r.plan.train_cfg.hourly_price if gpu else None,
+    )
+
+
+def _eval_table(result: dict | None) -> dict:
+    if not result:
+        return {}
+    languages = {
+        lang: {
+            "characters": x["model"]["chars"],
+            "bits_per_char": x["model"]["bits_per_char"],
+            "random_twin_bits_per_char": x["twin"]["bits_per_char"],
+            "xz_bits_per_char": x["compressors"]["xz -9e"],
+        }
+        for lang, x in result["languages"].items()
+    }
+    keys = ("items", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "chance")
+    tasks = {n: {k: t[k] for k in keys} for n, t in result.get("tasks", {}).items()}
+    return {"languages": languages, "tasks": tasks}
+
+
+def summary(r) -> dict:
+    from train.recipe_run import STAGES
+
+    plan, price = r.plan, r.plan.train_cfg.hourly_price
+    marks = {s: _read(r.stages / f"{s}.json") for s in STAGES if s != "summary"}
+    stages = {s: m for s, m in marks.items() if m}
+    wall = sum(m["seconds"] for m in stages.values())
+    train_s = stages.get("train", {}).get("seconds", 0.0)
+    rows = _train_rows(r.run)
+    measure = _read(plan.out / "measure.json") or {}
+    hardware, gpu = _hardware(r)
+    return {
+        "recipe": plan.recipe.name,
+        "dry_run": plan.dry_run,
+        "hardware": hardware,
+        "gpus": plan.gpus,
+        "stages": stages,
+        "wall_seconds": wall,
+        "training": {
+            "steps": rows[-1]["step"] if rows else 0,
+            "tokens": rows[-1]["tokens"] if rows else 0,
+            "seconds": train_s,
+            "tokens_per_s": _median([x["tokens_per_s"] for x in rows]),
+            "mfu": _median([x["mfu"] for x in rows]),
+            "measured_before": measure.get("measured"),
+            "projection": measure.get("projection"),
+        },
+        "cost": {
+            "hourly_price": price,
+            "gpu_hours": wall / 3600 * plan.gpus,
+            "total_usd": wall / 3600 * plan.gpus * price,
+            "training_usd": train_s / 3600 * plan.gpus * price,
+            "on_gpu": gpu,
+        },
+        "eval": _eval_table(_read(plan.out / "eval.json")),
+        "exports": _read(plan.out / "exports.json") or {},
+        "artifacts": {
+            "tokenizer": str(r.tok),
+            "shards": str(r.shards),
+            "model": str(r.run / "final"),
+            "bundles": [str(plan.out / f"bundle-{q}") for q in plan.recipe.export.quants],
+        },
+    }
+
+
+def _num(x, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "n/a"
+
+
+def markdown(s: dict) -> str:
+    from train.metrics import format_duration
+
+    t, c = s["training"], s["cost"]
+    mfu = _num(100 * t["mfu"], ".1f") + " %" if t["mfu"] is not None else "n/a"
+    lines = [
+        f"# Recipe `{s['recipe']}`{' (dry run)' if s['dry_run'] else ''}: summary",
+        "",
+        f"{s['hardware']}; {format_duration(s['wall_seconds'])} in all, "
+        f"{c['gpu_hours']:.3f} GPU-hours, **${c['total_usd']:,.2f}** at "
+        f"${c['hourly_price']:.2f}/GPU-hour (training ${c['training_usd']:,.2f})"
+        + ("" if c["on_gpu"] else "; on a CPU, the dollars only show the arithmetic")
+        + ".",
+        "",
+        f"Training: {t['steps']:,} steps, {t['tokens']:,} tokens in "
+        f"{format_duration(t['seconds'])}, {_num(t['tokens_per_s'], ',.0f')} tokens/s "
+        f"(median of the logged intervals), MFU {mfu}.",
+        "",
+        "| stage | seconds | attempts | finished |",
+        "|---|---:|---:|---|",
+    ]
+    for name, m in s["stages"].items():
+        lines.append(f"| {name} | {m['seconds']:.1f} | {m['attempts']} | {m['done']} |")
+    ev = s["eval"]
+    if ev:
+        lines += ["", "| language | characters | bits/char | random twin | xz -9e |"]
+        lines.append("|---|---:|---:|---:|---:|")
+        for lang, x in ev["languages"].items():
+            lines.append(
+                f"| {lang} | {x['characters']:,} | {x['bits_per_char']:.3f} | "
+                f"{x['random_twin_bits_per_char']:.3f} | {x['xz_bits_per_char']:.3f} |"
+            )
+        if ev["tasks"]:
+            lines += ["", "| task | items | acc | acc_norm | chance |", "|---|---:|---:|---:|---:|"]
+            for name, x in ev["tasks"].items():
+                lines.append(
+                    f"| {name} | {x['items']} | {x['acc']:.3f} ± {_num(x['acc_stderr'], '.3f')}"
+                    f" | {x['acc_norm']:.3f} | {x['chance']:.3f} |"
+                )
+    if s["exports"]:
+        lines += ["", "| bundle | folder | MB | ORT (mobile) | loss increase, nats/token |"]
+        lines.append("|---|---|---:|---|---:|")
+        for q, x in s["exports"].items():
+            lines.append(
+                f"| {q} | {x['path']} | {x['bytes'] / 1e6:.1f} | {x['mobile']} | "
+                f"{x['loss_increase_nats_per_token']:+.4f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(r) -> dict:
+    s = summary(r)
+    atomic_write_json(r.plan.out / "summary.json", s)
+    text = markdown(s)
+    atomic_write_bytes(r.plan.out / "summary.md", text.encode("utf-8"))
+    r.log(text)
+    return s
