@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= out/demo
+DEMO_ARGS ?=
 
 .PHONY: demo test lint format bench-tokenizer bench-train bench-export clean
 
@@ -11,8 +12,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -e '.[all]'
 	touch $@
 
-demo: $(BIN)/.installed
-	$(BIN)/doel-train demo --out $(OUT)
+demo: $(BIN)/.installed  # make demo DEMO_ARGS=--serve: keep the server up at the end
+	$(BIN)/doel-train demo --out $(OUT) $(DEMO_ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,23 @@ def test_demo_runs_the_main_job(tmp_path):
     assert "| bn |" in proc.stdout and "| en |" in proc.stdout  # the evaluation table
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "curves.png").is_file()
+    # It ends served: a Bangla completion fetched over HTTP, then the playground's URL. The
+    # request is seeded, so the bundle served again here gives the text it printed.
+    from fastapi.testclient import TestClient
+
+    from serve.app import Settings, create_app
+    from train.demo import DEMO_REQUEST
+
+    with TestClient(create_app(Settings(bundle=str(tmp_path / "bundle-int4")))) as c:
+        end = time.monotonic() + 60
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < end, c.get("/health").json()
+            time.sleep(0.02)
+        want = c.post("/v1/completions", json=DEMO_REQUEST).json()
+    assert want["usage"]["completion_tokens"] > 0
+    assert f"{DEMO_REQUEST['prompt']}{want['choices'][0]['text']}\n" in proc.stdout
+    url = re.search(r"^serve: .* at (http://127\.0\.0\.1:\d+) ", proc.stdout, re.M)
+    assert url and f"\nplayground: {url.group(1)}/ " in proc.stdout
 
 
 def test_fit_check_gradients_eval_plot_commands(tmp_path, tokenizer_path, sample_paths):

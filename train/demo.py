@@ -1,17 +1,33 @@
-"""`make demo`: the whole training path on the built-in sample, in a few minutes on 2 CPU cores.
+"""`make demo`: the whole path on the built-in sample, in a few minutes on 2 CPU cores.
 
 tokenizer → fertility → held-out split → shards → gradient-flow gate → training → evaluation
-against the random twin and xz/bzip2 → samples. The sample is only ~50 KB, so the model is tiny
-and the numbers show the path working, not a useful model (`configs/small.toml` on real text is
-that).
+against the random twin and xz/bzip2 → samples → an int4 export bundle → that bundle served on
+loopback, one Bangla completion fetched over HTTP and printed with the playground's URL. The
+sample is only ~50 KB, so the model is tiny and the numbers show the path working, not a useful
+model (`configs/small.toml` on real text is that).
 """
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
 HOLDOUT_EVERY = 8  # every 8th paragraph of each sample file is held out for evaluation
+# The completion the demo asks its server for; seeded, so the same bundle gives the same text.
+DEMO_REQUEST = {
+    "prompt": "নদীর ধারে একটি ছোট গ্রাম ছিল।",
+    "max_tokens": 32,
+    "temperature": 0.8,
+    "top_p": 0.95,
+    "seed": 1,
+}
+READY_SECONDS = 60  # loading an int4 bundle of the demo's size takes well under a second
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
 
 
 def split_sample(out: Path) -> tuple[list[str], list[str]]:
@@ -32,7 +48,16 @@ def split_sample(out: Path) -> tuple[list[str], list[str]]:
     return train, held
 
 
-def run_demo(out: str | Path, vocab_size: int = 4096, config: str = "demo", sets=()) -> Path:
+def run_demo(
+    out: str | Path,
+    vocab_size: int = 4096,
+    config: str = "demo",
+    sets=(),
+    serve: bool = False,
+    port: int = 0,
+) -> Path:
+    """The whole path; `serve` keeps the server up at the end until Ctrl-C (on `port`; 0: a
+    free one)."""
     from train.cli import resolve_config
     from train.config import load_config
     from train.evaluate import evaluate_checkpoint, format_eval
@@ -74,7 +99,9 @@ def run_demo(out: str | Path, vocab_size: int = 4096, config: str = "demo", sets
 
     print(f"6/6 curves: {plot_run(out / 'run')}")
     print(f"done: the model in Hugging Face layout is {final}")
-    export_demo(final, out / "bundle-int4", heldout)
+    bundle = export_demo(final, out / "bundle-int4", heldout)
+    if bundle is not None:
+        serve_demo(bundle, keep=serve, port=port)
     return final
 
 
@@ -98,3 +125,82 @@ def export_demo(final: Path, bundle: Path, heldout: list[str]) -> Path | None:
         return None
     print(summary(bundle, manifest))
     return bundle
+
+
+def serve_demo(bundle: Path, keep: bool = False, port: int = 0) -> dict | None:
+    """The bundle served on 127.0.0.1 (uvicorn in a thread of this process), one Bangla
+    completion fetched over HTTP and printed, and the playground's URL; then a clean shutdown,
+    or with `keep` serving until Ctrl-C. Returns the completion's JSON body."""
+    try:
+        import uvicorn
+
+        from serve.app import Settings, create_app
+    except ModuleNotFoundError as e:  # a machine without the serve extra
+        print(f"serve: skipped: it needs {e.name!r}: pip install 'doel[serve]'")
+        return None
+    app = create_app(Settings(bundle=str(bundle)))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="doel-serve", daemon=True)
+    thread.start()
+    body = None
+    try:
+        url = _wait_ready(server, thread)
+        print(f"serve: {bundle} at {url} (what `doel-serve {bundle}` runs)")
+        body = _post(f"{url}/v1/completions", DEMO_REQUEST)
+        usage, choice = body["usage"], body["choices"][0]
+        print(f"    POST /v1/completions {json.dumps(DEMO_REQUEST, ensure_ascii=False)}")
+        print(f"    {DEMO_REQUEST['prompt']}{choice['text']}")
+        print(
+            f"    ({usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion "
+            f"tokens, finish_reason {choice['finish_reason']})"
+        )
+        if keep:
+            print(f"playground: {url}/ (serving until Ctrl-C)", flush=True)
+            while thread.is_alive():
+                thread.join(0.5)
+        else:
+            print(f"playground: {url}/ (it stops with the demo; --serve keeps it up)")
+    except KeyboardInterrupt:
+        print("\nserve: stopped")
+    finally:
+        server.should_exit = True  # uvicorn's own graceful shutdown, lifespan end included
+        thread.join(timeout=15)
+    return body
+
+
+def _health(url: str) -> tuple[int | None, str]:
+    """/health's status and error message; no status while the port is not open yet."""
+    try:
+        with NO_PROXY.open(f"{url}/health", timeout=5) as r:
+            return r.status, ""
+    except urllib.error.HTTPError as e:  # 503: loading, or the load failed
+        with e:
+            return e.code, json.loads(e.read() or b"{}").get("error", {}).get("message", "")
+    except OSError:
+        return None, ""
+
+
+def _wait_ready(server, thread: threading.Thread) -> str:
+    """The server's URL once it listens and /health says 200."""
+    from train.common import DoelError
+
+    end = time.monotonic() + READY_SECONDS
+    while time.monotonic() < end:
+        if not thread.is_alive():
+            raise DoelError("the demo's server stopped while starting; its log is above")
+        if server.started:
+            url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+            status, message = _health(url)
+            if status == 200:
+                return url
+            if message.startswith("loading the model failed"):
+                raise DoelError(f"serving {url}: {message}")
+        time.sleep(0.05)
+    raise DoelError(f"the demo's server was not ready within {READY_SECONDS} s")
+
+
+def _post(url: str, body: dict) -> dict:
+    data = json.dumps(body).encode("utf-8")
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with NO_PROXY.open(req, timeout=60) as r:
+        return json.loads(r.read())
