@@ -5,7 +5,10 @@ BIN := $(VENV)/bin
 OUT ?= out/demo
 DEMO_ARGS ?=
 
-.PHONY: demo test lint format bench-tokenizer bench-train bench-export clean
+RECIPE ?= bangla-0.4b
+ARGS ?=
+
+.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +17,16 @@ $(BIN)/.installed: pyproject.toml
 
 demo: $(BIN)/.installed  # make demo DEMO_ARGS=--serve: keep the server up at the end
 	$(BIN)/doel-train demo --out $(OUT) $(DEMO_ARGS)
+
+# The rented-GPU recipe: data -> tokenizer -> shards -> verify -> train -> eval -> bundles, with
+# the projected time and cost asked for before training (ARGS='--yes --price-per-hour 2.5').
+recipe: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[all,hub]'
+	$(BIN)/doel-train recipe $(RECIPE) $(ARGS)
+
+# The same stages at tiny scale on this CPU, from local stand-ins: a few minutes, no GPU, no network.
+recipe-dry-run: $(BIN)/.installed
+	$(BIN)/doel-train recipe $(RECIPE) --dry-run --yes --out out/recipe-dry-run $(ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
