@@ -27,7 +27,7 @@ from train.recipe_checks import (
     projection,
 )
 from train.recipe_data import fetch_source
-from train.recipe_run import run_recipe
+from train.recipe_run import DEPENDS, RecipeRun, run_recipe
 from train.recipe_stages import torchrun_command
 from train.textio import iter_documents
 from train.trainer import TrainConfig
@@ -321,6 +321,28 @@ def test_a_rerun_skips_every_completed_stage(dry_run, stand_ins):
     assert {p: (plan.out / p).stat().st_mtime_ns for p in watched} == before
     assert again["stages"] == first["stages"]
     assert again["cost"]["total_usd"] == pytest.approx(2 * first["cost"]["total_usd"])
+
+
+def test_a_changed_setting_redoes_its_stage_and_the_ones_after_it(tmp_path, stand_ins):
+    def fingerprints(*sets, local=stand_ins):
+        recipe = load_recipe(RECIPE, list(sets), dry_run=True)
+        run = RecipeRun(make_plan(recipe, tmp_path, dry_run=True, local=local))
+        return {stage: run.fingerprint(stage) for stage in DEPENDS}
+
+    def redone(*sets, **kw):
+        new = fingerprints(*sets, **kw)
+        return [stage for stage in DEPENDS if new[stage] != base[stage]]
+
+    base = fingerprints()
+    after_tokenizer = ["tokenizer", "shards", "verify", "train", "eval", "export"]
+    assert redone("tokenizer.vocab_size=600") == after_tokenizer
+    assert redone("data.heldout_every=6") == ["data", *after_tokenizer]
+    assert redone("prepare.overlap_sample=2") == after_tokenizer[1:]
+    assert redone("verify.parity_factor=6") == ["verify"]
+    assert redone("token_budget=2048") == ["data", *after_tokenizer]  # more steps, more text
+    assert redone("export.eval_tokens=300") == ["export"]
+    assert redone("hourly_price=9", "train.measure_steps=5") == []  # no artifact changes
+    assert redone(local=stand_ins | {"arc_easy": stand_ins["bn_tydiqa"]}) == ["eval"]
 
 
 def test_too_little_disk_stops_before_anything_is_written(tmp_path, stand_ins):

@@ -258,35 +258,39 @@ class Plan:
     missing_tasks: dict  # task name -> path, the ones not found
 
     def fingerprint_of(self, *parts) -> dict:
-        """The resolved settings a stage depends on (hourly price excluded: it changes no
-        artifact)."""
-        cfg = resolved(self.train_cfg)
-        cfg.pop("hourly_price")
-        whole = {"recipe": resolved(self.recipe), "train": cfg, "gpus": self.gpus}
-        whole["recipe"].pop("hourly_price")
-        return {p: whole["recipe"].get(p, whole.get(p)) for p in parts}
+        """The resolved settings a stage depends on: recipe tables by name, "train" the
+        resolved training config (the hourly price left out: it changes no artifact)."""
+        train = resolved(self.train_cfg)
+        train.pop("hourly_price")
+        values = resolved(self.recipe) | {"train": train, "gpus": self.gpus}
+        return {p: values[p] for p in parts}
 
 
 def make_plan(recipe: Recipe, out, dry_run=False, gpus=1, yes=False, local=None, eval_dir=None):
     """Resolve the training config (steps from the token budget at the global batch) and the
-    task files. With gpus > 1 the global batch stays the preset's: grad_accum is divided."""
+    task files. With gpus > 1 the global batch stays the preset's: grad_accum (or batch_size)
+    is divided."""
     from train.cli import resolve_config
     from train.trainer import TrainConfig
 
     preset = resolve_config(recipe.train.preset)
     sets = list(recipe.train.set) + [f"model.vocab_size={recipe.tokenizer.vocab_size}"]
     base = load_config(TrainConfig, preset, sets)
-    if gpus > 1:
-        if base.grad_accum % gpus:
+    if gpus > 1:  # fewer micro-batches a GPU, else smaller ones
+        if base.grad_accum % gpus == 0:
+            sets.append(f"grad_accum={base.grad_accum // gpus}")
+        elif base.batch_size % gpus == 0:
+            sets.append(f"batch_size={base.batch_size // gpus}")
+        else:
             raise DoelError(
-                f"--gpus {gpus}: the preset's grad_accum ({base.grad_accum}) must divide by it "
-                "to keep the global batch; add train.set grad_accum=... or batch_size=..."
+                f"--gpus {gpus}: neither grad_accum ({base.grad_accum}) nor batch_size "
+                f"({base.batch_size}) of the preset divides by it, so the global batch would "
+                "change; set one that does in the recipe's train.set"
             )
-        sets.append(f"grad_accum={base.grad_accum // gpus}")
     per_step = base.batch_size * base.grad_accum * base.seq_len  # global: same for any gpus
     sets += [f"steps={math.ceil(recipe.token_budget / per_step)}"]
     sets += [f"hourly_price={recipe.hourly_price}"]
-    local = {**recipe.dry_run.local, **(local or {})} if dry_run else {}
+    local = {**(recipe.dry_run.local if dry_run else {}), **(local or {})}
     task_dir = Path(eval_dir or recipe.eval.task_dir)
     tasks, missing = {}, {}
     for name, rel in recipe.eval.tasks.items():

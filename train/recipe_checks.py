@@ -51,6 +51,7 @@ def estimate_needs(
     quants: dict[str, bool],
     tokenizer_chars: float,
     overlap_sample: int,
+    chunk_chars: int = 50_000_000,
 ) -> dict[str, Need]:
     """Bytes each stage needs. chars: characters per source still to fetch; quants: {quant:
     mobile?}. Rough where it must be (the BPE trainer's memory), exact where it can be (shards
@@ -62,7 +63,8 @@ def estimate_needs(
     ckpt = params * (4 + ADAM_STATE)
     exports = sum(params * EXPORT_BYTES[q] * (2 if mobile else 1) for q, mobile in quants.items())
     return {
-        "data": Need(text, 64e6 + 4 * min(total_chars, 5e7), f"{total_chars:,.0f} characters"),
+        # A chunk is held as Python strings (up to 4 bytes a character) until it is written.
+        "data": Need(text, 2e8 + 4 * chunk_chars, f"{total_chars:,.0f} characters"),
         "tokenizer": Need(
             1e7, 1.0 * min(tokenizer_chars, total_chars) + 2e8, "word counts of its text"
         ),

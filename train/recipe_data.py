@@ -37,7 +37,7 @@ def _open_hub(src, state: dict):
     except ModuleNotFoundError:
         raise DoelError(
             f"{src.name}: streaming {src.dataset} needs the datasets package: "
-            "pip install 'datasets>=2.19' (or try the recipe with --dry-run)"
+            "pip install 'doel[hub]' (or try the recipe with --dry-run)"
         ) from None
     try:
         ds = datasets.load_dataset(

@@ -33,12 +33,12 @@ from train.recipe_checks import (
 
 STAGES = ("data", "tokenizer", "shards", "verify", "train", "eval", "export", "summary")
 DEPENDS = {  # stage -> (the stage before it in the chain, the plan parts it reads)
-    "data": (None, ("sources", "data", "token_budget", "local")),
+    "data": (None, ("sources", "data", "token_budget")),
     "tokenizer": ("data", ("tokenizer",)),
     "shards": ("tokenizer", ("prepare",)),
-    "verify": ("shards", ("train", "gpus")),
+    "verify": ("shards", ("train", "gpus", "verify")),
     "train": ("shards", ("train", "gpus")),
-    "eval": ("train", ("eval", "tasks")),
+    "eval": ("train", ("eval",)),
     "export": ("train", ("export",)),
 }
 
@@ -66,6 +66,7 @@ class RecipeRun:
             quants,
             plan.recipe.tokenizer.max_chars,
             plan.recipe.prepare.overlap_sample,
+            plan.recipe.data.chunk_chars,
         )
 
     def _fetched(self, name: str) -> int:
@@ -74,8 +75,11 @@ class RecipeRun:
 
     def fingerprint(self, stage: str) -> str:
         before, parts = DEPENDS[stage]
-        whole = self.plan.fingerprint_of(*parts) | {"local": self.plan.local, "tasks": None}
-        if stage == "eval":
+        whole = self.plan.fingerprint_of(*parts)
+        if stage == "data":  # local files standing in for sources are part of the data
+            names = {s.name for s in self.plan.recipe.sources}
+            whole["local"] = {n: p for n, p in self.plan.local.items() if n in names}
+        if stage == "eval":  # the task files found, wherever they came from
             whole["tasks"] = self.plan.tasks
         text = json.dumps([before and self.fingerprint(before), whole], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -118,7 +122,7 @@ class RecipeRun:
                 import datasets  # noqa: F401
             except ModuleNotFoundError:
                 raise DoelError(
-                    f"streaming {hub} needs the datasets package: pip install 'datasets>=2.19'"
+                    f"streaming {hub} needs the datasets package: pip install 'doel[hub]'"
                 ) from None
         free, ram = self.probe(plan.out)
         disk = sum(self.needs[s].disk for s in todo)
