@@ -58,7 +58,12 @@ def io_table(lm: OnnxLM) -> dict:
     def rows(args):
         return [{"name": a.name, "shape": list(a.shape), "dtype": a.type} for a in args]
 
-    return {"inputs": rows(lm.session.get_inputs()), "outputs": rows(lm.session.get_outputs())}
+    return {
+        "inputs": rows(lm.session.get_inputs()),
+        # Inputs with a default that a caller may override (logits_to_keep: see graph.py).
+        "optional_inputs": rows(lm.session.get_overridable_initializers()),
+        "outputs": rows(lm.session.get_outputs()),
+    }
 
 
 def versions() -> dict:

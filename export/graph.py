@@ -33,6 +33,7 @@ GENAI_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCaus
 BITS = {"fp32": None, "int8": 8, "int4": 4}
 ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: fastest on CPUs with VNNI
 TASK = "text-generation-with-past"
+LOGITS_TO_KEEP = "logits_to_keep"
 
 
 def optimum_supports(ckpt: Checkpoint) -> bool:
@@ -154,11 +155,52 @@ def build_optimum(ckpt: Checkpoint, out: Path, quant: str, block_size: int) -> P
     return out / "model.onnx"
 
 
+def add_logits_to_keep(model: Path) -> bool:
+    """Give the head an input `logits_to_keep` ([1] int64, default 0): the head then computes
+    the logits of the last k positions only, 0 meaning all of them (the default: the parity
+    checks and onnxruntime-genai get the graph's usual output). A server needs only the last
+    position's; without this, a 1,536-token prompt of the 0.4B model (vocabulary 32,768) makes
+    the head do 1,536 times the work and return [1, 1536, 32768] fp32 logits, 201 MB. The input
+    is an initializer listed among the graph's inputs, which ONNX Runtime lets a caller
+    override. Returns False, leaving the graph alone, when `logits` is not made by one MatMul
+    over [batch, sequence, hidden]."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    m = onnx.load(str(model), load_external_data=False)  # the weights stay where they are
+    g = m.graph
+    heads = [n for n in g.node if "logits" in n.output]
+    if len(heads) != 1 or heads[0].op_type not in ("MatMul", "MatMulNBits"):
+        return False
+    head, k = heads[0], LOGITS_TO_KEEP
+    g.input.append(helper.make_tensor_value_info(k, TensorProto.INT64, [1]))
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([0], np.int64), k),
+            numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), f"{k}/end"),
+            numpy_helper.from_array(np.array([1], np.int64), f"{k}/axis"),
+        ]
+    )
+    # Slice(hidden, -k, end, axis 1): k = 0 starts at 0, the whole sequence.
+    neg = helper.make_node("Neg", [k], [f"{k}/start"], name=f"/{k}/Neg")
+    cut = [head.input[0], f"{k}/start", f"{k}/end", f"{k}/axis"]
+    sl = helper.make_node("Slice", cut, [f"{k}/hidden"], name=f"/{k}/Slice")
+    head.input[0] = f"{k}/hidden"
+    at = list(g.node).index(head)
+    g.node.insert(at, sl)
+    g.node.insert(at, neg)
+    onnx.save(m, str(model))
+    return True
+
+
 def build_graph(ckpt: Checkpoint, out: Path, quant: str, block_size: int, engine: str) -> Path:
     if quant not in BITS:
         raise ExportError(f"--quant must be one of {sorted(BITS)}, got {quant!r}")
     build = build_genai if engine == "genai" else build_optimum
-    return build(ckpt, out, quant, block_size)
+    model = build(ckpt, out, quant, block_size)
+    add_logits_to_keep(model)
+    return model
 
 
 def convert_to_ort(model: Path, out: Path) -> Path:

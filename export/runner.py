@@ -28,6 +28,9 @@ class OnnxLM:
         opts.intra_op_num_threads = threads  # 0: one per core
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Errors only: ONNX Runtime warns at every load that an overridable input (the graph's
+        # logits_to_keep, see export/graph.py) is not folded as a constant, which is its point.
+        opts.log_severity_level = 3
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]

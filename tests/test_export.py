@@ -125,6 +125,22 @@ def test_greedy_decoding_equals_pytorch_with_and_without_a_shared_kv_buffer(fp32
     assert lm.greedy_shared(ids, 24)[0] == want
 
 
+def test_the_head_can_compute_the_last_positions_only(fp32_bundle):
+    """logits_to_keep (an input with a default of 0, all positions): a server asks for the
+    last position only and gets the full output's last rows."""
+    m = json.loads((fp32_bundle / "manifest.json").read_text())
+    assert [i["name"] for i in m["optional_inputs"]] == ["logits_to_keep"]
+    lm = _lm(fp32_bundle)
+    ids = np.arange(5, 25)[None]
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), **lm.empty_past(1)}
+    full = lm.session.run(["logits"], feeds)[0]
+    assert full.shape == (1, 20, TINY.vocab_size)
+    for k in (1, 3):
+        got = lm.session.run(["logits"], feeds | {"logits_to_keep": np.array([k])})[0]
+        assert got.shape == (1, k, TINY.vocab_size)
+        assert np.abs(got - full[:, -k:]).max() <= 1e-5 * np.abs(full).max()
+
+
 def test_batch_axis_is_dynamic(fp32_bundle, ckpt):
     ids = np.random.default_rng(1).integers(3, TINY.vocab_size, size=(2, 20))
     both = _lm(fp32_bundle).logits(ids)
@@ -145,6 +161,10 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
     assert {f["text"] for f in loss["files"]} == {"bn.txt", "en.txt"}
     ids = np.arange(5, 45)[None]
     assert np.array_equal(_lm(out, "model.ort").logits(ids), _lm(out).logits(ids))
+    last = {"input_ids": ids, "attention_mask": np.ones_like(ids), "logits_to_keep": np.array([1])}
+    last |= _lm(out).empty_past(1)
+    ort_last = _lm(out, "model.ort").session.run(["logits"], last)[0]
+    assert np.array_equal(ort_last, _lm(out).logits(ids)[:, -1:])
     assert m["parity"]["ort_format_vs_onnx"]["max_rel_err"] <= 1e-5
     size = sum(f["bytes"] for n, f in m["files"].items() if n.startswith("model.onnx"))
     fp32 = sum(p.stat().st_size for p in fp32_bundle.glob("model.onnx*"))
@@ -154,6 +174,7 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
 def test_optimum_engine_fp32_and_int8_with_a_block_size(ckpt, tmp_path, tok):
     fp32 = export_checkpoint(ckpt, tmp_path / "o32", _quiet(quant="fp32", engine="optimum"))
     assert fp32["engine"] == "optimum" and fp32["kv_cache"]["position_ids_input"]
+    assert [i["name"] for i in fp32["optional_inputs"]] == ["logits_to_keep"]
     ids = np.array([tok.encode("The river was wide and slow.").ids])
     want = _doel_logits(ckpt, ids)
     lm = _lm(tmp_path / "o32")

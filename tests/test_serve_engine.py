@@ -158,3 +158,15 @@ def test_slots_prefilled_apart_then_stepped_together_match_full_forwards(bundle)
     assert [kv.data_ptr() for kv in engine.kv] == ptrs
     with pytest.raises(ValueError, match="do not fit the context"):
         engine.decode([1, 2], [5, CONTEXT + 1])
+
+
+def test_the_prompt_asks_the_graph_for_its_last_logits_only(bundle, engine):
+    """Bundles take logits_to_keep: the prompt's run returns one position's logits into the
+    preallocated buffer, and gives what the run returning every position gives."""
+    assert engine.last_only
+    whole = Engine(read_bundle(bundle), threads=1)
+    whole.last_only = False  # as for a bundle exported before logits_to_keep
+    ids = (PROMPT * 6)[:40]
+    assert np.abs(whole.forward(ids, 0) - engine.forward(ids, 0)).max() < 1e-6
+    params = SamplingParams(max_tokens=20, seed=5)
+    assert list(whole.generate(PROMPT, params)) == list(engine.generate(PROMPT, params))
