@@ -26,7 +26,7 @@ recipe: $(BIN)/.installed
 
 # The same stages at tiny scale on this CPU, from local stand-ins: a few minutes, no GPU, no network.
 recipe-dry-run: $(BIN)/.installed
-	$(BIN)/doel-train recipe $(RECIPE) --dry-run --yes --out out/recipe-dry-run $(ARGS)
+	$(BIN)/doel-train recipe $(RECIPE) --dry-run --yes $(ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .

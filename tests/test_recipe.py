@@ -296,6 +296,7 @@ def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, st
         "bundle-int4/manifest.json",
         "bundle-int4/model.ort",
         "summary.md",
+        "recipe.json",
     ):
         assert (out / path).is_file(), path
     assert "Held-out bits per character" in (out / "run/final/README.md").read_text("utf-8")
@@ -321,6 +322,18 @@ def test_a_rerun_skips_every_completed_stage(dry_run, stand_ins):
     assert {p: (plan.out / p).stat().st_mtime_ns for p in watched} == before
     assert again["stages"] == first["stages"]
     assert again["cost"]["total_usd"] == pytest.approx(2 * first["cost"]["total_usd"])
+
+
+def test_an_interrupted_data_stage_resumes_and_counts_both_attempts(tmp_path, dry_run, stand_ins):
+    plan = dry_plan(tmp_path / "run", stand_ins)
+    with pytest.raises(Interrupted):
+        run_recipe(plan, until="data", log=lambda *a: None, on_chunk=stop_at(1))
+    mark = json.loads((plan.out / "stages" / "data.json").read_text())
+    assert (mark["done"], mark["attempts"]) == (False, 1)
+    run_recipe(plan, until="data", log=lambda *a: None)
+    mark = json.loads((plan.out / "stages" / "data.json").read_text())
+    assert (mark["done"], mark["attempts"]) == (True, 2)
+    assert files(plan.out / "data") == files(dry_run[0].out / "data")  # as if never stopped
 
 
 def test_a_changed_setting_redoes_its_stage_and_the_ones_after_it(tmp_path, stand_ins):

@@ -257,6 +257,15 @@ class Plan:
     tasks: dict  # task name -> path, the ones found
     missing_tasks: dict  # task name -> path, the ones not found
 
+    def resolved(self) -> dict:
+        """What this run was asked to do, saved as RUN/recipe.json."""
+        keep = ("dry_run", "gpus", "train_sets", "local", "tasks", "missing_tasks")
+        return (
+            {"recipe": resolved(self.recipe), "preset": str(self.preset)}
+            | {k: getattr(self, k) for k in keep}
+            | {"train": resolved(self.train_cfg)}
+        )
+
     def fingerprint_of(self, *parts) -> dict:
         """The resolved settings a stage depends on: recipe tables by name, "train" the
         resolved training config (the hourly price left out: it changes no artifact)."""

@@ -1,6 +1,5 @@
 """What the recipe checks before it spends money: disk and memory per stage, the measured speed
-of a few training steps and the projected time and cost, the user's confirmation; and the GPU
-slice (a fixed-length run of the real configuration on synthetic tokens).
+of a few training steps and the projected time and cost, the user's confirmation.
 
 `estimate_needs` is a pure function of the plan's numbers (tested); `check_stage` compares one
 stage's needs with what `probe` finds (free disk under the run folder, MemAvailable from
@@ -9,7 +8,6 @@ stage's needs with what `probe` finds (free disk under the run folder, MemAvaila
 
 from __future__ import annotations
 
-import math
 import shutil
 import sys
 import time
@@ -160,16 +158,11 @@ def measure_steps(cfg, next_batches, warmup: int, steps: int, seconds=None, log=
     gives one step's micro-batches on the device."""
     import torch
 
-    from train.metrics import peak_flops
     from train.model import Llama
-    from train.trainer import autocast, build_optimizer, resolve_device, resolve_dtype, train_step
+    from train.trainer import build_optimizer, resolve_device
 
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    ctx = lambda: autocast(device, dtype)  # noqa: E731
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
+    if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(device)
     try:
@@ -177,44 +170,71 @@ def measure_steps(cfg, next_batches, warmup: int, steps: int, seconds=None, log=
         with torch.device(device):
             model = Llama(cfg.model)
         opt = build_optimizer(model, cfg, device)
-        fwd = torch.compile(model) if cfg.compile else model
-        t0 = time.perf_counter()
-        try:
-            train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 (inductor raises many kinds; fit goes eager too)
-            if fwd is model:
-                raise
-            log(f"WARNING: torch.compile failed ({type(e).__name__}); measuring eager")
-            fwd = model
-        for _ in range(warmup - 1):
-            train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
-        sync()
-        warm_s, times = time.perf_counter() - t0, []
-        while len(times) < steps or (seconds and sum(times) < seconds):
-            t = time.perf_counter()
-            train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
-            sync()
-            times.append(time.perf_counter() - t)
+        warm_s, times = _timed(cfg, model, opt, next_batches, device, warmup, steps, seconds, log)
     except torch.OutOfMemoryError:
         raise DoelError(
             f"out of GPU memory at batch_size={cfg.batch_size} x seq_len={cfg.seq_len}: halve "
             "batch_size and double grad_accum (train.set in the recipe; same tokens a step)"
         ) from None
+    result = _throughput(cfg, model, device, times) | {"warmup_s": warm_s}
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _timed(cfg, model, opt, next_batches, device, warmup, steps, seconds, log):
+    """(seconds of warm-up, each timed step's seconds), on the compiled model as fit runs it
+    (eager when compilation fails, as fit falls back)."""
+    import torch
+
+    from train.trainer import autocast, resolve_dtype, train_step
+
+    dtype = resolve_dtype(cfg.dtype, device)
+    ctx = lambda: autocast(device, dtype)  # noqa: E731
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fwd = torch.compile(model) if cfg.compile else model
+    t0 = time.perf_counter()
+    try:
+        train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 (inductor raises many kinds)
+        if fwd is model:
+            raise
+        log(f"WARNING: torch.compile failed ({type(e).__name__}); measuring eager")
+        fwd = model
+    for _ in range(warmup - 1):
+        train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
+    sync()
+    warm_s, times = time.perf_counter() - t0, []
+    while len(times) < steps or (seconds and sum(times) < seconds):
+        t = time.perf_counter()
+        train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
+        sync()
+        times.append(time.perf_counter() - t)
+    return warm_s, times
+
+
+def _throughput(cfg, model, device, times: list[float]) -> dict:
+    import torch
+
+    from train.metrics import peak_flops
+    from train.trainer import resolve_dtype
+
+    dtype = resolve_dtype(cfg.dtype, device)
+    cuda = device.type == "cuda"
     sec = sorted(times)[len(times) // 2]  # the median: robust to a stray slow step
-    flops = model.flops_per_token(cfg.seq_len)
     peak, source = peak_flops(device, dtype)
     tps = cfg.tokens_per_step / sec
-    result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "dtype": str(dtype).replace("torch.", ""),
         "compile": cfg.compile,
-        "warmup_s": warm_s,
         "steps_timed": len(times),
         "sec_per_step": sec,
         "tokens_per_s": tps,
-        "mfu": tps * flops["total"] / peak if peak else None,
+        "mfu": tps * model.flops_per_token(cfg.seq_len)["total"] / peak if peak else None,
         "peak_source": source,
         "parameters": model.num_parameters(),
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / GB if cuda else None,
@@ -222,10 +242,6 @@ def measure_steps(cfg, next_batches, warmup: int, steps: int, seconds=None, log=
         if cuda
         else None,
     }
-    del model, opt, fwd
-    if cuda:
-        torch.cuda.empty_cache()
-    return result
 
 
 def format_projection(m: dict, p: dict, tokens: int) -> str:
@@ -249,43 +265,3 @@ def format_projection(m: dict, p: dict, tokens: int) -> str:
             f"{format_duration(p['remaining_s'])}, ${p['remaining_usd']:,.2f}"
         )
     return "\n".join(lines)
-
-
-def gpu_slice(cfg, preset: str, token_budget: int, seconds: float, out: Path, log=print) -> dict:
-    """A fixed-length run of the real configuration on synthetic tokens (throughput does not
-    depend on their values): tokens/s, MFU, memory, and the projected time and cost of the
-    token budget, written to out/recipe_slice_<device>_<date>.{json,md}."""
-    import datetime
-    import json
-
-    import torch
-
-    if not torch.cuda.is_available():
-        raise DoelError(
-            "--gpu-slice measures the real configuration on a CUDA GPU, and torch sees none "
-            f"here (torch {torch.__version__}, cuda available: False). Run it on the GPU "
-            "machine, or try the recipe on this one with --dry-run"
-        )
-    device = torch.device("cuda")
-    shape = (cfg.batch_size, cfg.seq_len)
-    pool = [torch.randint(0, cfg.model.vocab_size, shape, device=device) for _ in range(4)]
-    batches = [(x, torch.roll(x, -1, 1)) for x in pool]
-
-    def next_batches():
-        return [batches[i % 4] for i in range(cfg.grad_accum)]
-
-    log(f"GPU slice: {preset} for {seconds:.0f} s of timed steps on synthetic tokens")
-    m = measure_steps(cfg, next_batches, 3, 5, seconds=seconds, log=log)
-    steps = math.ceil(token_budget / cfg.tokens_per_step)
-    p = projection(steps, 0, m["sec_per_step"], 1, cfg.hourly_price)
-    text = format_projection(m, p, token_budget)
-    log(text)
-    day = datetime.date.today().isoformat()
-    slug = "".join(c if c.isalnum() else "-" for c in m["device"].lower()).strip("-")
-    stem = Path(out) / f"recipe_slice_{slug}_{day}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    result = {"date": day, "preset": preset, "measured": m, "projection": p}
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    stem.with_suffix(".md").write_text(f"# GPU slice: `{preset}`\n\n{text}\n", encoding="utf-8")
-    log(f"wrote {stem}.json and .md")
-    return result

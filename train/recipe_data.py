@@ -118,6 +118,7 @@ def fetch_source(src, target: int, root: Path, data, local=None, log=print, on_c
     _clean((folder, held), state["chunks"])
     if state["chunks"]:
         log(f"  {src.name}: resuming at {state['chars']:,} characters ({state['chunks']} chunks)")
+    on_chunk = on_chunk or (lambda chunks: None)
     for attempt in range(1, HUB_RETRIES + 1):
         try:
             return _stream(src, state, folder, held, data, local, marker, on_chunk, tqdm)
@@ -136,36 +137,28 @@ def fetch_source(src, target: int, root: Path, data, local=None, log=print, on_c
     raise AssertionError("unreachable")
 
 
+def _write_chunk(folders, marker: Path, cur: dict, docs: tuple, position, exhausted) -> dict:
+    """The chunk's files first, then the marker that counts them; returns the new state."""
+    name = chunk_name(cur["chunks"])
+    for folder, texts in zip(folders, docs):
+        if texts:
+            lines = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts)
+            atomic_write_bytes(folder / name, lines.encode("utf-8"))
+    cur["chunks"] += 1
+    cur["stream_state"] = position()
+    cur["exhausted"] = exhausted
+    cur["done"] = exhausted or cur["chars"] >= cur["target_chars"]
+    atomic_write_json(marker, cur)
+    return dict(cur)
+
+
 def _stream(src, state, folder, held, data, local, marker, on_chunk, tqdm) -> dict:
     texts, position = _open_local(src, local, state) if local else _open_hub(src, state)
     cur = dict(state)  # counters of the chunk being filled; `state` only moves on commit
-    train, heldout, in_chunk = [], [], 0
+    train, heldout, in_chunk, exhausted = [], [], 0, True
     bar = tqdm(
-        total=state["target_chars"],
-        initial=state["chars"],
-        unit="char",
-        unit_scale=True,
-        desc=src.name,
-        mininterval=2,
+        total=cur["target_chars"], initial=cur["chars"], unit="char", unit_scale=True, desc=src.name
     )
-
-    def commit(exhausted: bool) -> None:
-        nonlocal train, heldout, in_chunk, state
-        name = chunk_name(cur["chunks"])
-        for path, docs in ((folder / name, train), (held / name, heldout)):
-            if docs:  # the chunk first, then the marker that counts it
-                lines = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in docs)
-                atomic_write_bytes(path, lines.encode("utf-8"))
-        cur["chunks"] += 1
-        cur["stream_state"] = position()
-        cur["exhausted"] = exhausted
-        cur["done"] = exhausted or cur["chars"] >= cur["target_chars"]
-        atomic_write_json(marker, cur)
-        state = dict(cur)
-        train, heldout, in_chunk = [], [], 0
-        if on_chunk is not None:
-            on_chunk(cur["chunks"])
-
     for text in texts:
         cur["documents"] += 1
         if not isinstance(text, str) or not text.strip():
@@ -182,15 +175,15 @@ def _stream(src, state, folder, held, data, local, marker, on_chunk, tqdm) -> di
         in_chunk += len(text)
         bar.update(len(text))
         if cur["chars"] >= cur["target_chars"]:
+            exhausted = False
             break
         if in_chunk >= data.chunk_chars:
-            commit(False)
-    else:
-        commit(True)
-        bar.close()
-        return state
-    commit(False)
+            state = _write_chunk((folder, held), marker, cur, (train, heldout), position, False)
+            train, heldout, in_chunk = [], [], 0
+            on_chunk(state["chunks"])
+    state = _write_chunk((folder, held), marker, cur, (train, heldout), position, exhausted)
     bar.close()
+    on_chunk(state["chunks"])
     return state
 
 

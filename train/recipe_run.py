@@ -1,7 +1,7 @@
 """`doel-train recipe`: the stages of a recipe, each skipped when its outputs are complete.
 
 data → tokenizer (+ fertility) → shards → verify → train → eval (+ model card) → export →
-summary, all in RUN (default runs/NAME). RUN/stages/STAGE.json records a stage: the fingerprint
+summary, all in RUN (default out/NAME). RUN/stages/STAGE.json records a stage: the fingerprint
 of the settings it depends on (chained through the stages before it, so a new tokenizer redoes
 the shards, training and what follows), whether it finished, and the seconds spent on it over
 every attempt (the summary's time and cost are what was paid, interruptions included).
@@ -187,6 +187,7 @@ def run_recipe(plan, until: str = "summary", log=print, **kw) -> dict:
         f"{cfg.tokens_per_step * plan.gpus:,} on {plan.gpus} device(s); stages {stages}"
     )
     r.preflight(stages)
+    atomic_write_json(plan.out / "recipe.json", plan.resolved())
     for name in stages:
         r.stage(name, getattr(recipe_stages, "evaluate" if name == "eval" else name))
     return _read(plan.out / "summary.json") if until == "summary" else None
@@ -198,7 +199,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dry-run", action="store_true", help="tiny, on this CPU, local files")
     p.add_argument("--yes", action="store_true", help="train without asking (needed without a tty)")
     p.add_argument("--price-per-hour", type=float, help="dollars a GPU-hour (default the recipe's)")
-    p.add_argument("--out", help="run folder (default runs/NAME or runs/NAME-dry-run)")
+    p.add_argument("--out", help="run folder (default out/NAME or out/NAME-dry-run)")
     p.add_argument("--gpus", type=int, help="GPUs to train on (default all visible; >1: torchrun)")
     p.add_argument("--local", nargs="+", default=[], metavar="NAME=PATH", help="a source's file")
     p.add_argument("--eval-dir", help="the task files' folder (default the recipe's task_dir)")
@@ -210,7 +211,7 @@ def add_arguments(p) -> None:
 
 def main(args) -> None:
     from train.recipe import load_recipe, make_plan, resolve_recipe
-    from train.recipe_checks import gpu_slice
+    from train.recipe_stages import gpu_slice
 
     sets = list(args.set)
     if args.price_per_hour is not None:
@@ -226,7 +227,7 @@ def main(args) -> None:
     gpus = args.gpus or (1 if args.dry_run else _visible_gpus())
     if gpus < 1:
         raise DoelError(f"--gpus must be >= 1, got {gpus}")
-    out = args.out or f"runs/{recipe.name}{'-dry-run' if args.dry_run else ''}"
+    out = args.out or f"out/{recipe.name}{'-dry-run' if args.dry_run else ''}"
     plan = make_plan(recipe, out, args.dry_run, gpus, args.yes, local, args.eval_dir)
     if args.gpu_slice:
         where = Path(args.out or "benchmarks/results")

@@ -1,6 +1,7 @@
 """What each stage of a recipe does, as a function of the running recipe `r`
 (train/recipe_run.py: its plan, its folders, its log). Each reads what the stages before it
-wrote and writes its own outputs; whether it runs at all is decided by the runner.
+wrote and writes its own outputs; whether it runs at all is decided by the runner. Also the GPU
+slice: a fixed-length run of the real configuration on synthetic tokens.
 """
 
 from __future__ import annotations
@@ -104,19 +105,24 @@ def train(r) -> None:
     cost = f"{format_duration(p['remaining_s'])} and ${p['remaining_usd']:,.2f}"
     confirm(f"train for about {cost}?", plan.yes, r.stdin)
     atomic_write_json(started, {"fingerprint": r.fingerprint("train")})
-    if plan.gpus > 1:
-        cmd = torchrun_command(plan, r.shards, r.run, r.tok)
-        r.log("under torchrun: " + " ".join(cmd))
-        rc = subprocess.run(cmd, check=False).returncode
-        if rc:
-            raise DoelError(
-                f"training under torchrun failed (exit {rc}; its log is above). Rerun the "
-                "recipe: it resumes from the last checkpoint"
-            )
-    else:
+    _launch(r)
+
+
+def _launch(r) -> None:
+    """One device: `fit` in this process. Several: `fit` under torchrun, a child process."""
+    if r.plan.gpus == 1:
         from train.fit import fit
 
-        fit(cfg, r.shards, r.run, tokenizer=r.tok, log=r.log)
+        fit(r.plan.train_cfg, r.shards, r.run, tokenizer=r.tok, log=r.log)
+        return
+    cmd = torchrun_command(r.plan, r.shards, r.run, r.tok)
+    r.log("under torchrun: " + " ".join(cmd))
+    rc = subprocess.run(cmd, check=False).returncode
+    if rc:
+        raise DoelError(
+            f"training under torchrun failed (exit {rc}; its log is above). Rerun the "
+            "recipe: it resumes from the last checkpoint"
+        )
 
 
 def evaluate(r) -> None:
@@ -196,3 +202,44 @@ def _read_json(path: Path) -> dict | None:
     import json
 
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def gpu_slice(cfg, preset: str, token_budget: int, seconds: float, out: Path, log=print) -> dict:
+    """A fixed-length run of the real configuration on synthetic tokens (throughput does not
+    depend on their values): tokens/s, MFU, memory, and the projected time and cost of the
+    token budget, written to out/recipe_slice_<device>_<date>.{json,md}."""
+    import datetime
+    import json
+    import math
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DoelError(
+            "--gpu-slice measures the real configuration on a CUDA GPU, and torch sees none "
+            f"here (torch {torch.__version__}, cuda available: False). Run it on the GPU "
+            "machine, or try the recipe on this one with --dry-run"
+        )
+    device = torch.device("cuda")
+    shape = (cfg.batch_size, cfg.seq_len)
+    pool = [torch.randint(0, cfg.model.vocab_size, shape, device=device) for _ in range(4)]
+    batches = [(x, torch.roll(x, -1, 1)) for x in pool]
+
+    def next_batches():
+        return [batches[i % 4] for i in range(cfg.grad_accum)]
+
+    log(f"GPU slice: {preset} for {seconds:.0f} s of timed steps on synthetic tokens")
+    m = measure_steps(cfg, next_batches, 3, 5, seconds=seconds, log=log)
+    steps = math.ceil(token_budget / cfg.tokens_per_step)
+    p = projection(steps, 0, m["sec_per_step"], 1, cfg.hourly_price)
+    text = format_projection(m, p, token_budget)
+    log(text)
+    day = datetime.date.today().isoformat()
+    slug = "".join(c if c.isalnum() else "-" for c in m["device"].lower()).strip("-")
+    stem = Path(out) / f"recipe_slice_{slug}_{day}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    result = {"date": day, "preset": preset, "measured": m, "projection": p}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    stem.with_suffix(".md").write_text(f"# GPU slice: `{preset}`\n\n{text}\n", encoding="utf-8")
+    log(f"wrote {stem}.json and .md")
+    return result

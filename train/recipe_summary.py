@@ -124,6 +124,39 @@ def _num(x, fmt: str) -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else "n/a"
 
 
+def _eval_lines(ev: dict) -> list[str]:
+    lines = []
+    if ev:
+        lines += ["", "| language | characters | bits/char | random twin | xz -9e |"]
+        lines.append("|---|---:|---:|---:|---:|")
+        for lang, x in ev["languages"].items():
+            lines.append(
+                f"| {lang} | {x['characters']:,} | {x['bits_per_char']:.3f} | "
+                f"{x['random_twin_bits_per_char']:.3f} | {x['xz_bits_per_char']:.3f} |"
+            )
+        if ev["tasks"]:
+            lines += ["", "| task | items | acc | acc_norm | chance |", "|---|---:|---:|---:|---:|"]
+            for name, x in ev["tasks"].items():
+                lines.append(
+                    f"| {name} | {x['items']} | {x['acc']:.3f} ± {_num(x['acc_stderr'], '.3f')}"
+                    f" | {x['acc_norm']:.3f} | {x['chance']:.3f} |"
+                )
+    return lines
+
+
+def _export_lines(exports: dict) -> list[str]:
+    lines = []
+    if exports:
+        lines += ["", "| bundle | folder | MB | ORT (mobile) | loss increase, nats/token |"]
+        lines.append("|---|---|---:|---|---:|")
+        for q, x in exports.items():
+            lines.append(
+                f"| {q} | {x['path']} | {x['bytes'] / 1e6:.1f} | {x['mobile']} | "
+                f"{x['loss_increase_nats_per_token']:+.4f} |"
+            )
+    return lines
+
+
 def markdown(s: dict) -> str:
     from train.metrics import format_duration
 
@@ -147,30 +180,7 @@ def markdown(s: dict) -> str:
     ]
     for name, m in s["stages"].items():
         lines.append(f"| {name} | {m['seconds']:.1f} | {m['attempts']} | {m['done']} |")
-    ev = s["eval"]
-    if ev:
-        lines += ["", "| language | characters | bits/char | random twin | xz -9e |"]
-        lines.append("|---|---:|---:|---:|---:|")
-        for lang, x in ev["languages"].items():
-            lines.append(
-                f"| {lang} | {x['characters']:,} | {x['bits_per_char']:.3f} | "
-                f"{x['random_twin_bits_per_char']:.3f} | {x['xz_bits_per_char']:.3f} |"
-            )
-        if ev["tasks"]:
-            lines += ["", "| task | items | acc | acc_norm | chance |", "|---|---:|---:|---:|---:|"]
-            for name, x in ev["tasks"].items():
-                lines.append(
-                    f"| {name} | {x['items']} | {x['acc']:.3f} ± {_num(x['acc_stderr'], '.3f')}"
-                    f" | {x['acc_norm']:.3f} | {x['chance']:.3f} |"
-                )
-    if s["exports"]:
-        lines += ["", "| bundle | folder | MB | ORT (mobile) | loss increase, nats/token |"]
-        lines.append("|---|---|---:|---|---:|")
-        for q, x in s["exports"].items():
-            lines.append(
-                f"| {q} | {x['path']} | {x['bytes'] / 1e6:.1f} | {x['mobile']} | "
-                f"{x['loss_increase_nats_per_token']:+.4f} |"
-            )
+    lines += _eval_lines(s["eval"]) + _export_lines(s["exports"])
     return "\n".join(lines) + "\n"
 
 
