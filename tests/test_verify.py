@@ -409,10 +409,28 @@ def test_the_command_writes_the_report_and_exits_1_on_a_failure(shards, tmp_path
     assert json.loads((tmp_path / "verify.json").read_text())["checks"][0]["status"] == "FAIL"
 
 
-def test_under_several_ranks_ties_are_judged_by_identity_alone(shards, monkeypatch):
-    import train.checks
+def head_sees_a_detached_weight(cfg):
+    """The tie holds (one tensor), but the head's use is cut off the graph: the shared
+    gradient holds the embedding's contribution alone."""
+    model = Llama(cfg.model)
+    head = model.lm_head
+    head.forward = lambda h: F.linear(h, head.weight.detach())
+    return model
 
-    monkeypatch.setattr(train.checks, "_world_size", lambda: 2)
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ties_need_one_tensor_holding_both_uses_gradients(shards, monkeypatch, ranks):
+    """At 2 ranks (simulated: no process group) the check takes its DDP/FSDP path, where each
+    use's gradient is rebuilt by hooks instead of by splitting the tie."""
+    import train.checks_ties
+
+    monkeypatch.setattr(train.checks_ties, "_world_size", lambda: ranks)
     row = suite(shards, ["ties"]).results[0]
-    assert row.passed and "identity only" in row.detail
-    assert suite(shards, ["ties"], model_factory=untied_head).results[0].passed is False
+    assert row.passed, row.detail
+    parts = row.numbers["model.embed_tokens.weight"]
+    assert parts["error_vs_sum"] < 1e-5
+    assert parts["input_side_share"] > 0.01 and parts["output_side_share"] > 0.01
+    untied = suite(shards, ["ties"], model_factory=untied_head).results[0]
+    assert untied.passed is False and "tie was broken" in untied.detail
+    cut = suite(shards, ["ties"], model_factory=head_sees_a_detached_weight).results[0]
+    assert cut.passed is False and "model.embed_tokens.weight" in cut.detail

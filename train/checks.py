@@ -1,5 +1,5 @@
 """The verification suite's shared parts (VerifyConfig, Setup, CheckResult, the float64
-reference twin) and two model checks: gradient flow and tied weights after every wrap. Each
+reference twin) and the gradient-flow check (tied weights are in checks_ties.py). Each
 check takes a `Setup` (what the run will use) and returns one `CheckResult` row, leaving no
 trace on the run's model (gradients cleared, weights never stepped). Parity is in
 checks_parity.py, causal leak and label shift in checks_causal.py, step / accumulation /
@@ -227,72 +227,3 @@ def _strip(name: str) -> str:
     while name.startswith(("_orig_mod.", "module.")):
         name = name.split(".", 1)[1]
     return name
-
-
-@contextlib.contextmanager
-def _untied(model: nn.Module, names: list[str]):
-    """Temporarily give each named parameter its own copy (so its gradient holds only its own
-    use's contribution); the original tensor is put back whatever happens."""
-    saved = []
-    try:
-        for name in names:
-            owner_name, _, attr = name.rpartition(".")
-            owner = model.get_submodule(owner_name)
-            original = getattr(owner, attr)
-            saved.append((owner, attr, original))
-            copy = nn.Parameter(original.detach().clone(), original.requires_grad)
-            setattr(owner, attr, copy)
-        yield
-    finally:
-        for owner, attr, original in reversed(saved):
-            setattr(owner, attr, original)
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def check_ties(s: Setup) -> CheckResult:
-    pairs = list(getattr(unwrap(s.fwd), "tied_parameters", []))
-    checked = (
-        "declared ties are one tensor through every wrapper (compile, DDP) and the shared "
-        "gradient equals the sum of both uses' gradients (measured with the tie split)"
-    )
-    if not pairs:
-        return CheckResult("ties", checked, None, {}, "the model declares no tied parameters")
-    params = {_strip(n): p for n, p in s.fwd.named_parameters(remove_duplicate=False)}
-    broken = [
-        f"{b} is a separate tensor from {a} (the tie was broken)"
-        for a, b in pairs
-        if a not in params or b not in params or params[a] is not params[b]
-    ]
-    if broken:
-        return CheckResult("ties", checked, False, {"pairs": len(pairs)}, "; ".join(broken))
-    if _world_size() > 1:  # a wrapper averages gradients over ranks holding other data
-        return CheckResult(
-            "ties",
-            checked,
-            True,
-            {"pairs": len(pairs)},
-            "ties hold (identity only: the gradient sum is measured in "
-            "`doel-train verify` on one process)",
-        )
-    x, y = s.batch()
-    shared = _loss_pass(s.fwd, x, y, s.ctx)
-    inner = unwrap(s.fwd)
-    with _untied(inner, [b for _, b in pairs]):  # the same model, each use with its own copy
-        parts = _loss_pass(inner, x, y, s.ctx)
-    tol = max(1e-4, 8 * torch.finfo(low_precision(s.dtype, param_dtype(inner))).eps)
-    numbers, bad = {"pairs": len(pairs), "tolerance": tol}, []
-    for a, b in pairs:
-        whole = parts[a].double() + parts[b].double()
-        err = rel_err(shared.get(a), whole)
-        numbers[a] = {
-            "error_vs_sum": err,
-            "input_side_share": float(parts[a].norm() / whole.norm()),
-            "output_side_share": float(parts[b].norm() / whole.norm()),
-        }
-        if err > tol:
-            bad.append(f"{a}: the shared gradient is {err:.1%} off the sum of both uses")
-    return CheckResult("ties", checked, not bad, numbers, "; ".join(bad) or "ties hold")

@@ -3,7 +3,7 @@ kernels, dtype and compile setting a run will use, with a report (Markdown + JSO
 check: what it checked, the numbers, pass/fail). `fit` runs the fast subset before step 1
 through `verify_before_training` and refuses to train on a failure.
 
-The checks live in checks.py (gradient flow, ties), checks_parity.py, checks_causal.py,
+The checks live in checks.py (gradient flow), checks_ties.py, checks_parity.py, checks_causal.py,
 checks_run.py (step, accumulation, resume, throughput) and checks_data.py (data, tokenizer).
 None leaves a trace: the run's loader is peeked, never consumed; its model is never stepped;
 the RNG is forked, so a run with the suite is the run without it.
@@ -25,7 +25,6 @@ from train.checks import (
     Setup,
     VerifyConfig,
     check_gradients,
-    check_ties,
 )
 from train.checks_causal import check_causal
 from train.checks_data import check_data, check_tokenizer_fairness
@@ -36,6 +35,7 @@ from train.checks_run import (
     check_step,
     check_throughput,
 )
+from train.checks_ties import check_ties
 from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.config import resolved
 from train.gradflow import unwrap
