@@ -274,7 +274,7 @@ def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, st
     out = plan.out
     assert set(s) == {
         "recipe", "dry_run", "hardware", "gpus", "stages", "wall_seconds", "training", "cost",
-        "eval", "exports", "artifacts",
+        "data", "eval", "exports", "artifacts",
     }  # fmt: skip
     assert list(s["stages"]) == ["data", "tokenizer", "shards", "verify", "train", "eval", "export"]
     assert all(m["done"] and m["attempts"] == 1 for m in s["stages"].values())
@@ -283,6 +283,7 @@ def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, st
     assert s["training"]["tokens"] == cfg.steps * cfg.tokens_per_step
     assert s["training"]["tokens_per_s"] > 0 and s["training"]["projection"]["steps"] == cfg.steps
     assert s["cost"]["total_usd"] > s["cost"]["training_usd"] > 0
+    assert not any(x["short"] for x in s["data"].values())  # every stand-in had enough text
     for lang in ("bn", "en"):  # four steps already beat the random twin on held-out text
         x = s["eval"]["languages"][lang]
         assert x["bits_per_char"] < x["random_twin_bits_per_char"]

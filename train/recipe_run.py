@@ -224,7 +224,8 @@ def main(args) -> None:
         if not sep or name not in known:
             raise DoelError(f"--local {item!r}: expected NAME=PATH with NAME one of {known}")
         local[name] = path
-    gpus = args.gpus or (1 if args.dry_run else _visible_gpus())
+    # The slice measures one GPU; its projection is for one GPU too.
+    gpus = args.gpus or (1 if args.dry_run or args.gpu_slice else _visible_gpus())
     if gpus < 1:
         raise DoelError(f"--gpus must be >= 1, got {gpus}")
     out = args.out or f"out/{recipe.name}{'-dry-run' if args.dry_run else ''}"

@@ -75,6 +75,17 @@ def _eval_table(result: dict | None) -> dict:
     return {"languages": languages, "tasks": tasks}
 
 
+def _data_table(r) -> dict:
+    """Characters fetched per source against the recipe's target: a source that ran out
+    early (Bengali Wikipedia is small) changes the mix, and the summary says so."""
+    out = {}
+    for name, target in r.plan.recipe.corpus_chars.items():
+        p = _read(r.data / name / "progress.json") or {}
+        got = p.get("chars", 0)
+        out[name] = {"characters": got, "target": target, "short": got < target}
+    return out
+
+
 def summary(r) -> dict:
     from train.recipe_run import STAGES
 
@@ -109,6 +120,7 @@ def summary(r) -> dict:
             "training_usd": train_s / 3600 * plan.gpus * price,
             "on_gpu": gpu,
         },
+        "data": _data_table(r),
         "eval": _eval_table(_read(plan.out / "eval.json")),
         "exports": _read(plan.out / "exports.json") or {},
         "artifacts": {
@@ -180,6 +192,11 @@ def markdown(s: dict) -> str:
     ]
     for name, m in s["stages"].items():
         lines.append(f"| {name} | {m['seconds']:.1f} | {m['attempts']} | {m['done']} |")
+    short = [
+        f"{n} ({x['characters']:,} of {x['target']:,})" for n, x in s["data"].items() if x["short"]
+    ]
+    if short:
+        lines += ["", f"Sources that ran out before their target (characters): {', '.join(short)}."]
     lines += _eval_lines(s["eval"]) + _export_lines(s["exports"])
     return "\n".join(lines) + "\n"
 
