@@ -31,6 +31,10 @@ from train.tokenizer import TokenizerConfig
 # The repository's recipes/ (a source checkout) or their copy inside the wheel.
 RECIPE_DIRS = (Path(__file__).parent.parent / "recipes", Path(__file__).parent / "recipes")
 QUANTS = ("fp32", "int8", "int4")
+BOOKKEEPING = (  # TrainConfig fields that leave the trained weights as they are
+    "hourly_price", "eval_task", "eval_task_limit", "log_every", "eval_every", "eval_batches",
+    "checkpoint_every", "keep_checkpoints", "dist_timeout",
+)  # fmt: skip
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a folder name on every system
 
 
@@ -268,9 +272,11 @@ class Plan:
 
     def fingerprint_of(self, *parts) -> dict:
         """The resolved settings a stage depends on: recipe tables by name, "train" the
-        resolved training config (the hourly price left out: it changes no artifact)."""
+        resolved training config without what changes what is logged, scored or kept but
+        not the weights (so adding task files later does not restart training)."""
         train = resolved(self.train_cfg)
-        train.pop("hourly_price")
+        for key in BOOKKEEPING:
+            train.pop(key)
         values = resolved(self.recipe) | {"train": train, "gpus": self.gpus}
         return {p: values[p] for p in parts}
 
