@@ -57,7 +57,7 @@ def verify(r) -> None:
 
     fit_runs = select("fast")
     if r.plan.gpus > 1:  # what fit leaves out under torchrun (train/fit.py)
-        fit_runs = [n for n in fit_runs if n not in ("parity", "ties", "step")]
+        fit_runs = [n for n in fit_runs if n not in ("parity", "step")]
     names = [n for n in select("full") if n not in fit_runs]
     out = r.plan.out / "verify"
     report = run_suite(
