@@ -1,9 +1,12 @@
-"""Data parallelism on CPU with gloo: 2 processes under torchrun against 1, for DDP and FSDP2;
-resume at another world size; elastic restart after kill -9; a hung rank stops the job."""
+"""Data parallelism on CPU with gloo: 2 processes under torchrun against 1, for DDP and FSDP2
+(tied weights checked under the wrapper); a sharded FSDP checkpoint resumed at another world
+size; elastic restart after kill -9; a hung rank stops the job."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +35,10 @@ def shards(tmp_path_factory, tokenizer_path, sample_paths) -> Path:
     return out
 
 
-def fit_cmd(shards, out, nproc, *sets, steps=12, every=6, restarts=None):
+STEPS = 36  # "a few dozen": float drift between world sizes has room to show
+
+
+def fit_cmd(shards, out, nproc, *sets, steps=STEPS, every=12, restarts=None):
     args = ["fit", "--config", "tiny", "--data", str(shards), "--out", str(out)]
     args += ["--steps", str(steps), "--checkpoint-every", str(every)]
     for s in (*FLAT, *sets):
@@ -62,11 +68,17 @@ def weights(run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
 
 
-def assert_same_model(a, b, atol=1e-5):
+def assert_same_model(a, b, tol=5e-4):
+    """The same weights within float tolerance. Ranks sum gradients in another order than one
+    process, and Adam divides each step by the gradient's running RMS: an element whose
+    gradient is near zero steps by about lr (3e-3) whatever its size, so that noise moves a few
+    elements by a fraction of a step. After 36 steps under FSDP: at most 1.2e-4 for an element,
+    1.4e-4 of a tensor's norm (DDP: under 1e-5); a real defect moves whole tensors."""
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=atol, msg=k)
+        assert float((wa[k] - wb[k]).abs().max()) < tol, k
+        assert float((wa[k] - wb[k]).norm() / wb[k].norm()) < tol, k
 
 
 def test_ranks_split_the_global_batch_with_no_overlap_and_no_gap(shards):
@@ -86,7 +98,7 @@ def test_ranks_split_the_global_batch_with_no_overlap_and_no_gap(shards):
 
 @pytest.fixture(scope="module")
 def reference(shards, tmp_path_factory) -> Path:
-    """One process, global batch 4, 12 steps."""
+    """One process, global batch 4, STEPS steps."""
     out = tmp_path_factory.mktemp("ref")
     run(fit_cmd(shards, out, 1, "batch_size=4"))
     return out
@@ -98,18 +110,60 @@ def test_two_processes_match_one_with_the_same_global_batch(shards, reference, t
     assert "2 ranks" in proc.stdout and "tok/s (global)" in proc.stdout
     assert "pass gradient_flow" in proc.stdout  # the gate and the suite, under the wrapper
     assert proc.stdout.count("pass gradient_flow") == 1  # rank 0 logs alone
+    # The tie under the wrapper: one tensor before and after a backward, and its (averaged,
+    # whole) gradient is the sum of the embedding's and the head's, rebuilt on each rank.
+    rows = json.loads((tmp_path / "verify" / "verify.json").read_text())["checks"]
+    ties = next(r for r in rows if r["name"] == "ties")
+    assert ties["status"] == "pass" and ties["numbers"]["ranks"] == 2, ties
+    parts = ties["numbers"]["model.embed_tokens.weight"]
+    assert parts["error_vs_sum"] < 1e-5
+    assert parts["input_side_share"] > 0.01 and parts["output_side_share"] > 0.01
     assert losses(tmp_path) == pytest.approx(losses(reference), rel=1e-4)
     assert_same_model(tmp_path, reference)
     final = weights(tmp_path)
     assert "lm_head.weight" not in final  # the tie survived sharding: the head is stored once
 
 
+@pytest.fixture(scope="module")
+def sharded_run(shards, tmp_path_factory) -> Path:
+    """2 FSDP processes, 12 of STEPS steps: the checkpoint at step 12 is sharded."""
+    out = tmp_path_factory.mktemp("fsdp-12")
+    run(fit_cmd(shards, out, 2, "batch_size=2", "strategy=fsdp", steps=12))
+    return out
+
+
+def test_an_fsdp_checkpoint_is_sharded_safetensors_and_loads_in_transformers(sharded_run):
+    from transformers import LlamaForCausalLM
+
+    ckpt = latest_checkpoint(sharded_run)
+    assert ckpt.name == "step-000012"
+    shards = sorted(p.name for p in (ckpt / "sharded").iterdir())
+    assert shards == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)]
+    assert not (ckpt / "optimizer.safetensors").exists()  # no full optimizer gathered
+    # No pickles: every file is safetensors, JSON or the model card (DCP's .metadata is not).
+    kinds = {p.suffix for p in ckpt.rglob("*") if p.is_file()}
+    assert kinds <= {".safetensors", ".json", ".md"}, kinds
+    pieces = [load_file(str(ckpt / "sharded" / name)) for name in shards]
+    head = "optim.state.model.embed_tokens.weight.exp_avg"
+    assert all(p[head].shape[0] == 4096 // 2 for p in pieces)  # each rank wrote its half
+    full = load_file(str(ckpt / "model.safetensors"))
+    halves = [p["model.model.embed_tokens.weight"] for p in pieces]
+    assert torch.equal(torch.cat(halves), full["model.embed_tokens.weight"])
+    hf = LlamaForCausalLM.from_pretrained(ckpt)
+    assert torch.equal(hf.lm_head.weight, full["model.embed_tokens.weight"])
+    assert torch.equal(
+        hf.model.layers[1].mlp.down_proj.weight, full["model.layers.1.mlp.down_proj.weight"]
+    )
+
+
 @pytest.mark.parametrize("resume_nproc", [1, 2])
-def test_fsdp_checkpoint_resumes_at_another_world_size(shards, reference, tmp_path, resume_nproc):
-    run(fit_cmd(shards, tmp_path, 2, "batch_size=2", "strategy=fsdp", steps=6))
+def test_fsdp_checkpoint_resumes_at_another_world_size(
+    sharded_run, shards, reference, tmp_path, resume_nproc
+):
+    shutil.copytree(sharded_run, tmp_path, dirs_exist_ok=True)
     batch = 4 // resume_nproc
     proc = run(fit_cmd(shards, tmp_path, resume_nproc, f"batch_size={batch}", "strategy=fsdp"))
-    assert "resuming from" in proc.stdout and "step 6" in proc.stdout
+    assert "resuming from" in proc.stdout and "step 12" in proc.stdout
     assert losses(tmp_path) == pytest.approx(losses(reference), rel=1e-4)
     assert_same_model(tmp_path, reference)
 

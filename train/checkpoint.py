@@ -1,11 +1,18 @@
 """Training checkpoints: a Hugging Face model folder plus everything needed to resume exactly.
 
 `RUN_DIR/checkpoints/step-000200/` holds config.json, model.safetensors, tokenizer.json,
-generation_config.json (loadable by transformers as is) and, for resuming, optimizer.safetensors
-(the optimizer's tensors, keyed by parameter name), trainer_state.json (step, optimizer
-hyper-parameters, loader position, config) and rng.safetensors. No pickles: every file is
-safetensors or JSON. The state is always the full one (gathered under FSDP), so a checkpoint
-resumes at any world size.
+generation_config.json (loadable by transformers as is) and, for resuming, the optimizer's
+tensors keyed by parameter name, trainer_state.json (step, optimizer hyper-parameters, loader
+position, config) and rng.safetensors. No pickles: every file is safetensors or JSON.
+
+On one process and under DDP the optimizer is one file, optimizer.safetensors (the full state,
+gathered to rank 0 under DDP). Under FSDP nothing but the HF-layout model is gathered: each rank
+writes its shards of the model and optimizer to `sharded/` through torch.distributed.checkpoint
+(DCP), whose HuggingFace storage writer makes one safetensors file a rank with the shards'
+offsets in its header (DCP's default format pickles its `.metadata`). DCP's reader rebuilds the
+layout from those headers, so the run resumes at any world size: under FSDP on another number
+of ranks, or at one process without a process group. The model weights are then stored twice
+(full and sharded), the price of a folder transformers can load that resumes without a gather.
 
 A checkpoint is written to a hidden temporary folder and renamed into place, so a run killed
 mid-save leaves the previous checkpoint whole; only the last `keep` are kept.
@@ -24,21 +31,23 @@ import torch
 import torch.distributed as dist
 
 from train.common import DoelError, atomic_write_json
-from train.dist import full_state, load_full_state
+from train.dist import full_model_state, full_state, is_sharded, load_full_state
 from train.gradflow import unwrap
 from train.hf import WEIGHTS, load_model, read_config, save_model
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
+SHARDED = "sharded"  # the DCP shards of an FSDP run's model and optimizer
 
 
 def flatten_optimizer(optim_sd: dict) -> tuple[dict, dict]:
-    """A name-keyed optimizer state (from `dist.full_state`) as safetensors tensors
-    (`state.<param name>.<key>`) and a JSON-able rest (param groups, non-tensor values)."""
+    """A name-keyed optimizer state (from `get_state_dict`, full or sharded) as flat tensors
+    (`state.<param name>.<key>`, kept where they are: a DTensor stays a shard) and a JSON-able
+    rest (param groups, non-tensor values)."""
     tensors, scalars = {}, {}
     for name, state in optim_sd["state"].items():
         for key, value in state.items():
             if torch.is_tensor(value):
-                tensors[f"state.{name}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{name}.{key}"] = value.detach()
             else:
                 scalars[f"state.{name}.{key}"] = value
     return tensors, {"param_groups": optim_sd["param_groups"], "scalars": scalars}
@@ -71,38 +80,88 @@ def save_checkpoint(
     run_dir, step: int, model, optimizer, trainer_state: dict, tokenizer=None, keep: int = 3
 ) -> Path:
     """Write `run_dir/checkpoints/step-NNNNNN` atomically and prune older ones. Under
-    torch.distributed every rank must call it (the state is gathered); rank 0 writes."""
+    torch.distributed every rank must call it (each writes its shards under FSDP, and the
+    full model is gathered); rank 0 writes the rest."""
     from safetensors.torch import save_file
 
-    model_sd, optim_sd = full_state(model, optimizer)
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:06d}"
+    # One name on every rank (each writes its shards into it); a stale one is a killed save.
+    tmp = root / f".tmp-step-{step:06d}"
     if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    sharded = is_sharded(model)
+    if sharded:
+        optim_rest = save_sharded(tmp / SHARDED, model, optimizer)
+        model_sd = full_model_state(model)
+    else:  # complete on rank 0 alone
+        model_sd, optim_sd = full_state(model, optimizer)
+    if _rank() == 0:
         save_model(unwrap(model), tmp, tokenizer=tokenizer, state_dict=model_sd)
-        tensors, rest = flatten_optimizer(optim_sd)
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        if not sharded:
+            tensors, optim_rest = flatten_optimizer(optim_sd)
+            tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
         save_file(rng_state(), str(tmp / "rng.safetensors"))
-        atomic_write_json(
-            tmp / "trainer_state.json",
-            {
-                "step": step,
-                "saved_at": time.time(),
-                "optimizer": rest,
-                **trainer_state,
-            },
-        )
-        _fsync_dir(tmp)
-        if final.exists():  # a re-run that reached the same step: replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        meta = {"step": step, "saved_at": time.time(), "optimizer": optim_rest}
+        atomic_write_json(tmp / "trainer_state.json", {**meta, **trainer_state})
+        _publish(tmp, final, run_dir, keep)
     _barrier()
     return final
+
+
+def _publish(tmp: Path, final: Path, run_dir, keep: int) -> None:
+    """Rename the finished folder into place (durably) and prune all but the last `keep`."""
+    _fsync_dir(tmp)
+    if final.exists():  # a re-run that reached the same step: replace it whole
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _dcp_state(model, optimizer) -> tuple[dict, dict]:
+    """What DCP writes and reads: this rank's model and optimizer tensors (DTensor shards under
+    FSDP, whole tensors on one process), a tied parameter once (safetensors refuses two names
+    for one storage); and the optimizer's non-tensor rest."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer's state made
+    for _, dropped in unwrap(model).tied_parameters:
+        model_sd.pop(dropped, None)
+    tensors, rest = flatten_optimizer(optim_sd)
+    return {"model": model_sd, "optim": tensors}, rest
+
+
+def save_sharded(folder: Path, model, optimizer) -> dict:
+    """Each rank writes its shards to `folder` (one safetensors file a rank); every rank calls
+    it. Returns the optimizer's non-tensor rest, for trainer_state.json."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    state, rest = _dcp_state(model, optimizer)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
+    return rest
+
+
+def load_sharded(folder: Path, model, optimizer, rest: dict) -> None:
+    """Read the shards in `folder` into `model` and `optimizer`, resharded to this run's world
+    size (one process: no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state, _ = _dcp_state(model, optimizer)
+    reader = HuggingFaceStorageReader(str(folder))
+    dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())  # in place
+    model_sd = state["model"]
+    for kept, dropped in unwrap(model).tied_parameters:
+        model_sd[dropped] = model_sd[kept]
+    optim_sd = unflatten_optimizer(state["optim"], rest)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def _rank() -> int:
@@ -159,18 +218,34 @@ def load_checkpoint(folder, model=None, optimizer=None, device="cpu"):
             f"{folder} holds a model with a different config than this run's; resume with "
             "the same [model] settings or start afresh"
         )
-    model_sd = load_file(str(folder / WEIGHTS))
-    for kept, dropped in inner.tied_parameters:
-        model_sd[dropped] = model_sd[kept]
-    optim_sd = None
-    if optimizer is not None:
-        rest = state["optimizer"]
-        if "param_groups" not in rest or "scalars" not in rest:
-            raise DoelError(f"{folder}: optimizer state in an unknown layout")
-        optim_sd = unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")), rest)
-    if optim_sd is None:
+    if optimizer is None:  # the model alone: the HF-layout weights, whatever the layout
+        model_sd = load_file(str(folder / WEIGHTS))
+        for kept, dropped in inner.tied_parameters:
+            model_sd[dropped] = model_sd[kept]
         inner.load_state_dict(model_sd, strict=False)
     else:
-        load_full_state(model, optimizer, model_sd, optim_sd)
+        _load_training_state(folder, model, optimizer, state)
     set_rng_state(load_file(str(folder / "rng.safetensors")))
     return model, state
+
+
+def _load_training_state(folder: Path, model, optimizer, state: dict) -> None:
+    """Model and optimizer from the shards (an FSDP checkpoint) or the full files."""
+    from safetensors.torch import load_file
+
+    rest = state["optimizer"]
+    if "param_groups" not in rest or "scalars" not in rest:
+        raise DoelError(f"{folder}: optimizer state in an unknown layout")
+    if (folder / SHARDED).is_dir():
+        load_sharded(folder / SHARDED, model, optimizer, rest)
+        return
+    if not (folder / "optimizer.safetensors").is_file():
+        raise DoelError(
+            f"{folder}: neither optimizer.safetensors nor {SHARDED}/ is there; the checkpoint "
+            "is incomplete: delete it to resume from the one before"
+        )
+    model_sd = load_file(str(folder / WEIGHTS))
+    for kept, dropped in unwrap(model).tied_parameters:
+        model_sd[dropped] = model_sd[kept]
+    optim_sd = unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")), rest)
+    load_full_state(model, optimizer, model_sd, optim_sd)

@@ -6,9 +6,10 @@ torchrun sets. NCCL drives GPUs, gloo the CPU (how the tests run it, several pro
 loopback). Every collective has a timeout, so a rank that hangs ends the job with a message
 instead of hanging it forever.
 
-Checkpoints gather the full model and optimizer state to rank 0 and write the ordinary
-single-process checkpoint (HF-layout model, safetensors optimizer keyed by parameter name), so
-a run saved at one world size resumes at any other, and stages after training see one format.
+Under DDP, checkpoints gather the full model and optimizer state to rank 0 and write the
+ordinary single-process checkpoint. Under FSDP each rank writes its own shards of the model and
+optimizer through torch.distributed.checkpoint (see train/checkpoint.py), and rank 0 adds the
+full model in HF layout for the stages after training. Either resumes at any world size.
 """
 
 from __future__ import annotations
@@ -129,6 +130,22 @@ def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_state_dict(model, optimizer, options=opts)
+
+
+def full_model_state(model: nn.Module) -> dict:
+    """The full model state on CPU (gathered under FSDP; complete on rank 0). Every rank calls
+    it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP shards the parameters (each rank holds a DTensor piece of each)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def load_full_state(model: nn.Module, optimizer, model_sd: dict, optim_sd: dict) -> None:

@@ -19,7 +19,7 @@ from train.config import resolved
 from train.dist import (
     DistInfo,
     collective_timeout_message,
-    full_state,
+    full_model_state,
     init_distributed,
     shutdown,
     wrap_model,
@@ -203,12 +203,12 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
     else:  # the fast subset, gradient flow included, on the run's own objects
         names = None
         if info.enabled:
-            # Parity and tie-sum checks compare a rank's gradients with a local eager pass,
-            # but DDP/FSDP average gradients over ranks holding other data, and the step check
-            # mirrors the optimizer onto a plain model (FSDP's are sharded): these run in
-            # `doel-train verify` on one process. The gate still judges the full gradients
-            # and tie identity under the wrapper.
-            names = [n for n in select("fast") if n not in ("parity", "ties", "step")]
+            # Parity compares a rank's gradients with a local eager pass, but DDP/FSDP average
+            # gradients over ranks holding other data, and the step check mirrors the optimizer
+            # onto a plain model (FSDP's are sharded): both run in `doel-train verify` on one
+            # process. Gradient flow and ties (identity and shared gradient) run under the
+            # wrapper.
+            names = [n for n in select("fast") if n not in ("parity", "step")]
         verify_before_training(
             cfg,
             wrapped,
@@ -247,14 +247,14 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
     finally:
         if metrics:
             metrics.close()
-    final = _save_final(wrapped, optimizer, model, out, tok_path, cfg, info, log)
+    final = _save_final(wrapped, model, out, tok_path, cfg, info, log)
     run.card(final)
     return final
 
 
-def _save_final(wrapped, optimizer, model, out, tok_path, cfg, info, log) -> Path:
+def _save_final(wrapped, model, out, tok_path, cfg, info, log) -> Path:
     """The full model, gathered to rank 0, written atomically to RUN_DIR/final."""
-    model_sd, _ = full_state(wrapped, optimizer)
+    model_sd = full_model_state(wrapped)
     final = out / "final"
     if info.is_main:
         tmp = out / ".tmp-final"
