@@ -7,7 +7,6 @@ that step or train use fresh models from the run's factories, never the run's ow
 from __future__ import annotations
 
 import hashlib
-import statistics
 import tempfile
 import time
 
@@ -245,8 +244,10 @@ def _sync(device: torch.device) -> None:
 
 
 def time_forward_backward(s: Setup, x, y, reps: int) -> tuple[float, float]:
-    """Median seconds of the forward (to the loss) and of the backward, timed apart, after two
-    warm-up passes (compilation, kernel selection)."""
+    """Fastest seconds of the forward (to the loss) and of the backward, timed apart, after two
+    warm-up passes (compilation, kernel selection). The fastest, not the median: other
+    processes only ever add time, and on a busy machine the median of a tiny model's backward
+    once read 4x its forward for a healthy model."""
     fwd_t, bwd_t = [], []
     for i in range(reps + 2):
         _sync(s.device)
@@ -262,7 +263,7 @@ def time_forward_backward(s: Setup, x, y, reps: int) -> tuple[float, float]:
         if i >= 2:
             fwd_t.append(t1 - t0)
             bwd_t.append(t2 - t1)
-    return statistics.median(fwd_t), statistics.median(bwd_t)
+    return min(fwd_t), min(bwd_t)
 
 
 def check_throughput(s: Setup) -> CheckResult:
