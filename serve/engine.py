@@ -26,6 +26,7 @@ import onnxruntime as ort
 from serve.sampling import SamplingParams, sample
 
 LAST = np.array([1], np.int64)  # logits_to_keep: the last position only
+PREFILL_CHUNK = 512  # prompt tokens per run (see Engine.forward)
 
 
 class BundleError(Exception):
@@ -94,6 +95,7 @@ class Engine:
         if slots > 1 and not bundle.share_buffer:
             raise BundleError("batched slots need a graph with a shared KV buffer (genai engine)")
         self.bundle, self.slots = bundle, slots
+        self.prefill_chunk = PREFILL_CHUNK
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads  # 0: one per core
         opts.inter_op_num_threads = 1
@@ -189,7 +191,15 @@ class Engine:
             raise ValueError(f"{total} tokens do not fit the context of {self.context_length}")
         if not self.bundle.share_buffer:
             return self._run_concat(ids, total)
-        return self._run_shared([list(ids)], [total], slot)[0]
+        # A long prompt goes in chunks, each attending to the cache the previous ones wrote:
+        # the same logits, but the attention scores and activations of one run stay bounded
+        # (measured at 0.4B, 1,536 tokens: peak RSS 623 MB in one run, 518 MB in chunks of 512,
+        # time unchanged; llama.cpp also takes prompts 512 tokens at a time).
+        for lo in range(0, len(ids) - self.prefill_chunk, self.prefill_chunk):
+            chunk = list(ids[lo : lo + self.prefill_chunk])
+            self._run_shared([chunk], [past_len + lo + len(chunk)], slot)
+        last = list(ids[(len(ids) - 1) // self.prefill_chunk * self.prefill_chunk :])
+        return self._run_shared([last], [total], slot)[0]
 
     def decode(self, tokens: list[int], totals: list[int]) -> np.ndarray:
         """One step of slots 0..n-1 in one run: logits [n, vocab]. `totals[i]` is slot i's
