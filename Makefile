@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export clean
+.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ bench-train: $(BIN)/.installed
 
 bench-export: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_export.py
+
+# llama-cpp-python is benchmark-only: `$(BIN)/python benchmarks/bench_serve.py --install-llama-cpp`
+bench-serve: $(BIN)/.installed
+	$(BIN)/python benchmarks/bench_serve.py
 
 clean:
 	rm -rf $(VENV) out

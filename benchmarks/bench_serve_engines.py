@@ -1,0 +1,255 @@
+"""The engines of the serving benchmark, each measured alone in its own process.
+
+`python benchmarks/bench_serve_engines.py ENGINE MODEL SPEC OUT` loads one engine, times its
+runs as `SPEC` (a JSON file written by bench_serve.py) says, and writes `OUT` (JSON), including
+the process's peak resident memory, which is why every engine gets a fresh interpreter and
+imports only what it needs (our engine never imports torch, so torch's 300 MB are not counted
+against it):
+- `doel`: serve/engine.py, the engine of `doel-serve`, on an export bundle; one slot (one
+  request at a time, as llama.cpp's context here);
+- `doel-sweep`: the same engine with `slots` slots behind serve/scheduler.py, streams arriving
+  together (the concurrency sweep);
+- `llama.cpp` (`llama.cpp+fa`: with flash attention): llama-cpp-python on a GGUF file, through
+  `Llama.eval` (prompts in batches of 512), the last position's logits read with
+  `llama_get_logits_ith` (with logits_all=False, `Llama.scores` stays empty);
+- `torch`: transformers' LlamaForCausalLM in eager fp32 with its KV cache, the prompt's logits
+  kept for the last position only (as `generate` does).
+
+Every engine decodes greedily from the same token ids (the tokenizers are not compared: the
+GGUF vocabulary is read by llama.cpp's own tokenizer, so ids are passed, not text). Time to first
+token is from the call to the first new id; decode speed is the ids after the first over the time
+they took. Each figure is the best of the repeats (the least disturbed by other processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed_run(prefill, step, prompt: list[int], new_tokens: int) -> dict:
+    """One greedy generation: `prefill(ids) -> id`, then `step(id) -> id` for the rest."""
+    t0 = time.perf_counter()
+    token = prefill(prompt)
+    t1 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        token = step(token)
+    t2 = time.perf_counter()
+    return {"ttft_s": t1 - t0, "decode_tok_s": (new_tokens - 1) / max(t2 - t1, 1e-9)}
+
+
+def best_of(runs: list[dict]) -> dict:
+    return {
+        "ttft_s": min(r["ttft_s"] for r in runs),
+        "decode_tok_s": max(r["decode_tok_s"] for r in runs),
+        "runs": runs,
+    }
+
+
+def doel_runner(bundle: str, threads: int):
+    """Our engine's generate loop: prefill, then one step per id, greedy sampling as served."""
+    from serve.engine import Engine, read_bundle
+    from serve.sampling import SamplingParams
+
+    engine = Engine(read_bundle(bundle), threads=threads, slots=1)
+
+    def run(prompt: list[int], new_tokens: int) -> dict:
+        # No stop ids: a random model may pick its end-of-sequence id, and every run must
+        # produce exactly new_tokens ids.
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+        it = engine.generate(prompt, params)
+        state = {}
+
+        def prefill(ids):
+            state["t"] = next(it)
+            return state["t"]
+
+        def step(_):
+            return next(it)
+
+        return timed_run(prefill, step, prompt, new_tokens)
+
+    return run
+
+
+def llama_runner(gguf: str, threads: int, n_ctx: int, flash_attn: bool):
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(
+        gguf,
+        n_ctx=n_ctx,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=flash_attn,
+        logits_all=False,
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+
+    def next_id() -> int:
+        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
+
+    def prefill(ids):
+        llm.reset()  # the next eval drops the cache past position 0
+        llm.eval(ids)
+        return next_id()
+
+    def step(token):
+        llm.eval([token])
+        return next_id()
+
+    return lambda prompt, new_tokens: timed_run(prefill, step, prompt, new_tokens)
+
+
+def torch_runner(checkpoint: str, threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    state = {}
+
+    @torch.inference_mode()
+    def prefill(ids):
+        state["cache"] = DynamicCache()
+        out = model(torch.tensor([ids]), past_key_values=state["cache"], logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    @torch.inference_mode()
+    def step(token):
+        out = model(torch.tensor([[token]]), past_key_values=state["cache"])
+        return int(out.logits[0, -1].argmax())
+
+    return lambda prompt, new_tokens: timed_run(prefill, step, prompt, new_tokens)
+
+
+def measure(run, spec: dict) -> dict:
+    """Warm-up, then the short and the long prompt, each `repeats` times."""
+    run(spec["prompts"]["short"][:8], 2)
+    out = {}
+    for name in ("short", "long"):
+        prompt = spec["prompts"][name]
+        out[name] = best_of([run(prompt, spec["new_tokens"]) for _ in range(spec["repeats"][name])])
+    return out
+
+
+async def _streams(scheduler, prompts: list[list[int]], new_tokens: int) -> dict:
+    """All prompts submitted at once; per-request latency from submission to its last id."""
+    from serve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+
+    async def one(prompt):
+        t0, n = time.perf_counter(), 0
+        async for _ in scheduler.generate(prompt, params):
+            n += 1
+        return time.perf_counter() - t0, n
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(p) for p in prompts))
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "latencies": [d[0] for d in done],
+        "tokens": sum(d[1] for d in done),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100), numpy's default method."""
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def sweep(bundle: str, spec: dict) -> dict:
+    """Aggregate tokens/s and latency percentiles of our scheduler at each stream count."""
+    from serve.engine import Engine, read_bundle
+    from serve.scheduler import Scheduler
+
+    streams = spec["streams"]
+    engine = Engine(read_bundle(bundle), threads=spec["threads"], slots=max(streams))
+    prompts, new = spec["sweep_prompts"], spec["sweep_new_tokens"]
+
+    async def main():
+        scheduler = Scheduler(engine, max_queue=max(streams))
+        await _streams(scheduler, prompts[:2], 2)  # warm-up
+        points = []
+        for n in streams:
+            # One stream alone is measured over several requests in turn, so that its
+            # latency percentiles have more than one sample.
+            rounds = spec["single_stream_rounds"] if n == 1 else 1
+            walls, lats, tokens = 0.0, [], 0
+            for r in range(rounds):
+                got = await _streams(scheduler, prompts[r * n : r * n + n], new)
+                walls, lats, tokens = (
+                    walls + got["wall_s"],
+                    lats + got["latencies"],
+                    tokens + got["tokens"],
+                )
+            points.append(
+                {
+                    "streams": n,
+                    "requests": len(lats),
+                    "tokens": tokens,
+                    "wall_s": walls,
+                    "aggregate_tok_s": tokens / walls,
+                    "p50_latency_s": percentile(lats, 50),
+                    "p95_latency_s": percentile(lats, 95),
+                    "mean_latency_s": statistics.mean(lats),
+                }
+            )
+        await scheduler.close()
+        return points
+
+    return {"points": asyncio.run(main())}
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory, load and runs together. VmHWM, not ru_maxrss: Linux
+    carries ru_maxrss over from the parent through fork and exec, so a child started by a
+    benchmark that held 1 GB would report at least 1 GB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux
+
+
+def main(argv: list[str]) -> None:
+    engine, model, spec_path, out = argv
+    spec = json.loads(Path(spec_path).read_text())
+    threads = spec["threads"]
+    t0 = time.perf_counter()
+    if engine == "doel-sweep":
+        result = sweep(model, spec)
+    else:
+        if engine == "doel":
+            run = doel_runner(model, threads)
+        elif engine in ("llama.cpp", "llama.cpp+fa"):
+            run = llama_runner(model, threads, spec["n_ctx"], flash_attn=engine.endswith("+fa"))
+        elif engine == "torch":
+            run = torch_runner(model, threads)
+        else:
+            raise SystemExit(f"unknown engine {engine!r}: doel(-sweep), llama.cpp(+fa) or torch")
+        result = {"load_s": time.perf_counter() - t0, **measure(run, spec)}
+    result["wall_s"] = time.perf_counter() - t0
+    result["peak_rss_mb"] = peak_rss_mb()
+    Path(out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(sys.argv[1:])

@@ -1,0 +1,185 @@
+"""The serving benchmark's report: Markdown tables and a PNG from bench_serve.py's result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LABELS = {
+    "doel": "doel engine",
+    "llama.cpp": "llama.cpp",
+    "llama.cpp+fa": "llama.cpp, flash attn",
+    "torch": "PyTorch eager",
+}
+
+
+def _f(v, fmt: str, missing: str = "–") -> str:
+    return missing if v is None else format(v, fmt)
+
+
+def verdict(t: dict) -> str:
+    return {True: "met", False: "**NOT met**", None: "not measured"}[t["met"]]
+
+
+def engine_table(result: dict) -> list[str]:
+    p = result["settings"]
+    lines = [
+        f"| engine | variant | time to first token, {p['short']} / {p['long']} tokens (s) | "
+        f"decode tok/s after {p['short']} / {p['long']} | peak RSS MB | load s | "
+        "decode / bandwidth bound, short / long | foreign CPU s (of row s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        name = f"{LABELS[r['engine']]}"
+        if "short" not in r:
+            why = r.get("missing") or r.get("error", "failed")
+            lines.append(f"| {name} | {r['variant']} | missing: {why.splitlines()[0]} ||||||")
+            continue
+        s, lo = r["short"], r["long"]
+        flag = " **busy**" if r["busy"] else ""
+        lines.append(
+            f"| {name} | {r['variant']} | {s['ttft_s']:.3g} / {lo['ttft_s']:.3g} | "
+            f"**{s['decode_tok_s']:.1f}** / {lo['decode_tok_s']:.1f} | {r['peak_rss_mb']:.0f} | "
+            f"{r['load_s']:.1f} | {r['short_fraction_of_bound']:.0%} / "
+            f"{r['long_fraction_of_bound']:.0%} | {r['foreign_cpu_s']:.0f} "
+            f"({r['row_wall_s']:.0f}){flag} |"
+        )
+    return lines
+
+
+def bound_table(result: dict) -> list[str]:
+    lines = [
+        "| variant | weights MB (embedding MB) | bytes read per token, short / long (MB) | "
+        "bound tok/s, short / long | tensor types |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in result["rows"]:
+        if "short_bound_tok_s" not in r:
+            continue
+        lines.append(
+            f"| {r['variant']} | {r['weight_bytes'] / 1e6:.0f} ({r['embedding_bytes'] / 1e6:.0f}) "
+            f"| {r['short_bytes_per_token'] / 1e6:.0f} / {r['long_bytes_per_token'] / 1e6:.0f} | "
+            f"{r['short_bound_tok_s']:.1f} / {r['long_bound_tok_s']:.1f} | "
+            f"{', '.join(r.get('tensor_types') or []) or '–'} |"
+        )
+    return lines
+
+
+def sweep_table(result: dict) -> list[str]:
+    sw = result["sweep"]
+    if "points" not in sw:
+        return [f"Sweep failed: {sw.get('error', '?')}"]
+    lines = [
+        "| streams | requests | aggregate tok/s | p50 latency s | p95 latency s |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for pt in sw["points"]:
+        lines.append(
+            f"| {pt['streams']} | {pt['requests']} | {pt['aggregate_tok_s']:.1f} | "
+            f"{pt['p50_latency_s']:.2f} | {pt['p95_latency_s']:.2f} |"
+        )
+    flag = " **busy**" if sw["busy"] else ""
+    lines += [
+        "",
+        f"Foreign CPU during the sweep: {sw['foreign_cpu_s']:.0f} s of "
+        f"{sw['row_wall_s']:.0f} s{flag}; peak RSS {sw['peak_rss_mb']:.0f} MB.",
+    ]
+    return lines
+
+
+def markdown(result: dict) -> str:
+    p, m, bw = result["settings"], result["model"], result["bandwidth"]
+    busy = [r["variant"] for r in result["rows"] if r.get("busy")]
+    if result["sweep"].get("busy"):
+        busy.append("sweep")
+    lines = [
+        f"# Serving benchmark, {p['preset']} (random weights) ({result['date']}, "
+        f"{result['machine']})",
+        "",
+        f"Model: `configs/{p['preset']}.toml` [model], {result['parameters_m']:.1f}M parameters "
+        f"(vocabulary {m['vocab_size']}, {m['num_hidden_layers']} layers, hidden "
+        f"{m['hidden_size']}, {m['num_attention_heads']}/{m['num_key_value_heads']} heads). "
+        f"{p['threads']} threads everywhere; greedy, batch 1, {p['new_tokens']} new tokens after "
+        f"each prompt; best of {p['repeats']['short']} ({p['short']} tokens) and "
+        f"{p['repeats']['long']} ({p['long']} tokens) runs; each engine in its own process. "
+        f"llama.cpp: context {p['n_ctx']}, flash attention off and on (each target takes the "
+        f"better); our engine: one slot of {p['n_ctx']} positions.",
+        "",
+    ]
+    if busy:
+        lines += [
+            f"**Taken on a busy machine**: other processes used more than 5% of the CPU during "
+            f"{', '.join(busy)} (foreign CPU column). Those speeds are not to be trusted; rerun "
+            "`make bench-serve` on a quiet machine.",
+            "",
+        ]
+    lines += [
+        "## Targets (issue 5), ratios from this run",
+        "",
+        "| target | value | needed | verdict | llama.cpp row |",
+        "|---|---:|---:|---|---|",
+    ]
+    for t in result["targets"]:
+        lines.append(
+            f"| {t['target']} | {_f(t['value'], '.2f')} | {t['op']} {t['threshold']:.2f} | "
+            f"{verdict(t)} | {t.get('peer') or ''} |"
+        )
+    lines += ["", "## Engines", "", *engine_table(result), ""]
+    lines += [
+        f"Bandwidth bound: bytes read per decoded token (all weights but the embedding table, "
+        f"of which one row, plus the KV cache at the run's mean context) over the read bandwidth "
+        f"of a {bw['threads']}-thread numpy sum measured in this run: {bw['read_gb_s']:.1f} GB/s "
+        f"at the start, {result['bandwidth_end']['read_gb_s']:.1f} at the end (copy "
+        f"{bw['copy_gb_s']:.1f} GB/s, read + write).",
+        "",
+        *bound_table(result),
+        "",
+        f"## Concurrency sweep (our engine, int4, scheduler with {max(p['streams'])} slots)",
+        "",
+        f"Streams arrive together, each a {p['sweep_prompt']}-token prompt and "
+        f"{p['sweep_new_tokens']} new tokens; aggregate = all new tokens over the wall time; "
+        f"latency = a request's arrival to its last token; one stream alone is "
+        f"{p['single_stream_rounds']} requests in turn.",
+        "",
+        *sweep_table(result),
+    ]
+    info = result["llama_cpp"]
+    if "missing" in info:
+        lines += ["", "llama-cpp-python was not installed; to build it:", "", "```"]
+        lines += [info["missing"], "```"]
+    else:
+        lines += ["", f"llama-cpp-python {info['version']}: `{info['system_info']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "short" in r]
+    p = result["settings"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    names = [f"{LABELS[r['engine']]}\n{r['variant']}" for r in rows]
+    x = range(len(rows))
+    for ax, key, title in (
+        (axes[0], "decode_tok_s", "decode tokens/s (higher is better)"),
+        (axes[1], "ttft_s", "time to first token, s (lower is better)"),
+    ):
+        w = 0.4
+        for shift, name in ((-w / 2, "short"), (w / 2, "long")):
+            values = [r[name][key] for r in rows]
+            ax.bar([i + shift for i in x], values, w, label=f"{p[name]}-token prompt")
+        ax.set_xticks(list(x), names, fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    pts = result["sweep"].get("points", [])
+    if pts:
+        axes[2].plot([q["streams"] for q in pts], [q["aggregate_tok_s"] for q in pts], "o-")
+        axes[2].set_xticks([q["streams"] for q in pts])
+    axes[2].set_xlabel("concurrent streams")
+    axes[2].set_title("our engine int4: aggregate tokens/s")
+    fig.suptitle(f"Serving, {p['preset']}, {p['threads']} threads ({result['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
