@@ -65,7 +65,7 @@ FULL = {
     "repeats": {"short": 3, "long": 2},
     "streams": [1, 4, 8, 16],
     "sweep_prompt": 128,
-    "sweep_new_tokens": 64,
+    "sweep_new_tokens": 128,
     "single_stream_rounds": 3,
     "eval_tokens": 256,
 }

@@ -144,23 +144,28 @@ def measure(run, spec: dict) -> dict:
 
 
 async def _streams(scheduler, prompts: list[list[int]], new_tokens: int) -> dict:
-    """All prompts submitted at once; per-request latency from submission to its last id."""
+    """All prompts submitted at once. A request's latency runs from submission to its last id;
+    the decode phase from the moment every stream has its first id (all prompts are in) to
+    the last id of all."""
     from serve.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
 
     async def one(prompt):
-        t0, n = time.perf_counter(), 0
+        t0, first, n = time.perf_counter(), None, 0
         async for _ in scheduler.generate(prompt, params):
+            first = first or time.perf_counter()
             n += 1
-        return time.perf_counter() - t0, n
+        return t0, first, time.perf_counter(), n
 
     t0 = time.perf_counter()
     done = await asyncio.gather(*(one(p) for p in prompts))
     return {
         "wall_s": time.perf_counter() - t0,
-        "latencies": [d[0] for d in done],
-        "tokens": sum(d[1] for d in done),
+        "latencies": [end - start for start, _, end, _ in done],
+        "tokens": sum(d[3] for d in done),
+        "decode_s": max(d[2] for d in done) - max(d[1] for d in done),
+        "decode_tokens": sum(d[3] - 1 for d in done),
     }
 
 
@@ -190,14 +195,14 @@ def sweep(bundle: str, spec: dict) -> dict:
             # One stream alone is measured over several requests in turn, so that its
             # latency percentiles have more than one sample.
             rounds = spec["single_stream_rounds"] if n == 1 else 1
-            walls, lats, tokens = 0.0, [], 0
-            for r in range(rounds):
-                got = await _streams(scheduler, prompts[r * n : r * n + n], new)
-                walls, lats, tokens = (
-                    walls + got["wall_s"],
-                    lats + got["latencies"],
-                    tokens + got["tokens"],
-                )
+            got = [
+                await _streams(scheduler, prompts[r * n : r * n + n], new) for r in range(rounds)
+            ]
+            walls, lats = sum(g["wall_s"] for g in got), [x for g in got for x in g["latencies"]]
+            tokens = sum(g["tokens"] for g in got)
+            decode_tokens, decode_s = (
+                sum(g[k] for g in got) for k in ("decode_tokens", "decode_s")
+            )
             points.append(
                 {
                     "streams": n,
@@ -205,6 +210,7 @@ def sweep(bundle: str, spec: dict) -> dict:
                     "tokens": tokens,
                     "wall_s": walls,
                     "aggregate_tok_s": tokens / walls,
+                    "decode_phase_tok_s": decode_tokens / decode_s,
                     "p50_latency_s": percentile(lats, 50),
                     "p95_latency_s": percentile(lats, 95),
                     "mean_latency_s": statistics.mean(lats),

@@ -69,12 +69,17 @@ def sweep_table(result: dict) -> list[str]:
     if "points" not in sw:
         return [f"Sweep failed: {sw.get('error', '?')}"]
     lines = [
-        "| streams | requests | aggregate tok/s | p50 latency s | p95 latency s |",
-        "|---:|---:|---:|---:|---:|",
+        "| streams | requests | aggregate tok/s | × one stream | decode phase tok/s | × one "
+        "stream | p50 latency s | p95 latency s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    one = sw["points"][0]
     for pt in sw["points"]:
         lines.append(
             f"| {pt['streams']} | {pt['requests']} | {pt['aggregate_tok_s']:.1f} | "
+            f"{pt['aggregate_tok_s'] / one['aggregate_tok_s']:.2f} | "
+            f"{pt['decode_phase_tok_s']:.1f} | "
+            f"{pt['decode_phase_tok_s'] / one['decode_phase_tok_s']:.2f} | "
             f"{pt['p50_latency_s']:.2f} | {pt['p95_latency_s']:.2f} |"
         )
     flag = " **busy**" if sw["busy"] else ""
@@ -136,9 +141,11 @@ def markdown(result: dict) -> str:
         f"## Concurrency sweep (our engine, int4, scheduler with {max(p['streams'])} slots)",
         "",
         f"Streams arrive together, each a {p['sweep_prompt']}-token prompt and "
-        f"{p['sweep_new_tokens']} new tokens; aggregate = all new tokens over the wall time; "
-        f"latency = a request's arrival to its last token; one stream alone is "
-        f"{p['single_stream_rounds']} requests in turn.",
+        f"{p['sweep_new_tokens']} new tokens; aggregate = all new tokens over the wall time "
+        "(the prompts' prefill included: the target is checked on it); decode phase = the "
+        "tokens after each stream's first over the time from the last first token to the end "
+        "(every prompt prefilled); latency = a request's arrival to its last token; one stream "
+        f"alone is {p['single_stream_rounds']} requests in turn.",
         "",
         *sweep_table(result),
     ]

@@ -88,6 +88,7 @@ def test_serve_benchmark_times_our_engine_and_its_sweep_in_their_own_processes(
     for p in sweep:
         assert p["tokens"] == 5 * p["requests"]
         assert p["aggregate_tok_s"] == pytest.approx(p["tokens"] / p["wall_s"])
+        assert p["decode_phase_tok_s"] > 0
         assert 0 < p["p50_latency_s"] <= p["p95_latency_s"] <= p["wall_s"]
 
     # Bytes per token from the graph: every weight but the embedding table; this model's table
@@ -139,6 +140,7 @@ def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
                 "streams": n,
                 "requests": n,
                 "aggregate_tok_s": a,
+                "decode_phase_tok_s": a * 1.5,
                 "p50_latency_s": 1.0,
                 "p95_latency_s": 2.0,
             }
