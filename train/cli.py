@@ -63,6 +63,7 @@ def _cmd_prepare(args) -> None:
         args.weights,
         args.val or (),
         progress=not args.quiet,
+        resume=not args.fresh,
     )
 
 
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = r.add_mutually_exclusive_group()
     g.add_argument("--val-fraction", type=float, default=None)
     g.add_argument("--val", nargs="+", help="validation files (checked for overlap with train)")
+    r.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     r.set_defaults(func=_cmd_prepare)
 
     fi = sub.add_parser("fit", help="train a model on token shards (resumes RUN_DIR)")

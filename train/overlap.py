@@ -37,6 +37,7 @@ class OverlapCheck:
         self._val: list[np.ndarray] = []
         self._val_doc: list[np.ndarray] = []
         self._val_text: list[str] = []
+        self._saved = (0, 0, 0)  # entries of _train, _val, _val_text given to `take_new`
 
     def add(self, split: str, ids: np.ndarray, lengths: np.ndarray, texts: list[str]) -> None:
         h, doc = window_hashes(ids, lengths, self.n)
@@ -49,6 +50,30 @@ class OverlapCheck:
             self._val.append(h)
             self._val_doc.append(doc + len(self._val_text))
             self._val_text.extend(t[:200] for t in texts)
+
+    def take_new(self) -> dict[str, bytes]:
+        """What was added since the last call, as raw bytes for prepare's resume record (the
+        side files only grow: `restore` gets their whole contents back)."""
+        import json
+
+        t, v, x = self._saved
+        self._saved = (len(self._train), len(self._val), len(self._val_text))
+        return {
+            "train_ngrams": b"".join(a.tobytes() for a in self._train[t:]),
+            "val_ngrams": b"".join(a.tobytes() for a in self._val[v:]),
+            "val_docs": b"".join(a.astype(np.int64).tobytes() for a in self._val_doc[v:]),
+            "val_texts": "".join(json.dumps(s) + "\n" for s in self._val_text[x:]).encode(),
+        }
+
+    def restore(self, side: dict[str, bytes]) -> None:
+        import json
+
+        # One array each: result() concatenates them anyway, and val_docs are absolute.
+        self._train = [np.frombuffer(side["train_ngrams"], np.uint64)]
+        self._val = [np.frombuffer(side["val_ngrams"], np.uint64)]
+        self._val_doc = [np.frombuffer(side["val_docs"], np.int64)]
+        self._val_text = [json.loads(s) for s in side["val_texts"].split(b"\n")[:-1]]
+        self._saved = (1, 1, len(self._val_text))
 
     def result(self) -> dict:
         val = np.concatenate(self._val) if self._val else np.zeros(0, np.uint64)

@@ -4,27 +4,29 @@ Mixture weights are shares of characters (what a reader of the corpus sees); the
 meta.json show the resulting shares of characters and of tokens side by side, because a
 tokenizer that is unfair to one language silently shifts the token balance. Exact duplicate
 documents are dropped, and validation text found in the training set (hashed word n-grams,
-or whole documents) fails the run.
+or whole documents) fails the run. An interrupted run continues where it stopped, to the same
+bytes (train/prepare_state.py).
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from hashlib import blake2b as _blake2b
+from dataclasses import dataclass
 from pathlib import Path
-from unicodedata import normalize as _nfc
 
 import numpy as np
 
 from train.common import DoelError, atomic_write_json, sha256_file
 from train.config import resolved
 from train.overlap import OverlapCheck
-from train.shards import HEADER_BYTES, MAGIC, VERSION, ShardWriter, itemsize_for
+from train.prepare_state import ResumeRecord, fingerprint
+from train.prepare_stream import Batch, Reader
+from train.shards import HEADER_BYTES, MAGIC, VERSION, ShardWriter, itemsize_for, remove_shards
 from train.textio import Source, resolve_sources
-from train.tokenizer import BOS, load_tokenizer, mix_documents, tokenizer_file
+from train.tokenizer import BOS, load_tokenizer, tokenizer_file
+
+SPLITS = ("train", "val")
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,6 @@ def parse_weights(items: list[str], sources: list[Source]) -> dict[str, float] |
     return {n: v / total for n, v in raw.items()}
 
 
-def _split_of(doc_hash: bytes, val_fraction: float) -> str:
-    # The document's own hash decides its split: stable across runs, orders and machines.
-    return "val" if int.from_bytes(doc_hash[:8], "little") < val_fraction * 2**64 else "train"
-
-
 def prepare(
     tokenizer_path: str | Path,
     data: list[str],
@@ -86,8 +83,14 @@ def prepare(
     val: list[str] = (),
     progress: bool = True,
     log=print,
+    resume: bool = True,
+    record_every: float = 300.0,
 ) -> dict:
-    """Tokenize the corpus into out_dir/{train,val}_NNNNNN.bin and write meta.json."""
+    """Tokenize the corpus into out_dir/{train,val}_NNNNNN.bin and write meta.json.
+
+    Resumable: a resume record is saved at every finished shard and every `record_every`
+    seconds, and a run in the same out_dir with the same inputs and settings continues from
+    it, to the same bytes (`resume=False`: start over). meta.json marks a finished folder."""
     from tqdm import tqdm
 
     if val and cfg.val_fraction:
@@ -103,75 +106,38 @@ def prepare(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)  # meta.json marks a finished folder
-    writers = {s: ShardWriter(out, s, vocab, bos, cfg.shard_tokens) for s in ("train", "val")}
-    stats = {s.name: _new_stats(s) for s in sources + val_sources}
-    overlap = OverlapCheck(cfg.ngram, cfg.overlap_sample)
-    check_overlap = bool(val) or cfg.val_fraction > 0  # with no validation split, no check
-    total = sum(
-        Path(p).stat().st_size
-        for s in sources + val_sources
-        for p in s.paths
-        if not p.startswith("hf:")
-    )
-    bar = tqdm(
-        total=total or None,
-        unit="B",
-        unit_scale=True,
-        desc="prepare",
-        disable=not progress,
-        smoothing=0.1,
-    )
-    t0 = time.time()
-    reader = _Reader(sources, val_sources, mix, cfg, list(stats), bar)
+    tok_sha = sha256_file(tok_file)
+    record = ResumeRecord(out, fingerprint(tok_sha, sources, val_sources, mix, cfg))
+    if not resume:
+        record.clear()
+    saved = record.load(log) if resume else None
+    run = _Run(out, vocab, bos, cfg, sources, val_sources, mix, saved, log)
+    paths = [p for s in sources + val_sources for p in s.paths if not p.startswith("hf:")]
+    total = sum(Path(p).stat().st_size for p in paths)
+    bar = tqdm(total=total or None, unit="B", unit_scale=True, desc="prepare",
+               disable=not progress, smoothing=0.1, initial=run.reader.bytes_read)  # fmt: skip
     _drop_nfc(tok)  # this tokenizer only encodes documents that are NFC already
-    typecode = "H" if itemsize_for(vocab) == 2 else "I"
-
-    def write(batch: _Batch, encs: list) -> None:
-        lengths = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
-        chars = np.fromiter(map(len, batch.texts), dtype=np.int64, count=len(encs))
-        source = np.array(batch.source, dtype=np.int64)
-        is_val = np.array(batch.is_val, dtype=bool)
-        for split, mask in (("train", ~is_val), ("val", is_val)):
-            if not mask.any():
-                continue
-            ids = array(typecode)  # one flat buffer: no per-document arrays
-            for e, m in zip(encs, mask.tolist()):
-                if m:
-                    ids.extend(e.ids)
-            ids, n = np.frombuffer(ids, dtype=f"u{ids.itemsize}"), lengths[mask]
-            writers[split].add(ids, n)
-            if check_overlap:
-                texts = (
-                    [t for t, v in zip(batch.texts, batch.is_val) if v] if split == "val" else []
-                )
-                overlap.add(split, ids, n, texts)
-            src = source[mask]
-            for key, counts in (
-                ("documents", np.bincount(src, minlength=len(stats))),
-                ("characters", np.bincount(src, weights=chars[mask], minlength=len(stats))),
-                ("tokens", np.bincount(src, weights=n - 1, minlength=len(stats))),  # not <|bos|>
-            ):
-                for st, c in zip(stats.values(), counts.tolist()):
-                    st[f"{split}_{key}"] += int(c)
-
+    t0, last = time.time(), time.time()
     # The tokenizer encodes each batch on every core, without offsets (`_fast`), which shards
     # do not need. Reading the next batch in a thread while it encodes measured slower on
     # 2 cores (three busy threads, smaller batches), so there is none.
-    for batch in reader.batches():
-        write(batch, tok.encode_batch_fast(batch.texts, add_special_tokens=True))
-    for name, n in reader.duplicates.items():
-        stats[name]["duplicates_dropped"] += n
-    bar.close()
-    shards = {s: w.close() for s, w in writers.items()}
-    seconds = time.time() - t0
-    n_chars = sum(st["train_characters"] + st["val_characters"] for st in stats.values())
-    if not n_chars:
-        raise DoelError(f"no text found in {data}: the corpus is empty")
-    meta = _meta(tok_file, vocab, bos, cfg, mix, stats, shards, seconds)
-    meta["overlap"] = overlap.result()
-    meta["overlap"]["exact_duplicates_of_validation_in_train"] = reader.dup_with_val
-    _check_overlap(meta["overlap"], cfg, log)
+    try:
+        for batch in run.reader.batches():
+            closed = run.write(batch, tok.encode_batch_fast(batch.texts, add_special_tokens=True))
+            bar.update(run.reader.bytes_read - bar.n)
+            if closed or time.time() - last >= record_every:  # rare: the speed is kept
+                record.save(*run.state(time.time() - t0))
+                last = time.time()
+        # Every document is in: a rerun after a failed overlap check only checks again.
+        record.save(*run.state(time.time() - t0))
+        bar.close()
+        meta = run.finish(tok_file, tok_sha, time.time() - t0, data, log)
+    finally:  # interrupted: the unfinished shards stay on disk for the resume
+        record.close()
+        for w in run.writers.values():
+            w.release()
     atomic_write_json(out / "meta.json", meta)
+    record.clear()
     log(format_balance(meta))
     return meta
 
@@ -190,65 +156,93 @@ def _drop_nfc(tok) -> None:
         tok.normalizer = None
 
 
-@dataclass
-class _Batch:
-    texts: list[str] = field(default_factory=list)
-    source: list[int] = field(default_factory=list)  # index into the stats
-    is_val: list[bool] = field(default_factory=list)
+class _Run:
+    """The reader, the shard writers, the statistics and the overlap check of one run, and
+    their state for the resume record."""
 
+    def __init__(self, out, vocab, bos, cfg, sources, val_sources, mix, saved, log):
+        self.cfg, self.mix = cfg, mix
+        self.writers = {s: ShardWriter(out, s, vocab, bos, cfg.shard_tokens) for s in SPLITS}
+        self.stats = {s.name: _new_stats(s) for s in sources + val_sources}
+        self.overlap = OverlapCheck(cfg.ngram, cfg.overlap_sample)
+        self.check = bool(val_sources) or cfg.val_fraction > 0  # no validation split, no check
+        self.reader = Reader(sources, val_sources, mix, cfg, list(self.stats))
+        self.typecode = "H" if itemsize_for(vocab) == 2 else "I"
+        self.seconds = 0.0  # of earlier attempts
+        if saved is None:
+            for split in SPLITS:  # a fresh start leaves no shard of an older run behind
+                remove_shards(out, split)
+            return
+        state, side = saved
+        for split, w in self.writers.items():
+            w.restore(state["writers"][split])
+        self.stats, self.seconds = state["stats"], state["seconds"]
+        self.reader.restore(state["reader"], side["seen"])
+        self.overlap.restore(side)
+        n = sum(p[0] for pos in self.reader.positions for p in pos.values())
+        done = sum(len(w.shards) for w in self.writers.values())
+        log(f"prepare: resuming after {n:,} documents read and {done} finished shard(s)")
 
-class _Reader:
-    """Documents in batches, NFC, exact duplicates dropped, each with its split."""
+    def write(self, batch: Batch, encs: list) -> bool:
+        """Write a batch to the shards; True when a shard was finished."""
+        before = sum(len(w.shards) for w in self.writers.values())
+        lengths = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
+        chars = np.fromiter(map(len, batch.texts), dtype=np.int64, count=len(encs))
+        source = np.array(batch.source, dtype=np.int64)
+        is_val = np.array(batch.is_val, dtype=bool)
+        for split, mask in (("train", ~is_val), ("val", is_val)):
+            if not mask.any():
+                continue
+            ids = array(self.typecode)  # one flat buffer: no per-document arrays
+            for e, m in zip(encs, mask.tolist()):
+                if m:
+                    ids.extend(e.ids)
+            ids, n = np.frombuffer(ids, dtype=f"u{ids.itemsize}"), lengths[mask]
+            self.writers[split].add(ids, n)
+            if self.check:
+                val = zip(batch.texts, batch.is_val)
+                texts = [t for t, v in val if v] if split == "val" else []
+                self.overlap.add(split, ids, n, texts)
+            self._count(split, source[mask], chars[mask], n)
+        return sum(len(w.shards) for w in self.writers.values()) > before
 
-    def __init__(self, sources, val_sources, mix, cfg: PrepareConfig, names: list[str], bar):
-        self.sources, self.val_sources, self.mix, self.cfg = sources, val_sources, mix, cfg
-        self.bar, self.index = bar, {n: i for i, n in enumerate(names)}
-        self.val_names = {s.name for s in val_sources}
-        self.seen: set[bytes] = set()
-        self.val_hashes: set[bytes] = set()
-        self.dup_with_val = 0
-        self.duplicates = dict.fromkeys(names, 0)
-        self._val, self._text, self._bytes = False, "", 0
+    def _count(self, split: str, src, chars, n) -> None:
+        k = len(self.stats)
+        for key, counts in (
+            ("documents", np.bincount(src, minlength=k)),
+            ("characters", np.bincount(src, weights=chars, minlength=k)),
+            ("tokens", np.bincount(src, weights=n - 1, minlength=k)),  # not <|bos|>
+        ):
+            for st, c in zip(self.stats.values(), counts.tolist()):
+                st[f"{split}_{key}"] += int(c)
 
-    def keep(self, name: str, text: str) -> bool:
-        # Python's NFC: the tokenizers library's tables predate Unicode 10 (they leave U+09FE,
-        # the Bengali sandhi mark, out of canonical order). Dedup sees the normalized text too.
-        text = _nfc("NFC", text)
-        raw = text.encode("utf-8")
-        self._bytes += len(raw) + 1
-        h = _blake2b(raw, digest_size=16).digest()
-        if h in self.seen:
-            self.duplicates[name] += 1
-            if name not in self.val_names and h in self.val_hashes:
-                self.dup_with_val += 1
-            return False
-        self.seen.add(h)
-        if name in self.val_names:
-            self.val_hashes.add(h)
-            self._val = True
-        else:
-            self._val = self.cfg.val_fraction > 0 and _split_of(h, self.cfg.val_fraction) == "val"
-        self._text = text
-        return True
+    def state(self, seconds: float) -> tuple[dict, dict[str, bytes]]:
+        reader, seen = self.reader.state()
+        state = {
+            "writers": {s: w.state() for s, w in self.writers.items()},
+            "stats": self.stats,
+            "reader": reader,
+            "seconds": self.seconds + seconds,
+        }
+        return state, {"seen": seen} | self.overlap.take_new()
 
-    def batches(self) -> Iterator[_Batch]:
-        batch, chars = _Batch(), 0
-        # Explicit validation files go first, so that a training copy of one of their
-        # documents counts as overlap, not as a harmless duplicate.
-        for group, weights in ((self.val_sources, None), (self.sources, self.mix)):
-            for name, _ in mix_documents(group, weights, self.cfg.text_field, keep=self.keep):
-                text = self._text  # from keep()
-                batch.texts.append(text)
-                batch.source.append(self.index[name])
-                batch.is_val.append(self._val)
-                chars += len(text)
-                if chars >= self.cfg.batch_chars:
-                    self.bar.update(self._bytes)
-                    yield batch
-                    batch, chars, self._bytes = _Batch(), 0, 0
-        self.bar.update(self._bytes)
-        if batch.texts:
-            yield batch
+    def finish(self, tok_file, tok_sha, seconds, data, log) -> dict:
+        stats, reader = self.stats, self.reader
+        for name, n in reader.duplicates.items():
+            stats[name]["duplicates_dropped"] += n
+        shards = {s: w.close() for s, w in self.writers.items()}
+        n_chars = sum(st["train_characters"] + st["val_characters"] for st in stats.values())
+        if not n_chars:
+            raise DoelError(f"no text found in {data}: the corpus is empty")
+        w = self.writers["train"]
+        total = self.seconds + seconds
+        meta = _meta(
+            tok_file, tok_sha, w.vocab_size, w.bos_id, self.cfg, self.mix, stats, shards, total
+        )
+        meta["overlap"] = self.overlap.result()
+        meta["overlap"]["exact_duplicates_of_validation_in_train"] = reader.dup_with_val
+        _check_overlap(meta["overlap"], self.cfg, log)
+        return meta
 
 
 def _new_stats(src: Source) -> dict:
@@ -258,7 +252,7 @@ def _new_stats(src: Source) -> dict:
     }
 
 
-def _meta(tok_file, vocab, bos, cfg, mix, stats, shards, seconds) -> dict:
+def _meta(tok_file, tok_sha, vocab, bos, cfg, mix, stats, shards, seconds) -> dict:
     tot_c = sum(s["train_characters"] + s["val_characters"] for s in stats.values())
     tot_t = sum(s["train_tokens"] + s["val_tokens"] for s in stats.values())
     for name, s in stats.items():
@@ -279,7 +273,7 @@ def _meta(tok_file, vocab, bos, cfg, mix, stats, shards, seconds) -> dict:
         },
         "tokenizer": {
             "path": str(tok_file),
-            "sha256": sha256_file(tok_file),
+            "sha256": tok_sha,
             "vocab_size": vocab,
             "bos_id": bos,
         },

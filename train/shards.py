@@ -11,7 +11,8 @@
     40      24 bytes zero
 
 All little-endian. A shard never splits a document, so each shard starts with <|bos|>.
-Shards are written to a temporary name and renamed when complete.
+Shards are written to a temporary name and renamed when complete; an interrupted prepare
+continues the unfinished one from its recorded length (`ShardWriter.restore`).
 """
 
 from __future__ import annotations
@@ -147,3 +148,48 @@ class ShardWriter:
         if self._file is not None:
             self._close()
         return self.shards
+
+    def release(self) -> None:
+        """Close the unfinished shard's file as it is (an interrupted run; see `restore`)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def state(self) -> dict:
+        """The finished shards and the open one's counts, with its bytes on disk (fsync):
+        what `restore` needs to continue byte for byte."""
+        if self._file is None:
+            return {"shards": list(self.shards), "open": None}
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return {"shards": list(self.shards), "open": {"tokens": self._tokens, "docs": self._docs}}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `state`: the open shard is cut back to its recorded length (it may
+        have been finished and renamed since), and later shards of this split are deleted."""
+        self.shards = [dict(s) for s in state["shards"]]
+        n, o = len(self.shards), state["open"]
+        keep = self.out_dir / f"{self.split}_{n:06d}.bin.tmp" if o else None
+        if o and not keep.exists() and keep.with_suffix("").exists():
+            os.replace(keep.with_suffix(""), keep)  # finished after the record: reopen it
+        remove_shards(self.out_dir, self.split, n, keep)
+        if not o:
+            return
+        size = HEADER_BYTES + o["tokens"] * self.itemsize
+        if not keep.exists() or keep.stat().st_size < size:
+            raise DoelError(f"{keep} is missing or shorter than its resume record says")
+        self._path, self._tmp = keep.with_suffix(""), keep
+        self._file = open(keep, "r+b")
+        self._file.truncate(size)
+        self._file.seek(size)
+        self._tokens, self._docs = o["tokens"], o["docs"]
+
+
+def remove_shards(out_dir: Path, split: str, start: int = 0, keep: Path | None = None) -> None:
+    """Delete the split's shards numbered `start` and up, finished or not (except `keep`)."""
+    for p in Path(out_dir).glob(f"{split}_*.bin*"):
+        stem = p.name.removesuffix(".tmp").removesuffix(".bin")
+        index = stem[len(split) + 1 :]
+        if p != keep and index.isdigit() and len(index) == 6 and int(index) >= start:
+            if p.name.endswith((".bin", ".bin.tmp")):
+                p.unlink()

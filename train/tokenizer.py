@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import time
 import unicodedata
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from train.common import DoelError, atomic_write_bytes, atomic_write_json
@@ -118,37 +120,55 @@ def mix_documents(
     text_field: str = "text",
     max_chars: int | None = None,
     keep=None,
+    position: dict[str, list[int]] | None = None,
 ) -> Iterator[tuple[str, str]]:
     """Yield (source name, document), interleaving sources so that their shares of characters
     follow `weights` (None: each source whole, in turn). With weights, the mix ends when the
-    first source runs out, so no document is repeated and the shares hold."""
+    first source runs out, so no document is repeated and the shares hold.
+
+    `keep(name, doc)`, when given, is asked once for every document read, in order; a refused
+    one is skipped. `position` maps each source to [documents read, characters yielded] and is
+    kept up to date: a mix started from a saved copy skips what was read (without asking
+    `keep`) and continues exactly as the uninterrupted mix would (prepare's resume)."""
+    pos = {} if position is None else position
+    for s in sources:
+        pos.setdefault(s.name, [0, 0])
     if not weights:
-        total = 0
+        total = sum(p[1] for p in pos.values())
         for src in sources:
-            for doc in iter_source(src, text_field):
+            for doc in _read_from(src, text_field, pos[src.name]):
                 if keep is None or keep(src.name, doc):
-                    yield src.name, doc
+                    pos[src.name][1] += len(doc)  # before the yield: a saved copy counts it
                     total += len(doc)
+                    yield src.name, doc
                     if max_chars and total >= max_chars:
                         return
         return
     active = [s for s in sources if weights.get(s.name, 0) > 0]
-    iters = {s.name: iter_source(s, text_field) for s in active}
-    taken = dict.fromkeys(iters, 0)
-    total = 0
+    iters = {s.name: _read_from(s, text_field, pos[s.name]) for s in active}
+    total = sum(p[1] for p in pos.values())
     while True:
         # The source furthest behind its share goes next.
-        name = min(iters, key=lambda n: taken[n] / weights[n])
+        name = min(iters, key=lambda n: pos[n][1] / weights[n])
         for doc in iters[name]:
             if keep is None or keep(name, doc):
                 break
         else:
             return
-        taken[name] += len(doc)
+        pos[name][1] += len(doc)
         total += len(doc)
         yield name, doc
         if max_chars and total >= max_chars:
             return
+
+
+def _read_from(src: Source, text_field: str, pos: list[int]) -> Iterator[str]:
+    """The source's documents after the first pos[0], counting each one read into pos[0]."""
+    docs = iter_source(src, text_field)
+    deque(islice(docs, pos[0]), maxlen=0)  # read before: parsed, not normalized or kept
+    for doc in docs:
+        pos[0] += 1
+        yield doc
 
 
 def train_tokenizer(
