@@ -1,8 +1,9 @@
 """The rented-GPU recipe (`doel-train recipe`): the shipped file and its budget, bad recipes named
 by field, the disk and memory estimate and its refusal, the projection and the confirmation, a
-download that resumes where it stopped (local files and the `datasets` streaming path), the
-whole dry run from .txt/.jsonl/.parquet stand-ins with a rerun that skips every stage, the
-torchrun command, and the GPU slice refusing without CUDA."""
+download that resumes where it stopped (local files and the `datasets` streaming path), a
+tokenization that resumes to the same shards, the whole dry run from .txt/.jsonl/.parquet
+stand-ins with a rerun that skips every stage, the torchrun command, and the GPU slice refusing
+without CUDA."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from train.cli import build_parser, main
 from train.common import DoelError
 from train.config import load_config
 from train.model import Llama, ModelConfig
+from train.prepare import prepare
 from train.recipe import DataSpec, HubSource, load_recipe, make_plan
 from train.recipe_checks import (
     check_stage,
@@ -156,8 +158,8 @@ def stop_at(n):
     return hook
 
 
-def files(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("chunk-*")}
+def files(folder: Path, pattern: str = "chunk-*") -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob(pattern)}
 
 
 def resumes_like_a_whole_download(tmp_path, src, local, data):
@@ -335,6 +337,39 @@ def test_an_interrupted_data_stage_resumes_and_counts_both_attempts(tmp_path, dr
     mark = json.loads((plan.out / "stages" / "data.json").read_text())
     assert (mark["done"], mark["attempts"]) == (True, 2)
     assert files(plan.out / "data") == files(dry_run[0].out / "data")  # as if never stopped
+
+
+def test_an_interrupted_shards_stage_resumes_to_the_same_shards(tmp_path, stand_ins, monkeypatch):
+    import train.prepare as prep
+
+    # Small batches and shards, so that the stage stops with shards finished and one open.
+    plan = dry_plan(
+        tmp_path / "run", stand_ins, "prepare.shard_tokens=300", "prepare.batch_chars=400"
+    )
+    write, calls = prep._Run.write, []
+
+    def stop_at_the_fourth_batch(self, batch, encs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise Interrupted
+        return write(self, batch, encs)
+
+    monkeypatch.setattr(prep._Run, "write", stop_at_the_fourth_batch)
+    with pytest.raises(Interrupted):
+        run_recipe(plan, until="shards", log=lambda *a: None)
+    monkeypatch.undo()
+    shards = plan.out / "shards"
+    assert (shards / "prepare_state" / "record.json").is_file()
+    logs: list[str] = []
+    run_recipe(plan, until="shards", log=logs.append)
+    mark = json.loads((plan.out / "stages" / "shards.json").read_text())
+    assert (mark["done"], mark["attempts"]) == (True, 2)
+    assert any(line.startswith("prepare: resuming after") for line in logs)
+    c = RecipeRun(plan).corpus()
+    args = (c["train"], tmp_path / "whole", plan.recipe.prepare, c["weights"], c["heldout_dirs"])
+    meta = prepare(plan.out / "tokenizer", *args, progress=False, log=lambda *a: None)
+    assert len(meta["splits"]["train"]["shards"]) > 3
+    assert files(shards, "*.bin") == files(tmp_path / "whole", "*.bin")  # as if never stopped
 
 
 def test_a_changed_setting_redoes_its_stage_and_the_ones_after_it(tmp_path, stand_ins):
