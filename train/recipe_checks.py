@@ -66,10 +66,12 @@ def estimate_needs(
         "tokenizer": Need(
             1e7, 1.0 * min(tokenizer_chars, total_chars) + 2e8, "word counts of its text"
         ),
+        # The resume record keeps the kept n-gram hashes and a 16-byte digest per document
+        # (about 1000 characters) on disk too, until the stage finishes.
         "shards": Need(
-            tokens * itemsize,
+            tokens * itemsize + tokens * 8 / overlap_sample + total_chars / 1000 * 16,
             tokens * 8 / overlap_sample + total_chars / 1000 * 120 + 1e9,
-            f"{tokens:,.0f} tokens x {itemsize} bytes",
+            f"{tokens:,.0f} tokens x {itemsize} bytes + the resume record",
         ),
         "verify": Need(ckpt, params * 20, "one checkpoint of the resume check"),
         "train": Need(
