@@ -77,8 +77,10 @@ class OverlapCheck:
 
     def result(self) -> dict:
         val = np.concatenate(self._val) if self._val else np.zeros(0, np.uint64)
-        train = np.unique(np.concatenate(self._train)) if self._train else val[:0]
-        hit = np.isin(val, train)
+        # Sorted and searched: numpy 2.4's np.unique/np.isin hash uint64s about 100x slower.
+        train = np.sort(np.concatenate(self._train)) if self._train else val[:0]
+        at = np.minimum(np.searchsorted(train, val), max(len(train) - 1, 0))
+        hit = train[at] == val if len(train) else np.zeros(len(val), dtype=bool)
         per_doc = []
         if len(val):
             doc = np.concatenate(self._val_doc)
