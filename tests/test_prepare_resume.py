@@ -1,7 +1,8 @@
-"""prepare resumes: a run stopped at any batch, before or after that batch reached the shards,
-then run again, leaves the bytes of an uninterrupted run (shards and meta.json apart from its
-timing) without re-reading what was recorded; other inputs or settings start over and say why;
-`--fresh` ignores the record; a failed overlap check reruns from the end."""
+"""prepare resumes: a run stopped at every third batch, before or after that batch reached the
+shards, then run again, leaves the bytes of an uninterrupted run (shards and meta.json apart
+from its timing) without re-reading what was recorded; other inputs or settings, or a damaged
+folder, start over and say why; `--fresh` ignores the record; a failed overlap check reruns
+from the end; a copy of validation text met after a resume still fails the run."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_a_run_stopped_at_any_batch_resumes_to_the_same_bytes(
     if kind == "val-files":
         assert whole["overlap"]["in_train"] > 0 and whole["splits"]["val"]["documents"] > 5
     expected = output(tmp_path / "whole")
-    for k in range(0, batches, 2):
+    for k in range(0, batches, 3):
         for when in ("before", "after"):
             out = tmp_path / f"{when}{k}"
             interrupted(tokenizer_path, corpus, out, counting, k, when, cfg=cfg, **kw)
@@ -208,3 +209,19 @@ def test_validation_copies_met_after_a_resume_still_fail_the_run(
         run(tokenizer_path, corpus, tmp_path / "out", **kw)
     assert len(lines) < counting["docs"] < 2 * len(lines)  # resumed in bn.txt, before its end
     assert str(resumed.value) == str(whole.value)
+
+
+def test_a_damaged_folder_starts_over(tmp_path, tokenizer_path, corpus, counting):
+    run(tokenizer_path, corpus, tmp_path / "whole")
+    out = tmp_path / "out"
+    for damage, message in (
+        (lambda: (out / "train_000000.bin").write_bytes(b"other"), "finished shard"),
+        (lambda: next(out.glob("*.tmp")).write_bytes(b""), "unfinished shard"),
+        (lambda: (out / "prepare_state" / "seen.bin").write_bytes(b""), "seen.bin is missing"),
+    ):
+        interrupted(tokenizer_path, corpus, out, counting, 8, "before")
+        damage()
+        logs: list[str] = []
+        run(tokenizer_path, corpus, out, logs)
+        assert any(message in x and x.endswith("starting over") for x in logs), logs
+        assert output(out) == output(tmp_path / "whole")

@@ -99,8 +99,9 @@ class ResumeRecord:
                 if not p.is_file() or sha256_file(p) != s["sha256"]:
                     return f"the finished shard {p} is missing or was changed"
             p = self.dir.parent / f"{split}_{len(w['shards']):06d}.bin"
-            if w["open"] and not (p.is_file() or p.with_name(p.name + ".tmp").is_file()):
-                return f"the unfinished shard {p}.tmp is missing"
+            sizes = [q.stat().st_size for q in (p, p.with_name(p.name + ".tmp")) if q.is_file()]
+            if w["open"] and max(sizes, default=-1) < w["open"]["bytes"]:
+                return f"the unfinished shard {p}.tmp is missing or shorter than recorded"
         return None
 
     def save(self, state: dict, side: dict[str, bytes]) -> None:

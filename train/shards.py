@@ -162,7 +162,11 @@ class ShardWriter:
             return {"shards": list(self.shards), "open": None}
         self._file.flush()
         os.fsync(self._file.fileno())
-        return {"shards": list(self.shards), "open": {"tokens": self._tokens, "docs": self._docs}}
+        size = HEADER_BYTES + self._tokens * self.itemsize
+        return {
+            "shards": list(self.shards),
+            "open": {"tokens": self._tokens, "docs": self._docs, "bytes": size},
+        }
 
     def restore(self, state: dict) -> None:
         """Continue from `state`: the open shard is cut back to its recorded length (it may
@@ -177,7 +181,10 @@ class ShardWriter:
             return
         size = HEADER_BYTES + o["tokens"] * self.itemsize
         if not keep.exists() or keep.stat().st_size < size:
-            raise DoelError(f"{keep} is missing or shorter than its resume record says")
+            raise DoelError(
+                f"{keep} is missing or shorter than its resume record says; start over with "
+                "`doel-train prepare --fresh`"
+            )
         self._path, self._tmp = keep.with_suffix(""), keep
         self._file = open(keep, "r+b")
         self._file.truncate(size)
@@ -191,5 +198,4 @@ def remove_shards(out_dir: Path, split: str, start: int = 0, keep: Path | None =
         stem = p.name.removesuffix(".tmp").removesuffix(".bin")
         index = stem[len(split) + 1 :]
         if p != keep and index.isdigit() and len(index) == 6 and int(index) >= start:
-            if p.name.endswith((".bin", ".bin.tmp")):
-                p.unlink()
+            p.unlink()
