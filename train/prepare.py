@@ -95,12 +95,7 @@ def prepare(
 
     if val and cfg.val_fraction:
         raise DoelError("give either --val PATH... or --val-fraction, not both")
-    tok = load_tokenizer(tokenizer_path)
-    tok_file = tokenizer_file(tokenizer_path)
-    bos = tok.token_to_id(BOS)
-    if bos is None:
-        raise DoelError(f"{tok_file} has no {BOS} token; train it with `doel-train tokenizer`")
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    tok, tok_file, bos, vocab = _load(tokenizer_path)
     sources, val_sources = resolve_sources(list(data)), resolve_sources(list(val))
     mix = parse_weights(list(weights), sources)
     out = Path(out_dir)
@@ -130,9 +125,9 @@ def prepare(
                 last = time.time()
         # Every document is in: a rerun after a failed overlap check only checks again.
         record.save(*run.state(time.time() - t0))
-        bar.close()
         meta = run.finish(tok_file, tok_sha, time.time() - t0, data, log)
     finally:  # interrupted: the unfinished shards stay on disk for the resume
+        bar.close()
         record.close()
         for w in run.writers.values():
             w.release()
@@ -140,6 +135,15 @@ def prepare(
     record.clear()
     log(format_balance(meta))
     return meta
+
+
+def _load(tokenizer_path):
+    tok = load_tokenizer(tokenizer_path)
+    tok_file = tokenizer_file(tokenizer_path)
+    bos = tok.token_to_id(BOS)
+    if bos is None:
+        raise DoelError(f"{tok_file} has no {BOS} token; train it with `doel-train tokenizer`")
+    return tok, tok_file, bos, tok.get_vocab_size(with_added_tokens=True)
 
 
 def _drop_nfc(tok) -> None:
