@@ -21,8 +21,8 @@ without AMX (`--install-llama-cpp`, wheel cached in ~/.cache/doel/; see bench_se
 why, and for how our tokenizer gets into the GGUF file). Without it, the llama.cpp rows are
 marked missing and the command that builds it is printed.
 
-Writes benchmarks/results/serve_0.4b_cpu.{json,md,png}. Run: `make bench-serve` (about 10
-minutes); `--quick` runs a tiny model in under a minute.
+Writes benchmarks/results/serve_0.4b_cpu.{json,md,png}. Run: `make bench-serve` (about 5
+minutes on a quiet machine); `--quick` runs a tiny model in under a minute.
 """
 
 from __future__ import annotations

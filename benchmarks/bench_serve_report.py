@@ -52,9 +52,11 @@ def bound_table(result: dict) -> list[str]:
         "bound tok/s, short / long | tensor types |",
         "|---|---:|---:|---:|---|",
     ]
+    seen = set()
     for r in result["rows"]:
-        if "short_bound_tok_s" not in r:
+        if "short_bound_tok_s" not in r or r["variant"] in seen:  # one row per file
             continue
+        seen.add(r["variant"])
         lines.append(
             f"| {r['variant']} | {r['weight_bytes'] / 1e6:.0f} ({r['embedding_bytes'] / 1e6:.0f}) "
             f"| {r['short_bytes_per_token'] / 1e6:.0f} / {r['long_bytes_per_token'] / 1e6:.0f} | "
@@ -158,6 +160,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SHORT = {"doel": "doel", "llama.cpp": "llama.cpp", "llama.cpp+fa": "llama.cpp\nflash attn",
+         "torch": "PyTorch"}  # fmt: skip
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -166,26 +172,32 @@ def plot(result: dict, path: Path) -> None:
 
     rows = [r for r in result["rows"] if "short" in r]
     p = result["settings"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    names = [f"{LABELS[r['engine']]}\n{r['variant']}" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    names = [f"{SHORT[r['engine']]}\n{r['variant']}" for r in rows]
     x = range(len(rows))
     for ax, key, title in (
         (axes[0], "decode_tok_s", "decode tokens/s (higher is better)"),
-        (axes[1], "ttft_s", "time to first token, s (lower is better)"),
+        (axes[1], "ttft_s", "time to first token, s, log scale (lower is better)"),
     ):
         w = 0.4
         for shift, name in ((-w / 2, "short"), (w / 2, "long")):
             values = [r[name][key] for r in rows]
             ax.bar([i + shift for i in x], values, w, label=f"{p[name]}-token prompt")
-        ax.set_xticks(list(x), names, fontsize=8)
-        ax.set_title(title)
+        ax.set_xticks(list(x), names, fontsize=7)
+        ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
+    axes[1].set_yscale("log")
     pts = result["sweep"].get("points", [])
     if pts:
-        axes[2].plot([q["streams"] for q in pts], [q["aggregate_tok_s"] for q in pts], "o-")
-        axes[2].set_xticks([q["streams"] for q in pts])
+        streams = [q["streams"] for q in pts]
+        axes[2].plot(streams, [q["aggregate_tok_s"] for q in pts], "o-", label="end to end")
+        axes[2].plot(streams, [q["decode_phase_tok_s"] for q in pts], "s--", label="decode phase")
+        one = pts[0]["aggregate_tok_s"]
+        axes[2].axhline(3 * one, color="grey", lw=0.8, ls=":", label="3x one stream (target)")
+        axes[2].set_xticks(streams)
+        axes[2].legend(fontsize=8)
     axes[2].set_xlabel("concurrent streams")
-    axes[2].set_title("our engine int4: aggregate tokens/s")
+    axes[2].set_title("our engine int4: aggregate tokens/s", fontsize=10)
     fig.suptitle(f"Serving, {p['preset']}, {p['threads']} threads ({result['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
