@@ -117,9 +117,14 @@ def onnx_bytes(model: Path) -> dict:
                 n *= d
             raw = len(t.raw_data)
             sizes[t.name] = raw or n * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    gathers = [n.input[0] for n in m.graph.node if n.op_type == "Gather" and n.input[0] in sizes]
-    emb = max(gathers, key=sizes.get) if gathers else None
-    return {"total": sum(sizes.values()), "embedding": sizes.get(emb, 0)}
+    # The table: a plain Gather's data, or an 8-bit GatherBlockQuantized's data and scales.
+    gathers = [
+        [i for i in n.input if i in sizes]
+        for n in m.graph.node
+        if n.op_type in ("Gather", "GatherBlockQuantized") and n.input[0] in sizes
+    ]
+    emb = max((sum(sizes[i] for i in g) for g in gathers), default=0)
+    return {"total": sum(sizes.values()), "embedding": emb}
 
 
 def safetensors_bytes(path: Path) -> dict:

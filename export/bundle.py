@@ -98,7 +98,9 @@ def prove(
     return figures, lm
 
 
-def manifest(ckpt: Checkpoint, opts: ExportOptions, engine: str, lm: OnnxLM, **extra) -> dict:
+def manifest(
+    ckpt: Checkpoint, opts: ExportOptions, engine: str, lm: OnnxLM, model: Path, **extra
+) -> dict:
     cfg = ckpt.config
     return {
         "format": "doel-export",
@@ -123,7 +125,7 @@ def manifest(ckpt: Checkpoint, opts: ExportOptions, engine: str, lm: OnnxLM, **e
         "tokenizer_vocab_size": ckpt.tokenizer_vocab_size,
         "special_tokens": ckpt.special_tokens,
         "context_length": ckpt.context_length,
-        "quantization": graph.quantization_info(opts.quant, opts.block_size, engine),
+        "quantization": graph.quantization_info(opts.quant, opts.block_size, engine, model),
         "source": {
             "path": str(ckpt.folder.resolve()),
             "config_sha256": ckpt.config_sha256,
@@ -156,7 +158,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
             ort_lm = OnnxLM(ort_model, ckpt.kv_heads, ckpt.head_dim)
             figures["ort_format_vs_onnx"] = parity.ort_parity(lm, ort_lm, parity.prompt_ids(ckpt))
         timing = {"build_s": build_s, "total_s": time.perf_counter() - t0}
-        result = manifest(ckpt, opts, engine, lm, parity=figures, timing=timing)
+        result = manifest(ckpt, opts, engine, lm, model, parity=figures, timing=timing)
         result["files"] = file_table(stage)  # manifest.json itself is the one file not listed
         write_json(stage / "manifest.json", result)
     return result

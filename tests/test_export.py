@@ -169,6 +169,53 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
     size = sum(f["bytes"] for n, f in m["files"].items() if n.startswith("model.onnx"))
     fp32 = sum(p.stat().st_size for p in fp32_bundle.glob("model.onnx*"))
     assert size < fp32  # the fp32 embedding table is most of a model this small
+    # The table is 8-bit, read by GatherBlockQuantized; no fp32 copy of it is left in the files.
+    assert m["quantization"]["embedding"].startswith("int8 GatherBlockQuantized")
+    ops = {n.op_type for n in _graph(out / "model.onnx").node}
+    assert "GatherBlockQuantized" in ops
+    tables = [t for t in _graph(out / "model.onnx").initializer if "embed_tokens" in t.name]
+    assert sorted(t.data_type for t in tables) == [1, 2]  # uint8 data, fp32 scales
+    assert (out / "model.onnx.data").stat().st_size < (
+        fp32_bundle / "model.onnx.data"
+    ).stat().st_size - TINY.vocab_size * TINY.hidden_size * 3
+
+
+def _graph(model: Path):
+    import onnx
+
+    return onnx.load(str(model), load_external_data=False).graph
+
+
+def test_the_8_bit_embedding_gathers_exactly_its_dequantized_rows(tmp_path):
+    """GatherBlockQuantized returns (data - 128) * scale of the rows asked for, and each value
+    is within half a step of the fp32 table (symmetric: a table and its negation round alike)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.embedding import dequantize_rows, quantize_rows
+
+    rng = np.random.default_rng(0)
+    table = rng.normal(0, 0.02, (300, 64)).astype(np.float32)
+    table[5, :32] = 0  # an all-zero block
+    data, scales = quantize_rows(table, 32)
+    assert data.dtype == np.uint8 and scales.shape == (300, 2)
+    deq = dequantize_rows(data, scales)
+    assert np.all(np.abs(deq - table) <= np.repeat(scales, 32, axis=1) * 0.5 + 1e-9)
+    assert np.array_equal(dequantize_rows(*quantize_rows(-table, 32)), -deq)
+    assert not deq[5, :32].any()
+    node = helper.make_node(
+        "GatherBlockQuantized", ["d", "ids", "s"], ["y"], domain="com.microsoft",
+        bits=8, block_size=32, gather_axis=0, quantize_axis=1,
+    )  # fmt: skip
+    ids_info = helper.make_tensor_value_info("ids", TensorProto.INT64, [None, None])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    inits = [numpy_helper.from_array(data, "d"), numpy_helper.from_array(scales, "s")]
+    graph = helper.make_graph([node], "g", [ids_info], [y_info], inits)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets).SerializeToString()
+    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    ids = np.array([[0, 5, 299, 7], [1, 1, 2, 3]])
+    assert np.array_equal(sess.run(None, {"ids": ids})[0], deq[ids])
 
 
 def test_optimum_engine_fp32_and_int8_with_a_block_size(ckpt, tmp_path, tok):
@@ -185,6 +232,10 @@ def test_optimum_engine_fp32_and_int8_with_a_block_size(ckpt, tmp_path, tok):
     assert _nbits_attrs(tmp_path / "o8" / "model.onnx") == {(8, 16)}
     assert m["quantization"]["block_size"] == 16
     assert abs(m["parity"]["loss"]["increase_nats_per_token"]) < 0.02
+    # The manifest says what the graph does with the table (its own, or shared with the head).
+    gbq = [n for n in _graph(tmp_path / "o8" / "model.onnx").node if n.op_type.startswith("Gather")]
+    quantized = any(n.op_type == "GatherBlockQuantized" for n in gbq)
+    assert m["quantization"]["embedding"].startswith("int8") == quantized
 
 
 def test_an_architecture_the_builder_does_not_know_goes_through_optimum(tmp_path, tokenizer_path):
