@@ -356,7 +356,10 @@ def test_cli_refuses_an_existing_bundle_and_replaces_it_with_force(ckpt, tmp_pat
         main([str(ckpt), "--out", str(out), "--quant", "fp32"])
     main([str(ckpt), "--out", str(out), "--quant", "int8", "--force", "--eval-tokens", "512"])
     assert "max rel err" in capsys.readouterr().out
-    assert json.loads((out / "manifest.json").read_text())["quantization"]["bits"] == 8
+    q = json.loads((out / "manifest.json").read_text())["quantization"]
+    # int8's default block is 128 weights a scale (int4 keeps 32: see the int4 test).
+    assert q["bits"] == 8 and q["block_size"] == 128
+    assert _nbits_attrs(out / "model.onnx") == {(8, 128)}
 
 
 def test_cli_names_the_extra_when_a_package_is_missing(ckpt, tmp_path, monkeypatch):
