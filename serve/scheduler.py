@@ -1,11 +1,14 @@
 """Continuous batching: concurrent requests share decode steps.
 
 Each request gets a slot of the engine's cache. One loop runs steps while there is work: a step
-first prefills the requests admitted to free slots (one run each), then advances every running
-sequence by one token in a single batched run, so the weights are read once per step for all of
-them and throughput grows with load. A finished or abandoned sequence frees its slot at the next
-step, and a waiting request takes it. Engine work and sampling run in a worker thread; slots,
-queues and cancellation are handled on the event loop alone.
+advances every sequence whose prompt is in the cache by one token in a single batched run, so the
+weights are read once per step for all of them and throughput grows with load; then it feeds one
+chunk (the engine's prefill chunk, 128 tokens) of the oldest prompt not yet in. A prompt of any
+length thus delays the running streams by one chunk's time per token, not by its whole prefill
+(at 0.4B int4 on 2 cores, 0.35 s a chunk; a 1,536-token prompt took 4.7 s in one go). A finished
+or abandoned sequence frees its slot at the next step, and a waiting request takes it. Engine
+work and sampling run in a worker thread; slots, queues and cancellation are handled on the
+event loop alone.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ class Seq:
     n: int = 0  # ids in `context`
     slot: int = -1
     cancelled: bool = False
+    fed: int = 0  # prompt ids in the slot's cache; the sequence decodes once all are
+
+    @property
+    def filling(self) -> bool:
+        return self.fed < len(self.prompt)
 
     @property
     def made(self) -> int:
@@ -92,17 +100,17 @@ class Scheduler:
             self._wake.clear()
             while self.waiting or self.running:
                 self._drop_cancelled()
-                admit = self._admit()
-                if not (admit or self.running):
+                self._admit()
+                if not self.running:
                     break
                 # Not abandoned on cancellation: the engine's buffers are never used by two
                 # runs at once.
                 stepping = list(self.running.values())
                 try:
-                    events = await anyio.to_thread.run_sync(self._step, admit, stepping)
+                    events = await anyio.to_thread.run_sync(self._step, stepping)
                 except Exception as e:  # a failed run ends its sequences, not the server
                     log.exception("engine step failed")
-                    self._fail([*admit, *stepping], e)
+                    self._fail(stepping, e)
                     continue
                 self._dispatch(events)
 
@@ -123,27 +131,38 @@ class Scheduler:
         for slot in [k for k, s in self.running.items() if s.cancelled]:
             del self.running[slot]
 
-    def _admit(self) -> list[Seq]:
+    def _admit(self) -> None:
         free = [i for i in range(self.engine.slots) if i not in self.running]
-        admit = []
         while self.waiting and free:
             seq = self.waiting.popleft()
             seq.slot = free.pop(0)  # lowest first: the batched run covers slots 0..max
-            admit.append(seq)
-        return admit
+            self.running[seq.slot] = seq  # its prompt goes in over the next steps
 
-    def _step(self, admit: list[Seq], stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
-        """In a worker thread: prefill the admitted, one batched step for the rest; sample."""
+    def _step(self, stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
+        """In a worker thread: one batched step of the decoding sequences, then one prompt
+        chunk of the oldest filling one (admission order: the dict keeps it); sample."""
         events = []
-        if stepping:
-            top = max(s.slot for s in stepping) + 1
-            tokens, totals = [0] * top, [1] * top  # idle slots: a harmless dummy row
+        decoding = [s for s in stepping if not s.filling]
+        if decoding:
+            top = max(s.slot for s in decoding) + 1
+            # Other slots below top take a dummy row. It writes one cache entry: at position 0
+            # of an idle slot, or at the next position of a filling one, which that prompt's
+            # next chunk overwrites before anything reads it.
+            tokens, totals = [0] * top, [1] * top
             for s in stepping:
-                tokens[s.slot], totals[s.slot] = int(s.context[s.n - 1]), s.n
+                if s.slot < top:
+                    tokens[s.slot] = int(s.context[s.n - 1]) if not s.filling else 0
+                    totals[s.slot] = s.n if not s.filling else s.fed + 1
             logits = self.engine.decode(tokens, totals)
-            events += [self._pick(s, logits[s.slot]) for s in stepping]
-        for s in admit:
-            events.append(self._pick(s, self.engine.forward(s.prompt, 0, slot=s.slot)))
+            events += [self._pick(s, logits[s.slot]) for s in decoding]
+        filling = [s for s in stepping if s.filling]
+        if filling:
+            s = filling[0]
+            chunk = s.prompt[s.fed : s.fed + self.engine.prefill_chunk]
+            logits = self.engine.forward(chunk, s.fed, slot=s.slot)
+            s.fed += len(chunk)
+            if not s.filling:
+                events.append(self._pick(s, logits))
         return events
 
     def _pick(self, s: Seq, logits: np.ndarray) -> tuple[Seq, int | None, bool]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from test_serve_engine import tiny_bundle
@@ -145,3 +146,47 @@ def test_closing_the_http_stream_closes_the_service_generator():
         assert closed == [True]  # at once, not when the loop shuts its generators down
 
     asyncio.run(main())
+
+
+def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(bundle):
+    """Fairness: a prompt arriving while another stream decodes goes in one chunk per step, each
+    step also giving the running stream its next token; the dummy row a filling slot gets in the
+    batched step (slot 0 here, below the running slot 1) changes nobody's tokens."""
+    svc = Service.load(str(bundle), threads=1, slots=2)
+    engine = svc.engine
+    engine.prefill_chunk = 4
+    rng = np.random.default_rng(0)
+    short, long = [0, 5, 6], rng.integers(8, 2048, size=30).tolist()
+    params = {"a": SamplingParams(max_tokens=25, seed=1), "b": SamplingParams(max_tokens=6, seed=2)}
+    alone = {
+        "a": list(engine.generate(short, params["a"])),
+        "b": list(engine.generate(long, params["b"])),
+    }
+    calls = []
+    forward, decode = engine.forward, engine.decode
+    engine.forward = lambda ids, past, slot=0: (
+        calls.append(("f", len(ids))) or forward(ids, past, slot)
+    )
+    engine.decode = lambda tokens, totals: (
+        calls.append(("d", len(tokens))) or decode(tokens, totals)
+    )
+
+    async def main():
+        sched = svc.scheduler
+        # x takes slot 0 and ends at its first id; a takes slot 1; b then gets slot 0.
+        x = asyncio.create_task(_collect(sched.generate([0, 7], SamplingParams(max_tokens=1))))
+        await asyncio.sleep(0)  # x's generator runs to its queue: it is admitted first
+        a_stream = sched.generate(short, params["a"])
+        a = [await anext(a_stream)]
+        await x
+        b = asyncio.create_task(_collect(sched.generate(long, params["b"])))
+        a += await _collect(a_stream)
+        return a, await b
+
+    a, b = asyncio.run(main())
+    assert a == alone["a"] and b == alone["b"]
+    feeds = [i for i, c in enumerate(calls) if c[0] == "f"]
+    b_feeds = feeds[2:]  # x's prompt, a's prompt, then b's in chunks of at most 4
+    assert [calls[i][1] for i in b_feeds] == [4] * 7 + [2]
+    # Between two of b's chunks, a decoding step (batch 2: b's slot 0 rides along as a dummy).
+    assert all(calls[i + 1] == ("d", 2) for i in b_feeds[:-1]), calls
