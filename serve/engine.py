@@ -27,6 +27,7 @@ from serve.sampling import SamplingParams, sample
 
 LAST = np.array([1], np.int64)  # logits_to_keep: the last position only
 PREFILL_CHUNK = 128  # prompt tokens per run (see Engine.forward)
+KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 class BundleError(Exception):
@@ -109,13 +110,15 @@ class Engine:
         optional = {i.name for i in self.session.get_overridable_initializers()}
         self.last_only = "logits_to_keep" in optional
         self._last = ort.OrtValue.ortvalue_from_numpy(LAST)
-        inputs = [i.name for i in self.session.get_inputs()]
+        inputs = {i.name: i.type for i in self.session.get_inputs()}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
+        # fp32, or fp16 where the export keeps the cache in half precision (export/kvcache.py)
+        self.kv_dtype = KV_DTYPES[inputs[self.past_names[0]]]
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
         # Allocated here, once: every request reuses them (see the module docstring). A slot's
         # rows are contiguous (batch is the outer axis), so slots lo..lo+n-1 are a plain view.
         shape = (slots, bundle.kv_heads, bundle.context_length, bundle.head_dim)
-        self.kv_arrays = [np.zeros(shape, np.float32) for _ in self.past_names]
+        self.kv_arrays = [np.zeros(shape, self.kv_dtype) for _ in self.past_names]
         self.logits_array = np.zeros((slots, 1, bundle.vocab_size), np.float32)
         self._view_cache: dict[tuple[int, int], tuple[list, object]] = {}
         self.kv = self._views(0, slots)[0]
@@ -125,6 +128,16 @@ class Engine:
     @property
     def context_length(self) -> int:
         return self.bundle.context_length
+
+    def warm_up(self) -> None:
+        """One prefill chunk in slot 0 and one step of every slot, once, at load: ONNX Runtime
+        grows its arena and its kernels' buffers on the first run of a shape, which would
+        otherwise fall on the first request's time to first token. What it writes is never
+        read: a request's prefill writes its own positions, and attention reads no further."""
+        n = min(self.prefill_chunk, self.context_length - 1)
+        self.forward([0] * n, 0)
+        if self.bundle.share_buffer:
+            self.decode([0] * self.slots, [1] * self.slots)
 
     def _views(self, lo: int, n: int) -> tuple[list, object]:
         """OrtValues over slots lo..lo+n-1 of the cache and of the one-token logits buffer."""
@@ -169,7 +182,7 @@ class Engine:
         past_len = total - len(ids)
         if past_len == 0:
             empty = (1, self.bundle.kv_heads, 0, self.bundle.head_dim)
-            self._past = {n: np.zeros(empty, np.float32) for n in self.past_names}
+            self._past = {n: np.zeros(empty, self.kv_dtype) for n in self.past_names}
         feeds = {
             "input_ids": np.array([ids], np.int64),
             "attention_mask": np.ones((1, total), np.int64),
@@ -200,6 +213,17 @@ class Engine:
             self._run_shared([chunk], [past_len + lo + len(chunk)], slot)
         last = list(ids[(len(ids) - 1) // self.prefill_chunk * self.prefill_chunk :])
         return self._run_shared([last], [total], slot)[0]
+
+    def prefill_first(self, chunks: list[list[int]], lo: int) -> np.ndarray:
+        """First chunks of as many prompts, all as long, into slots lo.. in one run: logits
+        [rows, vocab] of each one's last token. (Later chunks go one row a run: the graph's
+        attention batches multi-token rows only from position 0.)"""
+        n = len(chunks[0])
+        if any(len(c) != n for c in chunks) or not 0 < n <= self.prefill_chunk:
+            raise ValueError(f"chunks of {[len(c) for c in chunks]} tokens are not one length")
+        if lo + len(chunks) > self.slots:
+            raise ValueError(f"{len(chunks)} rows from slot {lo} do not fit {self.slots} slots")
+        return self._run_shared([list(c) for c in chunks], [n] * len(chunks), lo)
 
     def decode(self, tokens: list[int], totals: list[int]) -> np.ndarray:
         """One step of slots 0..n-1 in one run: logits [n, vocab]. `totals[i]` is slot i's

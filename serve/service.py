@@ -61,6 +61,7 @@ class Service:
         b = read_bundle(bundle)
         tok = Tokenizer.from_file(str(b.tokenizer))
         engine = Engine(b, threads, slots if b.share_buffer else 1)
+        engine.warm_up()
         return cls(engine, tok, name or b.folder.resolve().name, max_queue)
 
     @property

@@ -185,3 +185,35 @@ def test_a_prompt_fed_in_chunks_gives_what_one_run_gives(bundle, engine):
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
     params = SamplingParams(max_tokens=12, seed=4)
     assert list(chunked.generate(ids, params)) == list(engine.generate(ids, params))
+
+
+def test_the_warm_up_at_load_changes_no_request(bundle):
+    """warm_up runs a prefill chunk and a step of every slot once (ONNX Runtime's first runs of
+    a shape pay for its buffers); what it leaves in the cache is never read by a request."""
+    cold = Engine(read_bundle(bundle), threads=1, slots=2)
+    warm = Engine(read_bundle(bundle), threads=1, slots=2)
+    ptrs = [kv.data_ptr() for kv in warm.kv]
+    runs = []
+    run = warm.session.run_with_iobinding
+    warm.session.run_with_iobinding = lambda b: runs.append(1) or run(b)
+    warm.warm_up()
+    assert len(runs) == 2 and [kv.data_ptr() for kv in warm.kv] == ptrs
+    assert np.abs(warm.kv_arrays[0][:, :, 0]).max() > 0  # it did write
+    for params in (
+        SamplingParams(max_tokens=15, temperature=0),
+        SamplingParams(max_tokens=15, seed=3),
+    ):
+        assert list(warm.generate(PROMPT[:3], params)) == list(cold.generate(PROMPT[:3], params))
+    for slot in (0, 1):
+        got, want = warm.forward(PROMPT[:2], 0, slot=slot), cold.forward(PROMPT[:2], 0, slot=slot)
+        assert np.array_equal(got, want)
+    assert np.array_equal(warm.decode([5, 6], [3, 3]), cold.decode([5, 6], [3, 3]))
+
+
+def test_the_service_warms_its_engine_up_when_it_loads(bundle, monkeypatch):
+    from serve.service import Service
+
+    calls = []
+    monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append(self.slots))
+    Service.load(str(bundle), threads=1, slots=3)
+    assert calls == [3]
