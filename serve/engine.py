@@ -214,17 +214,6 @@ class Engine:
         last = list(ids[(len(ids) - 1) // self.prefill_chunk * self.prefill_chunk :])
         return self._run_shared([last], [total], slot)[0]
 
-    def prefill_first(self, chunks: list[list[int]], lo: int) -> np.ndarray:
-        """First chunks of as many prompts, all as long, into slots lo.. in one run: logits
-        [rows, vocab] of each one's last token. (Later chunks go one row a run: the graph's
-        attention batches multi-token rows only from position 0.)"""
-        n = len(chunks[0])
-        if any(len(c) != n for c in chunks) or not 0 < n <= self.prefill_chunk:
-            raise ValueError(f"chunks of {[len(c) for c in chunks]} tokens are not one length")
-        if lo + len(chunks) > self.slots:
-            raise ValueError(f"{len(chunks)} rows from slot {lo} do not fit {self.slots} slots")
-        return self._run_shared([list(c) for c in chunks], [n] * len(chunks), lo)
-
     def decode(self, tokens: list[int], totals: list[int]) -> np.ndarray:
         """One step of slots 0..n-1 in one run: logits [n, vocab]. `totals[i]` is slot i's
         length with its new token; an idle slot below n can take any token with total 1 (it

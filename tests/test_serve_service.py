@@ -190,39 +190,3 @@ def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(
     assert [calls[i][1] for i in b_feeds] == [4] * 7 + [2]
     # Between two of b's chunks, a decoding step (batch 2: b's slot 0 rides along as a dummy).
     assert all(calls[i + 1] == ("d", 2) for i in b_feeds[:-1]), calls
-
-
-def test_prompts_arriving_together_share_their_first_chunk_run(bundle):
-    """With prefill_rows > 1 and nobody decoding, first chunks of one length in neighbouring
-    slots go in one batched run; every stream still gets the tokens it gets alone."""
-    from serve.scheduler import Scheduler
-
-    svc = Service.load(str(bundle), threads=1, slots=4)
-    engine = svc.engine
-    engine.prefill_chunk = 8
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(8, 2048, size=n).tolist() for n in (12, 12, 12, 5)]
-    params = [SamplingParams(max_tokens=6, seed=i) for i in range(4)]
-    alone = [list(engine.generate(p, q)) for p, q in zip(prompts, params)]
-    calls = []
-    first, forward = engine.prefill_first, engine.forward
-    engine.prefill_first = lambda chunks, lo: (
-        calls.append(("rows", lo, len(chunks))) or first(chunks, lo)
-    )
-    engine.forward = lambda ids, past, slot=0: (
-        calls.append(("one", slot, len(ids))) or forward(ids, past, slot)
-    )
-    sched = Scheduler(engine, prefill_rows=3)
-
-    async def main():
-        return await asyncio.gather(
-            *(_collect(sched.generate(p, q)) for p, q in zip(prompts, params))
-        )
-
-    assert asyncio.run(main()) == alone
-    # Slots 0-2 (8-token first chunks) in one run, capped at 3 rows; slot 3's shorter prompt and
-    # the 4-token second chunks one at a time.
-    assert calls[0] == ("rows", 0, 3)
-    assert sorted(calls[1:]) == [("one", 0, 4), ("one", 1, 4), ("one", 2, 4), ("one", 3, 5)]
-    with pytest.raises(ValueError, match="not one length"):
-        engine.prefill_first([[1, 2], [3]], 0)
