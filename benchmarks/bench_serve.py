@@ -315,6 +315,12 @@ def spec_for(p: dict, cfg: dict, vocab: int) -> dict:
     }
 
 
+def bundle_kv_bytes(bundle: Path) -> int:
+    """Bytes of one cached number in a bundle (its manifest's kv_cache.dtype)."""
+    kv = json.loads((bundle / "manifest.json").read_text())["kv_cache"]
+    return {"float16": 2, "float32": 4}[kv.get("dtype", "float32")]
+
+
 def weight_bytes(engine: str, model: Path) -> dict:
     if engine == "doel":
         return onnx_bytes(model / "model.onnx")
@@ -334,10 +340,12 @@ def run_all(work: Path, p: dict, with_llama: bool) -> dict:
     print(f"read bandwidth {bw['read_gb_s']:.1f} GB/s", flush=True)
     rows = {}
     for key, engine, variant, bits in ROWS:
-        model, kv_bytes = {"doel": (bundles.get(variant), 4), "torch": (ckpt, 4)}.get(
+        model, kv_bytes = {"doel": (bundles.get(variant), 0), "torch": (ckpt, 4)}.get(
             engine,
             (ggufs.get(variant), 2),  # llama.cpp's cache is f16
         )
+        if engine == "doel":  # fp16 in quantized bundles (export/kvcache.py), fp32 before
+            kv_bytes = bundle_kv_bytes(model)
         row = {"row": key, "engine": engine, "variant": variant, "bits": bits}
         if model is None:
             rows[key] = row | {"missing": "llama-cpp-python is not installed"}

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 from export import graph, parity
 from export.checkpoint import Checkpoint, inspect_checkpoint
 from export.common import ExportError, file_table, staging, write_json
@@ -123,6 +125,7 @@ def manifest(
             "layout": "[batch, kv_heads, sequence, head_dim], past_key_values.{i}.key/.value in, "
             "present.{i}.key/.value out",
             "position_ids_input": "position_ids" in lm.input_names,
+            "dtype": np.dtype(lm.kv_dtype).name,  # float16 for quantized builder graphs
             # GroupQueryAttention writes the new entries in place, so one preallocated buffer
             # can be bound as both past and present (much faster at long context).
             "past_present_share_buffer": engine == "genai",

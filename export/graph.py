@@ -13,7 +13,8 @@ Both quantize the same way: weight-only MatMulNBits (symmetric, one fp32 scale p
 `block_size` weights, activations quantized to int8 per block inside the kernel,
 accuracy_level 4) for every linear layer including the head; the embedding table, read one
 row per token, goes to 8 bits (GatherBlockQuantized, export/embedding.py): no decode time saved,
-but 100 MB of a 0.4B server's memory.
+but 100 MB of a 0.4B server's memory. Quantized builder graphs also keep their KV cache in fp16
+(export/kvcache.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from export import embedding
+from export import embedding, kvcache
 from export.checkpoint import Checkpoint
 from export.common import ExportError
 
@@ -203,7 +204,9 @@ def build_graph(ckpt: Checkpoint, out: Path, quant: str, block_size: int, engine
     model = build(ckpt, out, quant, block_size)
     add_logits_to_keep(model)
     if BITS[quant]:
-        embedding.quantize_embedding(model, block_size)
+        if engine == "genai":
+            kvcache.half_kv_cache(model)
+        embedding.quantize_embedding(model, block_size)  # last: it rewrites the weights file
     return model
 
 

@@ -35,11 +35,14 @@ class OnnxLM:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.past_names = [n for n in self.input_names if n.startswith("past_key_values.")]
+        # fp32, or fp16 where the export halved the cache (export/kvcache.py)
+        types = {i.name: i.type for i in self.session.get_inputs()}
+        self.kv_dtype = np.float16 if types[self.past_names[0]] == "tensor(float16)" else np.float32
         self.kv_heads, self.head_dim = kv_heads, head_dim
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:
         shape = (batch, self.kv_heads, 0, self.head_dim)
-        return {n: np.zeros(shape, np.float32) for n in self.past_names}
+        return {n: np.zeros(shape, self.kv_dtype) for n in self.past_names}
 
     def step(
         self, ids: np.ndarray, past: dict[str, np.ndarray], past_len: int
@@ -99,7 +102,7 @@ class OnnxLM:
 
         shape = (1, self.kv_heads, len(ids) + new_tokens, self.head_dim)
         kv = {
-            n: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32))
+            n: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.kv_dtype))
             for n in self.past_names
         }
         binding = self.session.io_binding()

@@ -179,6 +179,18 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
         fp32_bundle / "model.onnx.data"
     ).stat().st_size - TINY.vocab_size * TINY.hidden_size * 3
 
+    # The cache is fp16 (fp32 bundles keep fp32): prefill + steps, with a shared buffer or not,
+    # decode as the full forward does, and the ORT-format model takes the same cache.
+    assert m["kv_cache"]["dtype"] == "float16" and _lm(out).kv_dtype == np.float16
+    types = {i.name: i.type for i in _lm(out, "model.ort").session.get_inputs()}
+    assert types["past_key_values.0.key"] == "tensor(float16)"
+    assert json.loads((fp32_bundle / "manifest.json").read_text())["kv_cache"]["dtype"] == "float32"
+    prompt = [0, 398, 841, 405, 679]
+    greedy = _lm(out).greedy(prompt, 12)[0]
+    assert _lm(out).greedy_shared(prompt, 12)[0] == greedy
+    full = _lm(out).logits(np.array([prompt + greedy[:-1]]))[0, len(prompt) - 1 :]
+    assert full.argmax(-1).tolist() == greedy
+
 
 def _graph(model: Path):
     import onnx

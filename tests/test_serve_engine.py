@@ -217,3 +217,21 @@ def test_the_service_warms_its_engine_up_when_it_loads(bundle, monkeypatch):
     monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append(self.slots))
     Service.load(str(bundle), threads=1, slots=3)
     assert calls == [3]
+
+
+def test_a_quantized_bundle_with_an_fp16_cache_decodes_as_its_plain_loop(bundle, tmp_path):
+    """int4 bundles keep their cache in fp16 (export/kvcache.py): the engine allocates it so, in
+    every slot, and gives the export stage's greedy tokens, alone and batched."""
+    from export.bundle import ExportOptions, export_checkpoint
+
+    opts = ExportOptions(quant="int4", eval_tokens=64, log=lambda _m: None)
+    export_checkpoint(bundle.parent / "serve-ckpt", tmp_path / "int4", opts)
+    b = read_bundle(tmp_path / "int4")
+    engine = Engine(b, threads=1, slots=2)
+    assert engine.kv_dtype == np.float16 and all(a.dtype == np.float16 for a in engine.kv_arrays)
+    engine.warm_up()
+    want = _reference(tmp_path / "int4").greedy(PROMPT, 20)[0]
+    assert list(engine.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0))) == want
+    first = [engine.forward(PROMPT, 0, slot=s).argmax() for s in (0, 1)]
+    assert first == [want[0]] * 2
+    assert engine.decode([want[0]] * 2, [len(PROMPT) + 1] * 2).argmax(-1).tolist() == [want[1]] * 2
