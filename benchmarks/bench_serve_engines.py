@@ -60,6 +60,7 @@ def doel_runner(bundle: str, threads: int):
     from serve.sampling import SamplingParams
 
     engine = Engine(read_bundle(bundle), threads=threads, slots=1)
+    engine.warm_up()  # as doel-serve does at load (counted in load_s)
 
     def run(prompt: list[int], new_tokens: int) -> dict:
         # No stop ids: a random model may pick its end-of-sequence id, and every run must
@@ -185,6 +186,7 @@ def sweep(bundle: str, spec: dict) -> dict:
 
     streams = spec["streams"]
     engine = Engine(read_bundle(bundle), threads=spec["threads"], slots=max(streams))
+    engine.warm_up()
     prompts, new = spec["sweep_prompts"], spec["sweep_new_tokens"]
 
     async def main():
