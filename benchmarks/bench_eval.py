@@ -190,16 +190,17 @@ def markdown(rep: dict) -> str:
         "Log-likelihood of each choice given the context (train/scoring.py); acc_norm divides "
         "by the choice's characters; ± bootstrap standard error. Bangla tasks: gold answer "
         "against 3 distractors (TyDi QA: same-length spans of the passage; BLanCK: answers of "
-        "the same category).",
+        "the same category). Majority: the accuracy of always picking the most frequent gold "
+        "position, the score of a model that prefers one letter or one word.",
         "",
-        "| task | items (of) | acc | acc_norm | chance | seconds |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| task | items (of) | acc | acc_norm | chance | majority | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rep["tasks"].items():
         lines.append(
             f"| {name} | {r['items']:,} ({r['available']:,}) | {r['acc']:.3f} ± "
             f"{r['acc_stderr']:.3f} | {r['acc_norm']:.3f} ± {r['acc_norm_stderr']:.3f} "
-            f"| {r['chance']:.3f} | {r['seconds']:.0f} |"
+            f"| {r['chance']:.3f} | {r.get('majority', float('nan')):.3f} | {r['seconds']:.0f} |"
         )
     lines += [
         "",
@@ -237,6 +238,13 @@ def main() -> None:
     p.add_argument("--note", action="append", default=[])
     p.add_argument("--shards-meta", type=Path, help="for the card; default RUN/../shards/")
     p.add_argument("--crosscheck-only", action="store_true", help="keep the rest of --out's run")
+    p.add_argument(
+        "--crosscheck-tasks",
+        nargs="*",
+        default=None,
+        help="with --crosscheck-only: rerun "
+        "these tasks' cross-checks and keep the earlier run's others (default: all)",
+    )
     args = p.parse_args()
     import lm_eval
 
@@ -259,13 +267,17 @@ def main() -> None:
         old = json.loads((args.out / f"{args.name}.json").read_text())
         rep |= {k: old[k] for k in ("held_out", "tasks")}
         rep["notes"] = old["notes"] + args.note
+        if args.crosscheck_tasks is not None:
+            rep["crosscheck"] = {
+                t: c for t, c in old.get("crosscheck", {}).items() if t not in args.crosscheck_tasks
+            }
     else:
         print(f"held-out bits/char on {args.data}", flush=True)
         rep["held_out"] = held_out(args.model, args.data, args.eval_chars, args.device)
         rep["tasks"], lls = run_tasks(args.model, args.data, limits, args.limit, args.device)
-    rep["crosscheck"] = {}
+    rep.setdefault("crosscheck", {})
     write(rep, args.out, args.name)  # written after every stage: a long run keeps what it did
-    for t in (t for t in CROSSCHECK if t in rep["tasks"]):
+    for t in (t for t in CROSSCHECK if t in rep["tasks"] and t not in rep["crosscheck"]):
         n = cc_limits.get(t, rep["tasks"][t]["items"])
         c = crosscheck(args.model, args.data, t, lls.get(t), n, args.device)
         rep["crosscheck"][t] = c

@@ -266,6 +266,11 @@ def test_metrics():
     pred, _ = scoring.predictions(items[:1], [[-1.0, -1.0]])
     assert pred == [0]  # ties: the first, as np.argmax
     assert "| x | 100 | 0.400 ± 0.0" in scoring.format_tasks({"x": r})
+    # Always answering "the first choice" scores the share of gold 0, whatever chance says.
+    uneven = [Item.choices("q", ["a", "b", "c"], gold=int(i % 4 == 0)) for i in range(100)]
+    r = scoring.summarize(uneven, [[0.0, -1.0, -1.0]] * 100)
+    assert r["acc"] == r["majority"] == pytest.approx(0.75)
+    assert r["chance"] == pytest.approx(1 / 3)
 
 
 def test_task_accuracy_follows_the_models_ranking(model, tok):

@@ -12,6 +12,7 @@ input longer than the model's context is cut from the left.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -167,7 +168,10 @@ def bootstrap_stderr(correct: Sequence[bool], n_boot: int = 10_000, seed: int = 
 
 
 def summarize(items: Sequence[Item], lls: Sequence[Sequence[float]], seed: int = 0) -> dict:
-    """acc and acc_norm with bootstrap standard errors, and the chance level (mean 1/choices)."""
+    """acc and acc_norm with bootstrap standard errors, the chance level (mean 1/choices) and
+    the majority baseline: the accuracy of always picking the most frequent gold position. A
+    model that prefers one letter ("C") or one word ("no") scores that, not chance, on sets
+    whose answers are unevenly placed (CommonsenseQA's letters, BoolQ's yes/no)."""
     pred, norm = predictions(items, lls)
     acc = [p == it.gold for p, it in zip(pred, items)]
     acc_norm = [p == it.gold for p, it in zip(norm, items)]
@@ -179,6 +183,7 @@ def summarize(items: Sequence[Item], lls: Sequence[Sequence[float]], seed: int =
         "acc_norm": sum(acc_norm) / n if n else float("nan"),
         "acc_norm_stderr": bootstrap_stderr(acc_norm, seed=seed),
         "chance": sum(1 / len(it.requests) for it in items) / n if n else float("nan"),
+        "majority": max(Counter(it.gold for it in items).values()) / n if n else float("nan"),
     }
 
 
@@ -224,15 +229,17 @@ def run_tasks(
 
 
 def format_tasks(results: dict[str, dict]) -> str:
-    """A Markdown table: accuracy and length-normalised accuracy ± standard error, chance."""
+    """A Markdown table: accuracy and length-normalised accuracy ± standard error, chance and
+    the majority baseline."""
     lines = [
-        "| task | items | acc | acc_norm | chance |",
-        "|---|---:|---:|---:|---:|",
+        "| task | items | acc | acc_norm | chance | majority |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
         se = [r[k] if math.isfinite(r[k]) else 0.0 for k in ("acc_stderr", "acc_norm_stderr")]
         lines.append(
             f"| {name} | {r['items']:,} | {r['acc']:.3f} ± {se[0]:.3f} "
-            f"| {r['acc_norm']:.3f} ± {se[1]:.3f} | {r['chance']:.3f} |"
+            f"| {r['acc_norm']:.3f} ± {se[1]:.3f} | {r['chance']:.3f} "
+            f"| {r.get('majority', float('nan')):.3f} |"
         )
     return "\n".join(lines)
