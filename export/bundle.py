@@ -32,6 +32,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits implements
 # Weights per fp32 scale when --block-size is not given. int8 loses little to a block of 128,
 # while each block also costs ONNX Runtime's packed copy a scale and a block sum (measured at
 # 0.4B int8: peak RSS 668 MiB at 32, 566 at 128); int4 needs the small block for its accuracy.
+KV_CACHE = ("fp32", "fp16")
 DEFAULT_BLOCK = {"fp32": 32, "int8": 128, "int4": 32}
 MAX_WINDOW = 512  # tokens per forward when measuring the loss
 
@@ -45,6 +46,7 @@ class ExportOptions:
     texts: tuple[str, ...] = ()
     max_loss_increase: float | None = None  # nats/token; None: the default bound per quant
     eval_tokens: int = 4096
+    kv_cache: str = "fp32"  # fp16: half the cache's memory (builder graphs; see export/kvcache.py)
     force: bool = False
     tokenizer: str | None = None
     log: object = field(default=print, compare=False)
@@ -58,6 +60,8 @@ class ExportOptions:
             raise ExportError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.engine not in ("auto", "genai", "optimum"):
             raise ExportError(f"--engine must be auto, genai or optimum, got {self.engine!r}")
+        if self.kv_cache not in KV_CACHE:
+            raise ExportError(f"--kv-cache must be one of {KV_CACHE}, got {self.kv_cache!r}")
         if self.eval_tokens < 16:
             raise ExportError(f"--eval-tokens must be at least 16, got {self.eval_tokens}")
 
@@ -125,7 +129,7 @@ def manifest(
             "layout": "[batch, kv_heads, sequence, head_dim], past_key_values.{i}.key/.value in, "
             "present.{i}.key/.value out",
             "position_ids_input": "position_ids" in lm.input_names,
-            "dtype": np.dtype(lm.kv_dtype).name,  # float16 for quantized builder graphs
+            "dtype": np.dtype(lm.kv_dtype).name,  # float16 from --kv-cache fp16
             # GroupQueryAttention writes the new entries in place, so one preallocated buffer
             # can be bound as both past and present (much faster at long context).
             "past_present_share_buffer": engine == "genai",
@@ -156,7 +160,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     t0 = time.perf_counter()
     with staging(out, opts.force) as stage:
         log(f"building the {opts.quant} graph of {ckpt.architecture} with the {engine} engine")
-        model = graph.build_graph(ckpt, stage, opts.quant, opts.block_size, engine)
+        model = graph.build_graph(
+            ckpt, stage, opts.quant, opts.block_size, engine, half_kv=opts.kv_cache == "fp16"
+        )
         build_s = time.perf_counter() - t0
         shutil.copyfile(ckpt.tokenizer, stage / "tokenizer.json")
         log("checking parity against PyTorch")

@@ -13,8 +13,10 @@ Both quantize the same way: weight-only MatMulNBits (symmetric, one fp32 scale p
 `block_size` weights, activations quantized to int8 per block inside the kernel,
 accuracy_level 4) for every linear layer including the head; the embedding table, read one
 row per token, goes to 8 bits (GatherBlockQuantized, export/embedding.py): no decode time saved,
-but 100 MB of a 0.4B server's memory. Quantized builder graphs also keep their KV cache in fp16
-(export/kvcache.py).
+but 100 MB of a 0.4B server's memory. Quantized builder graphs can keep their KV cache in fp16
+(`--kv-cache fp16`, export/kvcache.py): half its memory, but on x86 ONNX Runtime's attention
+runs 2.4x slower in fp16 (it converts the cache to fp32 as it reads it), which costs batched
+decoding most: at 0.4B int4, 8 sequences a step took 48 ms with the fp16 cache, 39 with fp32.
 """
 
 from __future__ import annotations
@@ -197,14 +199,16 @@ def add_logits_to_keep(model: Path) -> bool:
     return True
 
 
-def build_graph(ckpt: Checkpoint, out: Path, quant: str, block_size: int, engine: str) -> Path:
+def build_graph(
+    ckpt: Checkpoint, out: Path, quant: str, block_size: int, engine: str, half_kv: bool = False
+) -> Path:
     if quant not in BITS:
         raise ExportError(f"--quant must be one of {sorted(BITS)}, got {quant!r}")
     build = build_genai if engine == "genai" else build_optimum
     model = build(ckpt, out, quant, block_size)
     add_logits_to_keep(model)
     if BITS[quant]:
-        if engine == "genai":
+        if engine == "genai" and half_kv:
             kvcache.half_kv_cache(model)
         embedding.quantize_embedding(model, block_size)  # last: it rewrites the weights file
     return model

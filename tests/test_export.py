@@ -150,7 +150,7 @@ def test_batch_axis_is_dynamic(fp32_bundle, ckpt):
 
 def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp32_bundle, tmp_path):
     out = tmp_path / "int4"
-    m = export_checkpoint(ckpt, out, _quiet(quant="int4", mobile=True))
+    m = export_checkpoint(ckpt, out, _quiet(quant="int4", mobile=True, kv_cache="fp16"))
     assert _nbits_attrs(out / "model.onnx") == {(4, 32)}
     loss = m["parity"]["loss"]
     # Quantization costs loss on a trained model, but little: the bound is 0.10 nats/token.
@@ -179,7 +179,7 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
         fp32_bundle / "model.onnx.data"
     ).stat().st_size - TINY.vocab_size * TINY.hidden_size * 3
 
-    # The cache is fp16 (fp32 bundles keep fp32): prefill + steps, with a shared buffer or not,
+    # The cache is fp16 as asked (fp32 bundles keep fp32): prefill + steps, shared buffer or not,
     # decode as the full forward does, and the ORT-format model takes the same cache.
     assert m["kv_cache"]["dtype"] == "float16" and _lm(out).kv_dtype == np.float16
     types = {i.name: i.type for i in _lm(out, "model.ort").session.get_inputs()}
@@ -311,6 +311,8 @@ def test_not_a_folder_and_bad_options(tmp_path, ckpt):
         export_checkpoint(tmp_path / "missing", tmp_path / "out", _quiet(quant="fp32"))
     with pytest.raises(ExportError, match="--block-size must be one of"):
         _quiet(quant="int4", block_size=24)
+    with pytest.raises(ExportError, match="--kv-cache must be one of"):
+        _quiet(quant="int4", kv_cache="fp8")
     (tmp_path / "t.csv").write_text("a,b\n")
     for text, message in (("nope.txt", "no such file"), ("t.csv", "give .txt or .jsonl")):
         with pytest.raises(ExportError, match=message):

@@ -219,16 +219,18 @@ def test_the_service_warms_its_engine_up_when_it_loads(bundle, monkeypatch):
     assert calls == [3]
 
 
-def test_a_quantized_bundle_with_an_fp16_cache_decodes_as_its_plain_loop(bundle, tmp_path):
-    """int4 bundles keep their cache in fp16 (export/kvcache.py): the engine allocates it so, in
-    every slot, and gives the export stage's greedy tokens, alone and batched."""
+@pytest.mark.parametrize("kv_cache, dtype", [("fp32", np.float32), ("fp16", np.float16)])
+def test_a_quantized_bundle_decodes_as_its_plain_loop(bundle, tmp_path, kv_cache, dtype):
+    """An int4 bundle with either cache precision (fp16: export/kvcache.py): the engine allocates
+    the cache so, in every slot, and gives the export stage's greedy tokens, alone and batched."""
     from export.bundle import ExportOptions, export_checkpoint
 
-    opts = ExportOptions(quant="int4", eval_tokens=64, log=lambda _m: None)
+    opts = ExportOptions(quant="int4", kv_cache=kv_cache, eval_tokens=64, log=lambda _m: None)
     export_checkpoint(bundle.parent / "serve-ckpt", tmp_path / "int4", opts)
     b = read_bundle(tmp_path / "int4")
+    assert b.manifest["kv_cache"]["dtype"] == np.dtype(dtype).name
     engine = Engine(b, threads=1, slots=2)
-    assert engine.kv_dtype == np.float16 and all(a.dtype == np.float16 for a in engine.kv_arrays)
+    assert engine.kv_dtype == dtype and all(a.dtype == dtype for a in engine.kv_arrays)
     engine.warm_up()
     want = _reference(tmp_path / "int4").greedy(PROMPT, 20)[0]
     assert list(engine.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0))) == want
