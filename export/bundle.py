@@ -33,7 +33,11 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits implements
 # while each block also costs ONNX Runtime's packed copy a scale and a block sum (measured at
 # 0.4B int8: peak RSS 668 MiB at 32, 566 at 128); int4 needs the small block for its accuracy.
 KV_CACHE = ("fp32", "fp16")
-DEFAULT_BLOCK = {"fp32": 32, "int8": 128, "int4": 32}
+# int4 at 128 weights a scale (4.25 bits a weight, q4_0 has 4.5): at 0.4B, 2 cores, a 128-token
+# prefill took 0.27 s against 0.37 at 32 (MatMulNBits is 90% of it) and decode ran 59 against
+# 49 tok/s; on the 650-step small model the held-out loss rose 0.0077 nats/token over fp32
+# against 0.0045 at 32 (benchmarks/results/quant_quality_small.md). --block-size 32 keeps it.
+DEFAULT_BLOCK = {"fp32": 32, "int8": 128, "int4": 128}
 MAX_WINDOW = 512  # tokens per forward when measuring the loss
 
 

@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=("fp32", "int8", "int4"), default="int4")
     p.add_argument("--mobile", action="store_true", help="also write model.ort (ORT Mobile)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
-    p.add_argument("--block-size", type=int, help="weights per scale (default: int4 32, int8 128)")
+    p.add_argument(
+        "--block-size", type=int, help="weights per scale (default 128; 32 for a little less loss)"
+    )
     p.add_argument(
         "--text",
         nargs="+",

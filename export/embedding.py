@@ -55,13 +55,20 @@ def _embedding_gather(graph):
 def quantize_embedding(model: Path, block_size: int) -> bool:
     """Rewrite `model` (and its external weights file) with an 8-bit embedding table; returns
     False, leaving it alone, when there is no such table of its own (a table shared with the
-    head) or the hidden size is not a multiple of the block."""
+    head) or no block size of 16 or more divides the hidden size. The table's block is the
+    largest power of two up to `block_size` that divides the hidden size (a tiny model's 64
+    under int4's 128)."""
     import onnx
     from onnx import external_data_helper, helper, numpy_helper
 
     m = onnx.load(str(model), load_external_data=False)
     node, init = _embedding_gather(m.graph)
-    if node is None or init.dims[1] % block_size:
+    if node is None:
+        return False
+    block_size = next(
+        (b for b in (256, 128, 64, 32, 16) if b <= block_size and not init.dims[1] % b), 0
+    )
+    if not block_size:
         return False
     external = [t for t in m.graph.initializer if external_data_helper.uses_external_data(t)]
     location = {e.key: e.value for e in external[0].external_data}["location"] if external else None

@@ -151,7 +151,7 @@ def test_batch_axis_is_dynamic(fp32_bundle, ckpt):
 def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp32_bundle, tmp_path):
     out = tmp_path / "int4"
     m = export_checkpoint(ckpt, out, _quiet(quant="int4", mobile=True, kv_cache="fp16"))
-    assert _nbits_attrs(out / "model.onnx") == {(4, 32)}
+    assert _nbits_attrs(out / "model.onnx") == {(4, 128)}
     loss = m["parity"]["loss"]
     # Quantization costs loss on a trained model, but little: the bound is 0.10 nats/token.
     assert 0 < loss["increase_nats_per_token"] < 0.10
@@ -164,7 +164,8 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
     last = {"input_ids": ids, "attention_mask": np.ones_like(ids), "logits_to_keep": np.array([1])}
     last |= _lm(out).empty_past(1)
     ort_last = _lm(out, "model.ort").session.run(["logits"], last)[0]
-    assert np.array_equal(ort_last, _lm(out).logits(ids)[:, -1:])
+    # One row through the head instead of 40: the kernel may sum in another order.
+    assert _rel(ort_last, _lm(out).logits(ids)[:, -1:]) < 1e-5
     assert m["parity"]["ort_format_vs_onnx"]["max_rel_err"] <= 1e-5
     size = sum(f["bytes"] for n, f in m["files"].items() if n.startswith("model.onnx"))
     fp32 = sum(p.stat().st_size for p in fp32_bundle.glob("model.onnx*"))
