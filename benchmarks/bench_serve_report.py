@@ -66,8 +66,7 @@ def bound_table(result: dict) -> list[str]:
     return lines
 
 
-def sweep_table(result: dict) -> list[str]:
-    sw = result["sweep"]
+def sweep_table(sw: dict) -> list[str]:
     if "points" not in sw:
         return [f"Sweep failed: {sw.get('error', '?')}"]
     lines = [
@@ -96,8 +95,7 @@ def sweep_table(result: dict) -> list[str]:
 def markdown(result: dict) -> str:
     p, m, bw = result["settings"], result["model"], result["bandwidth"]
     busy = [r["variant"] for r in result["rows"] if r.get("busy")]
-    if result["sweep"].get("busy"):
-        busy.append("sweep")
+    busy += [f"sweep {v}" for v, sw in result["sweeps"].items() if sw.get("busy")]
     lines = [
         f"# Serving benchmark, {p['preset']} (random weights) ({result['date']}, "
         f"{result['machine']})",
@@ -140,7 +138,7 @@ def markdown(result: dict) -> str:
         "",
         *bound_table(result),
         "",
-        f"## Concurrency sweep (our engine, int4, scheduler with {max(p['streams'])} slots)",
+        f"## Concurrency sweeps (our engine, scheduler with {max(p['streams'])} slots)",
         "",
         f"Streams arrive together, each a {p['sweep_prompt']}-token prompt and "
         f"{p['sweep_new_tokens']} new tokens; aggregate = all new tokens over the wall time "
@@ -148,9 +146,9 @@ def markdown(result: dict) -> str:
         "tokens after each stream's first over the time from the last first token to the end "
         "(every prompt prefilled); latency = a request's arrival to its last token; one stream "
         f"alone is {p['single_stream_rounds']} requests in turn.",
-        "",
-        *sweep_table(result),
     ]
+    for variant, sw in result["sweeps"].items():
+        lines += ["", f"### {variant}", "", *sweep_table(sw)]
     info = result["llama_cpp"]
     if "missing" in info:
         lines += ["", "llama-cpp-python was not installed; to build it:", "", "```"]
@@ -187,17 +185,20 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     axes[1].set_yscale("log")
-    pts = result["sweep"].get("points", [])
-    if pts:
+    for variant, sw in result["sweeps"].items():
+        pts = sw.get("points", [])
+        if not pts:
+            continue
         streams = [q["streams"] for q in pts]
-        axes[2].plot(streams, [q["aggregate_tok_s"] for q in pts], "o-", label="end to end")
-        axes[2].plot(streams, [q["decode_phase_tok_s"] for q in pts], "s--", label="decode phase")
-        one = pts[0]["aggregate_tok_s"]
-        axes[2].axhline(3 * one, color="grey", lw=0.8, ls=":", label="3x one stream (target)")
+        line = axes[2].plot(streams, [q["aggregate_tok_s"] for q in pts], "o-", label=variant)
+        axes[2].axhline(
+            3 * pts[0]["aggregate_tok_s"], color=line[0].get_color(), lw=0.8, ls=":",
+            label=f"3x one {variant} stream (target)",
+        )  # fmt: skip
         axes[2].set_xticks(streams)
         axes[2].legend(fontsize=8)
     axes[2].set_xlabel("concurrent streams")
-    axes[2].set_title("our engine int4: aggregate tokens/s", fontsize=10)
+    axes[2].set_title("our engine: aggregate tokens/s, end to end", fontsize=10)
     fig.suptitle(f"Serving, {p['preset']}, {p['threads']} threads ({result['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

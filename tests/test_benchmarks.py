@@ -152,7 +152,7 @@ def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
         "peak_rss_mb": 900.0,
     }
     p = bench.FULL
-    got = {t["target"]: t for t in bench.targets(rows, sweep, p)}
+    got = {t["target"]: t for t in bench.targets(rows, {"int4": sweep, "int8": {}}, p)}
     # Each target against the better llama.cpp row for it.
     decode = got["decode int4 / q4_0, 128-token prompt"]
     assert decode["value"] == pytest.approx(60 / 50) and decode["met"] and decode["peer"] == "q4_0"
@@ -162,9 +162,10 @@ def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
     memory = got["peak memory int4 / q4_0"]
     assert memory["value"] == pytest.approx(400 / 380) and memory["met"] is True
     assert got["aggregate tokens/s, 8 streams / 1 (int4)"]["met"] is True  # 3.5x
+    assert got["aggregate tokens/s, 8 streams / 1 (int8)"]["met"] is None  # not measured
     assert got["decode int8 / q8_0, 128-token prompt"]["met"] is None  # no llama.cpp row
     rows["q4_0 fa"]["peak_rss_mb"] = 300.0
-    assert bench.targets(rows, sweep, p)[4]["met"] is False  # 400 / 300 > 1.10
+    assert bench.targets(rows, {"int4": sweep}, p)[4]["met"] is False  # 400 / 300 > 1.10
     result = {
         "date": "today",
         "machine": "m",
@@ -181,14 +182,16 @@ def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
         "bandwidth": {"read_gb_s": 20.0, "copy_gb_s": 15.0, "threads": 2},
         "bandwidth_end": {"read_gb_s": 19.0},
         "rows": list(rows.values()),
-        "sweep": sweep,
-        "targets": bench.targets(rows, sweep, p),
+        "sweeps": {"int4": sweep, "int8": sweep | {"busy": True}},
+        "targets": bench.targets(rows, {"int4": sweep}, p),
         "llama_cpp": {"missing": bench.INSTALL_HINT},
     }
     md = markdown(result)
     assert "| peak memory int4 / q4_0 | 1.33 | <= 1.10 | **NOT met** | q4_0 fa |" in md
     assert "not measured" in md and "missing: not installed" in md
     assert "busy machine" in md and "int8" in md.split("busy machine")[1].split("\n")[0]
+    assert "sweep int8" in md.split("busy machine")[1].split("\n")[0]
+    assert md.count("| 8 | 8 | 70.0 | 3.50 |") == 2  # a table for each variant
     assert "pip wheel --no-deps" in md and "-mno-amx-tile" in md
     plot(result, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").stat().st_size > 10_000
