@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,13 +114,10 @@ def prepare(
                disable=not progress, smoothing=0.1, initial=run.reader.bytes_read)  # fmt: skip
     _drop_nfc(tok)  # this tokenizer only encodes documents that are NFC already
     t0, last = time.time(), time.time()
-    # The tokenizer encodes each batch on every core, without offsets (`_fast`), which shards
-    # do not need. Reading the next batch in a thread while it encodes measured slower on
-    # 2 cores (three busy threads, smaller batches), so there is none.
     try:
-        for batch in run.reader.batches():
-            closed = run.write(batch, tok.encode_batch_fast(batch.texts, add_special_tokens=True))
-            bar.update(run.reader.bytes_read - bar.n)
+        for batch, encs in _encoded(tok, run.reader.batches()):
+            closed = run.write(batch, encs)
+            bar.update(batch.reader_state[0]["bytes_read"] - bar.n)
             if closed or time.time() - last >= record_every:  # rare: the speed is kept
                 record.save(*run.state(time.time() - t0))
                 last = time.time()
@@ -135,6 +133,22 @@ def prepare(
     record.clear()
     log(format_balance(meta))
     return meta
+
+
+def _encoded(tok, batches):
+    """(batch, encodings) in order. The tokenizer encodes a batch on every core without the
+    GIL and without offsets (`_fast`), which shards do not need, in a worker thread, while this
+    thread writes the batch before it (turning encodings into ids holds the GIL for about as
+    long as the encoding takes) and reads the next."""
+    with ThreadPoolExecutor(1) as pool:
+        ahead = None
+        for batch in batches:
+            job = pool.submit(tok.encode_batch_fast, batch.texts, add_special_tokens=True)
+            if ahead is not None:
+                yield ahead[0], ahead[1].result()
+            ahead = (batch, job)
+        if ahead is not None:
+            yield ahead[0], ahead[1].result()
 
 
 def _load(tokenizer_path):
@@ -173,6 +187,7 @@ class _Run:
         self.reader = Reader(sources, val_sources, mix, cfg, list(self.stats))
         self.typecode = "H" if itemsize_for(vocab) == 2 else "I"
         self.seconds = 0.0  # of earlier attempts
+        self._reader_state, self._seen = self.reader.state()[0], []  # as of the last write
         if saved is None:
             for split in SPLITS:  # a fresh start leaves no shard of an older run behind
                 remove_shards(out, split)
@@ -182,6 +197,7 @@ class _Run:
             w.restore(state["writers"][split])
         self.stats, self.seconds = state["stats"], state["seconds"]
         self.reader.restore(state["reader"], side["seen"])
+        self._reader_state = self.reader.state()[0]
         self.overlap.restore(side)
         n = sum(p[0] for pos in self.reader.positions for p in pos.values())
         done = sum(len(w.shards) for w in self.writers.values())
@@ -208,6 +224,8 @@ class _Run:
                 texts = [t for t, v in val if v] if split == "val" else []
                 self.overlap.add(split, ids, n, texts)
             self._count(split, source[mask], chars[mask], n)
+        self._reader_state, digests = batch.reader_state
+        self._seen.append(digests)
         return sum(len(w.shards) for w in self.writers.values()) > before
 
     def _count(self, split: str, src, chars, n) -> None:
@@ -221,7 +239,8 @@ class _Run:
                 st[f"{split}_{key}"] += int(c)
 
     def state(self, seconds: float) -> tuple[dict, dict[str, bytes]]:
-        reader, seen = self.reader.state()
+        reader, seen = self._reader_state, b"".join(self._seen)
+        self._seen = []
         state = {
             "writers": {s: w.state() for s, w in self.writers.items()},
             "stats": self.stats,

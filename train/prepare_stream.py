@@ -4,6 +4,7 @@ with its split; and what a resume needs to continue the stream exactly (train/pr
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from hashlib import blake2b as _blake2b
@@ -24,6 +25,9 @@ class Batch:
     texts: list[str] = field(default_factory=list)
     source: list[int] = field(default_factory=list)  # index into the stats
     is_val: list[bool] = field(default_factory=list)
+    # The reader's state once this batch was read, and the digests it added (Reader.state):
+    # what a resume record needs after this batch is written, though the reader is ahead.
+    reader_state: tuple[dict, bytes] | None = None
 
 
 class Reader:
@@ -78,17 +82,19 @@ class Reader:
                 batch.is_val.append(self._val)
                 chars += len(text)
                 if chars >= self.cfg.batch_chars:
+                    batch.reader_state = self.state()
                     yield batch
                     batch, chars = Batch(), 0
         if batch.texts:
+            batch.reader_state = self.state()
             yield batch
 
     def state(self) -> tuple[dict, bytes]:
         """Between batches: the positions and counts (JSON), and the digests added since the
         last call (raw bytes, appended to the record's side file)."""
         state = {
-            "positions": self.positions,
-            "duplicates": self.duplicates,
+            "positions": copy.deepcopy(self.positions),  # the reader goes on changing them
+            "duplicates": dict(self.duplicates),
             "dup_with_val": self.dup_with_val,
             "val_hashes": len(self.val_hashes),
             "bytes_read": self.bytes_read,
