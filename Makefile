@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve clean
+.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ bench-export: $(BIN)/.installed
 # llama-cpp-python is benchmark-only: `$(BIN)/python benchmarks/bench_serve.py --install-llama-cpp`
 bench-serve: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_serve.py
+
+# Held-out loss of doel's int4/int8 bundles against llama.cpp's q4_0/q8_0 on a trained checkpoint
+bench-quant-quality: $(BIN)/.installed
+	$(BIN)/python benchmarks/bench_quant_quality.py
 
 clean:
 	rm -rf $(VENV) out
