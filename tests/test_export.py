@@ -151,7 +151,8 @@ def test_batch_axis_is_dynamic(fp32_bundle, ckpt):
 def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp32_bundle, tmp_path):
     out = tmp_path / "int4"
     m = export_checkpoint(ckpt, out, _quiet(quant="int4", mobile=True, kv_cache="fp16"))
-    assert _nbits_attrs(out / "model.onnx") == {(4, 128)}
+    assert _nbits_attrs(out / "model.onnx") == {(4, 128), (8, 128)}  # the head at 8 bits
+    assert m["quantization"]["lm_head"] == "int8 MatMulNBits"
     loss = m["parity"]["loss"]
     # Quantization costs loss on a trained model, but little: the bound is 0.10 nats/token.
     assert 0 < loss["increase_nats_per_token"] < 0.10
