@@ -177,9 +177,8 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
     assert "GatherBlockQuantized" in ops
     tables = [t for t in _graph(out / "model.onnx").initializer if "embed_tokens" in t.name]
     assert sorted(t.data_type for t in tables) == [1, 2]  # uint8 data, fp32 scales
-    assert (out / "model.onnx.data").stat().st_size < (
-        fp32_bundle / "model.onnx.data"
-    ).stat().st_size - TINY.vocab_size * TINY.hidden_size * 3
+    # All the weights together weigh less than the fp32 table alone would.
+    assert (out / "model.onnx.data").stat().st_size < TINY.vocab_size * TINY.hidden_size * 4
 
     # The cache is fp16 as asked (fp32 bundles keep fp32): prefill + steps, shared buffer or not,
     # decode as the full forward does, and the ORT-format model takes the same cache.
