@@ -4,7 +4,8 @@ against llama.cpp's, on the same token windows.
 The checkpoint (`--model`, a trained Hugging Face folder) is scored in
 - PyTorch fp32 (transformers: `export.parity.torch_reference`), the reference;
 - doel bundles (`export.bundle.export_checkpoint`, the genai builder's MatMulNBits): int4 at
-  block 32, 64 and 128, int8 at block 128, through `export.runner.OnnxLM`;
+  block 32, 64 and 128 with the head at 4 bits, at 32 and 128 (the default) with it at 8, and
+  int8 at block 128, through `export.runner.OnnxLM`;
 - llama.cpp (llama-cpp-python) on GGUF files of the same checkpoint: f32 from the
   `convert_hf_to_gguf.py` shipped in its source, q4_0 and q8_0 quantized from it
   (benchmarks/bench_serve_llama.py's `make_ggufs`). Ids are fed with `Llama.eval`, so llama.cpp
@@ -60,17 +61,19 @@ DEFAULT_TEXTS = (
     "../shared/data/bn/bnlp_resources_news_punct/news_test_news.txt",
     "../shared/data/en/gutenberg/pg1342_pride_and_prejudice_austen.txt",
 )
-# (row, engine, quant, block, nominal bits per weight: 4 or 8 bits plus one fp32 scale a block
-# for MatMulNBits; q4_0 / q8_0 hold one fp16 scale per 32 weights)
+# (row, engine, quant, block, head bits, nominal bits per weight: 4 or 8 bits plus one fp32
+# scale a block for MatMulNBits; q4_0 / q8_0 hold one fp16 scale per 32 weights)
 VARIANTS = [
-    ("torch fp32", "torch", "fp32", None, 32.0),
-    ("doel int4 b32", "doel", "int4", 32, 5.0),
-    ("doel int4 b64", "doel", "int4", 64, 4.5),
-    ("doel int4 b128", "doel", "int4", 128, 4.25),
-    ("doel int8 b128", "doel", "int8", 128, 8.25),
-    ("llama.cpp f32", "llama.cpp", "f32", None, 32.0),
-    ("llama.cpp q4_0", "llama.cpp", "q4_0", 32, 4.5),
-    ("llama.cpp q8_0", "llama.cpp", "q8_0", 32, 8.5),
+    ("torch fp32", "torch", "fp32", None, None, 32.0),
+    ("doel int4 b32, head int4", "doel", "int4", 32, 4, 5.0),
+    ("doel int4 b64, head int4", "doel", "int4", 64, 4, 4.5),
+    ("doel int4 b128, head int4", "doel", "int4", 128, 4, 4.25),
+    ("doel int4 b32, head int8", "doel", "int4", 32, 8, 5.0),
+    ("doel int4 b128, head int8 (default)", "doel", "int4", 128, 8, 4.25),
+    ("doel int8 b128", "doel", "int8", 128, 8, 8.25),
+    ("llama.cpp f32", "llama.cpp", "f32", None, None, 32.0),
+    ("llama.cpp q4_0", "llama.cpp", "q4_0", 32, None, 4.5),
+    ("llama.cpp q8_0", "llama.cpp", "q8_0", 32, None, 8.5),
 ]
 
 
@@ -88,16 +91,21 @@ def wait_quiet() -> None:
 def export_bundles(ckpt: Path, work: Path) -> dict[str, Path]:
     """The doel bundles, exported into `work` (reused where a manifest.json is already there)."""
     out = {}
-    for row, engine, quant, block, _ in VARIANTS:
+    for row, engine, quant, block, head, _ in VARIANTS:
         if engine != "doel":
             continue
-        out[row] = work / f"bundle-{quant}-b{block}"
+        out[row] = work / f"bundle-{quant}-b{block}-h{head}"
         if (out[row] / "manifest.json").is_file():
             continue
         wait_quiet()
         print(f"exporting {row} ...", flush=True)
         opts = ExportOptions(
-            quant=quant, block_size=block, eval_tokens=64, force=True, log=lambda *_: None
+            quant=quant,
+            block_size=block,
+            head_bits=head,
+            eval_tokens=64,
+            force=True,
+            log=lambda *_: None,
         )
         export_checkpoint(ckpt, out[row], opts)
     return out
@@ -274,7 +282,7 @@ def run_variants(ckpt, texts: list[dict], window: int, bundles: dict, ggufs: dic
     import llama_cpp
 
     sums, secs = {}, {}
-    for row, engine, quant, _, _ in VARIANTS:
+    for row, engine, quant, _, _, _ in VARIANTS:
         print(f"scoring {row} ...", flush=True)
         if engine == "torch":
             fn = torch_reference(ckpt)
@@ -302,8 +310,9 @@ def n_tokens(texts: list[dict]) -> int:
 def rows(sums: dict, secs: dict, texts: list[dict], weights: dict) -> list[dict]:
     out = []
     ref = sums["torch fp32"]
-    for row, engine, quant, block, nominal in VARIANTS:
+    for row, engine, quant, block, head, nominal in VARIANTS:
         r = {"variant": row, "engine": engine, "quant": quant, "block_size": block}
+        r["head_bits"] = head
         r |= {"nominal_bits_per_weight": nominal, "weights": weights.get(row)}
         r |= losses(sums[row], ref, texts) | {"score_s": secs[row]}
         if engine == "llama.cpp":
@@ -391,8 +400,8 @@ def run(args, work: Path) -> dict:
         "machine": f"{platform.platform()}, {os.cpu_count()} cores",
         "commit": commit,
         "note": "Held-out loss of each quantization against PyTorch fp32, all engines on the "
-        "same token windows: doel's MatMulNBits int4 (blocks 32/64/128) and int8 (block 128) "
-        "against llama.cpp's q4_0 and q8_0.",
+        "same token windows: doel's MatMulNBits int4 (blocks 32/64/128, the head at 4 or 8 "
+        "bits) and int8 (block 128) against llama.cpp's q4_0 and q8_0.",
         "texts": [{"path": str(p), "sha256": t["sha256"]} for p, t in zip(paths, texts)],
         "tokens": n_tokens(texts),
         "tokens_per_file": [f"{t['name']} {n_tokens([t]):,}" for t in texts],

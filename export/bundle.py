@@ -35,8 +35,9 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits implements
 KV_CACHE = ("fp32", "fp16")
 # int4 at 128 weights a scale (4.25 bits a weight, q4_0 has 4.5): at 0.4B, 2 cores, a 128-token
 # prefill took 0.27 s against 0.37 at 32 (MatMulNBits is 90% of it) and decode ran 59 against
-# 49 tok/s; on the 650-step small model the held-out loss rose 0.0077 nats/token over fp32
-# against 0.0045 at 32 (benchmarks/results/quant_quality_small.md). --block-size 32 keeps it.
+# 49 tok/s. On the 650-step small model, with the head at 4 bits too, the held-out loss rose
+# 0.0077 nats/token over fp32 against 0.0046 at 32; the head at 8 bits (the default) takes most
+# of that away (benchmarks/results/quant_quality_small.md).
 DEFAULT_BLOCK = {"fp32": 32, "int8": 128, "int4": 128}
 MAX_WINDOW = 512  # tokens per forward when measuring the loss
 
@@ -51,6 +52,7 @@ class ExportOptions:
     max_loss_increase: float | None = None  # nats/token; None: the default bound per quant
     eval_tokens: int = 4096
     kv_cache: str = "fp32"  # fp16: half the cache's memory (builder graphs; see export/kvcache.py)
+    head_bits: int = 8  # int4 bundles' head (builder graphs): 8, or 4 for the smallest bundle
     force: bool = False
     tokenizer: str | None = None
     log: object = field(default=print, compare=False)
@@ -64,6 +66,8 @@ class ExportOptions:
             raise ExportError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.engine not in ("auto", "genai", "optimum"):
             raise ExportError(f"--engine must be auto, genai or optimum, got {self.engine!r}")
+        if self.head_bits not in (4, 8):
+            raise ExportError(f"--head-bits must be 4 or 8, got {self.head_bits}")
         if self.kv_cache not in KV_CACHE:
             raise ExportError(f"--kv-cache must be one of {KV_CACHE}, got {self.kv_cache!r}")
         if self.eval_tokens < 16:
@@ -165,7 +169,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     with staging(out, opts.force) as stage:
         log(f"building the {opts.quant} graph of {ckpt.architecture} with the {engine} engine")
         model = graph.build_graph(
-            ckpt, stage, opts.quant, opts.block_size, engine, half_kv=opts.kv_cache == "fp16"
+            ckpt,
+            stage,
+            opts.quant,
+            opts.block_size,
+            engine,
+            half_kv=opts.kv_cache == "fp16",
+            head_bits=opts.head_bits,
         )
         build_s = time.perf_counter() - t0
         shutil.copyfile(ckpt.tokenizer, stage / "tokenizer.json")

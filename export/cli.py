@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache precision of quantized builder graphs: fp16 halves its memory, fp32 "
         "(default) decodes faster on x86, batched most",
     )
+    p.add_argument(
+        "--head-bits",
+        type=int,
+        choices=(4, 8),
+        default=8,
+        help="bits of an int4 bundle's head (default 8: far less loss; 4: the smallest bundle)",
+    )
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's)")
     p.add_argument("--json", action="store_true", help="print the manifest")
     return p
@@ -74,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             max_loss_increase=args.max_loss_increase,
             eval_tokens=args.eval_tokens,
             kv_cache=args.kv_cache,
+            head_bits=args.head_bits,
             force=args.force,
             tokenizer=args.tokenizer,
             log=lambda msg: print(msg, file=sys.stderr),

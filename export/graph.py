@@ -113,7 +113,9 @@ def _quiet(what: str):
         logging.disable(logging.NOTSET)
 
 
-def build_genai(ckpt: Checkpoint, out: Path, quant: str, block_size: int) -> Path:
+def build_genai(
+    ckpt: Checkpoint, out: Path, quant: str, block_size: int, head_bits: int = 8
+) -> Path:
     """Run onnxruntime-genai's builder; keep model.onnx, its weights and genai_config.json."""
     from onnxruntime_genai.models import builder
 
@@ -123,7 +125,7 @@ def build_genai(ckpt: Checkpoint, out: Path, quant: str, block_size: int) -> Pat
     # only implements for 4 bits (at 8 it writes a graph that does not load); kept apart, the
     # embedding stays fp32 as on untied models.
     options.append("shared_embeddings=0")
-    if quant == "int4":
+    if quant == "int4" and head_bits == 8:
         # The head at 8 bits, as llama.cpp's q4_0 keeps its output matrix at 6 or 8: on the
         # trained small model the int4 loss increase fell from +0.0077 to +0.0003 nats/token
         # (block 128); at 0.4B the head is 33.5M of the 360M weights read per token.
@@ -215,12 +217,22 @@ def add_logits_to_keep(model: Path) -> bool:
 
 
 def build_graph(
-    ckpt: Checkpoint, out: Path, quant: str, block_size: int, engine: str, half_kv: bool = False
+    ckpt: Checkpoint,
+    out: Path,
+    quant: str,
+    block_size: int,
+    engine: str,
+    half_kv: bool = False,
+    head_bits: int = 8,
 ) -> Path:
+    """The graph in `out`; `head_bits` applies to int4 builder graphs (optimum's keep the head
+    at the body's bits; the manifest reports what was written)."""
     if quant not in BITS:
         raise ExportError(f"--quant must be one of {sorted(BITS)}, got {quant!r}")
-    build = build_genai if engine == "genai" else build_optimum
-    model = build(ckpt, out, quant, block_size)
+    if engine == "genai":
+        model = build_genai(ckpt, out, quant, block_size, head_bits)
+    else:
+        model = build_optimum(ckpt, out, quant, block_size)
     add_logits_to_keep(model)
     if BITS[quant]:
         if engine == "genai" and half_kv:

@@ -312,6 +312,8 @@ def test_not_a_folder_and_bad_options(tmp_path, ckpt):
         export_checkpoint(tmp_path / "missing", tmp_path / "out", _quiet(quant="fp32"))
     with pytest.raises(ExportError, match="--block-size must be one of"):
         _quiet(quant="int4", block_size=24)
+    with pytest.raises(ExportError, match="--head-bits must be 4 or 8"):
+        _quiet(quant="int4", head_bits=2)
     with pytest.raises(ExportError, match="--kv-cache must be one of"):
         _quiet(quant="int4", kv_cache="fp8")
     (tmp_path / "t.csv").write_text("a,b\n")
