@@ -154,20 +154,22 @@ def onnx_weights(model: Path, vocab: int) -> dict:
         item = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
         size[t.name] = int(ext["length"]) if "length" in ext else n * item
     dims = {t.name: [int(d) for d in t.dims] for t in m.graph.initializer}
-    linear, head, emb, nbits, emb_ops = [], [], [], set(), set()
+    linear, head, emb, emb_ops = [], [], [], set()
+    nbits: dict[str, set] = {"linear": set(), "head": set()}
     for node in m.graph.node:
         stored = sum(size.get(i, 0) for i in node.input)
         if node.op_type == "MatMulNBits":
             a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-            (head if a["N"] == vocab else linear).append((stored, a["K"] * a["N"]))
-            nbits.add(f"int{a['bits']}")
+            part = "head" if a["N"] == vocab else "linear"
+            (head if part == "head" else linear).append((stored, a["K"] * a["N"]))
+            nbits[part].add(f"int{a['bits']}")
         elif node.op_type in ("Gather", "GatherBlockQuantized") and node.input[0] in size:
             # the table: fp32 [V, H], or 8-bit [V, H] (one weight a byte) with its scales
             emb.append((stored, int(np.prod(dims[node.input[0]]))))
             emb_ops.add("int8" if node.op_type == "GatherBlockQuantized" else "fp32")
     return {
-        "linear": group(linear, "/".join(sorted(nbits))),
-        "head": group(head, "/".join(sorted(nbits))),
+        "linear": group(linear, "/".join(sorted(nbits["linear"]))),
+        "head": group(head, "/".join(sorted(nbits["head"]))),
         "embedding": group(emb, "/".join(sorted(emb_ops))),
     }
 
