@@ -56,7 +56,7 @@ from export.runner import OnnxLM, bits, score, windows  # noqa: E402
 THREADS = 2
 REL_TOL = 1e-3  # llama.cpp f32 vs PyTorch fp32, relative, nats/token
 QUIET = Path("/tmp/doel-quiet")
-DEFAULT_MODEL = "/tmp/doel-bench-train3/doel-steps/final"
+DEFAULT_MODEL = "/tmp/doel-bench-train/doel-steps/final"  # bench_train.py --doel-steps 650
 DEFAULT_TEXTS = (
     "../shared/data/bn/bnlp_resources_news_punct/news_test_news.txt",
     "../shared/data/en/gutenberg/pg1342_pride_and_prejudice_austen.txt",
