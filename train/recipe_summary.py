@@ -147,14 +147,9 @@ def _eval_lines(ev: dict) -> list[str]:
                 f"{x['random_twin_bits_per_char']:.3f} | {x['xz_bits_per_char']:.3f} |"
             )
         if ev["tasks"]:
-            lines += ["", "| task | items | acc | acc_norm | chance | majority |"]
-            lines.append("|---|---:|---:|---:|---:|---:|")
-            for name, x in ev["tasks"].items():
-                lines.append(
-                    f"| {name} | {x['items']} | {x['acc']:.3f} ± {_num(x['acc_stderr'], '.3f')}"
-                    f" | {x['acc_norm']:.3f} | {x['chance']:.3f} "
-                    f"| {x.get('majority', float('nan')):.3f} |"
-                )
+            from train.scoring import format_tasks  # the table the model card and eval print
+
+            lines += ["", format_tasks(ev["tasks"])]
     return lines
 
 
