@@ -11,8 +11,9 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,23 +44,50 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def fresh_dir(parent: Path, prefix: str, suffix: str) -> Path:
+    """A new, empty folder in `parent`. Unlike `mkdtemp` (always 0700), it is made with mode 0777
+    so the kernel applies the user's umask: a bundle renamed from it can be served by another
+    account exactly when a folder made by `mkdir` could."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        try:
+            path.mkdir(mode=0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name in {parent}")
+
+
+def keep_umask(folder: Path) -> None:
+    """Give everything in `folder` the mode `open` / `mkdir` would give it under the user's
+    umask: some writers make theirs private (onnx 1.2x creates external weights 0600). `folder`
+    was made by `fresh_dir`, so its own mode is 0777 & ~umask, read without touching the
+    process-wide umask."""
+    dir_mode = stat.S_IMODE(folder.stat().st_mode)
+    for p in folder.rglob("*"):
+        if not p.is_symlink():
+            p.chmod(dir_mode if p.is_dir() else dir_mode & 0o666)
+
+
 @contextlib.contextmanager
 def staging(out: Path, force: bool) -> Iterator[Path]:
     """Yield an empty hidden folder beside `out`; when the block succeeds, it becomes `out`.
 
     On any error the staging folder is removed and `out` is left as it was, so a failed export
     never leaves a partial bundle. With `force`, an existing `out` is replaced only after the new
-    bundle is complete (moved aside, the new one renamed in, the old one deleted).
+    bundle is complete (moved aside, the new one renamed in, the old one deleted). The bundle and
+    its files get the modes the user's umask gives, so another account can serve it.
     """
     if out.exists() and not force:
         raise ExportError(f"{out} exists; pass --force to replace it or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    tmp = fresh_dir(out.parent, f".{out.name}.", ".tmp")
     try:
         yield tmp
+        keep_umask(tmp)
         old = None
         if out.exists():
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+            old = fresh_dir(out.parent, f".{out.name}.", ".old")
             os.replace(out, old / out.name)
         os.replace(tmp, out)
         if old is not None:

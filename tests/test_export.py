@@ -4,8 +4,11 @@ checks itself against), plus every refusal of bad input and the all-or-nothing w
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,22 @@ def _quiet(**kw) -> ExportOptions:
     return ExportOptions(log=lambda _msg: None, eval_tokens=1024, **kw)
 
 
+@contextlib.contextmanager
+def _umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _assert_modes(bundle: Path, mask: int) -> None:
+    """The bundle folder and each file in it have the modes mkdir and open give under `mask`."""
+    assert stat.S_IMODE(bundle.stat().st_mode) == 0o777 & ~mask
+    for p in bundle.iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask, p.name
+
+
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory, tokenizer_path, tok, sample_paths) -> Path:
     """The tiny model after 250 Adam steps on the sample, so that quantization costs loss."""
@@ -60,7 +79,8 @@ def ckpt(tmp_path_factory, tokenizer_path, tok, sample_paths) -> Path:
 @pytest.fixture(scope="session")
 def fp32_bundle(ckpt, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundles") / "fp32"
-    export_checkpoint(ckpt, out, _quiet(quant="fp32"))
+    with _umask(0o022):
+        export_checkpoint(ckpt, out, _quiet(quant="fp32"))
     return out
 
 
@@ -98,6 +118,7 @@ def test_fp32_bundle_matches_pytorch_and_describes_itself(fp32_bundle, ckpt, tok
     for name, entry in m["files"].items():
         assert entry["sha256"] == sha256_file(fp32_bundle / name)
     assert sha256_file(fp32_bundle / "tokenizer.json") == sha256_file(ckpt / "tokenizer.json")
+    _assert_modes(fp32_bundle, 0o022)  # written under umask 022: another account can serve it
     assert m["source"]["config_sha256"] == sha256_file(ckpt / "config.json")
     assert m["vocab_size"] == TINY.vocab_size and m["context_length"] == 256
     assert m["special_tokens"]["bos"] == {"id": 0, "token": "<|bos|>"}
@@ -371,8 +392,10 @@ def test_cli_refuses_an_existing_bundle_and_replaces_it_with_force(ckpt, tmp_pat
     out.mkdir()
     with pytest.raises(SystemExit, match="exists; pass --force"):
         main([str(ckpt), "--out", str(out), "--quant", "fp32"])
-    main([str(ckpt), "--out", str(out), "--quant", "int8", "--force", "--eval-tokens", "512"])
+    with _umask(0o027):
+        main([str(ckpt), "--out", str(out), "--quant", "int8", "--force", "--eval-tokens", "512"])
     assert "max rel err" in capsys.readouterr().out
+    _assert_modes(out, 0o027)
     q = json.loads((out / "manifest.json").read_text())["quantization"]
     # int8's default block is 128 weights a scale (int4 keeps 32: see the int4 test).
     assert q["bits"] == 8 and q["block_size"] == 128
