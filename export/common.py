@@ -69,6 +69,33 @@ def keep_umask(folder: Path) -> None:
             p.chmod(dir_mode if p.is_dir() else dir_mode & 0o666)
 
 
+def is_bundle(folder: Path) -> bool:
+    """Whether `folder` holds a manifest.json that doel-export wrote."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == "doel-export"
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an `out` that exists, unless `force` and it is empty or a bundle: --force replaces a
+    bundle, never a folder of someone's other files (nor a file)."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise ExportError(f"{out} exists; pass --force to replace it or choose another --out")
+    if not out.is_dir():
+        raise ExportError(
+            f"{out} is not a folder; --force replaces only a bundle: choose another --out"
+        )
+    if any(out.iterdir()) and not is_bundle(out):
+        raise ExportError(
+            f"{out} is not an export bundle (no doel-export manifest.json) and not empty; --force "
+            "replaces only a bundle: choose another --out, or empty or remove it yourself"
+        )
+
+
 @contextlib.contextmanager
 def staging(out: Path, force: bool) -> Iterator[Path]:
     """Yield an empty hidden folder beside `out`; when the block succeeds, it becomes `out`.
@@ -78,8 +105,7 @@ def staging(out: Path, force: bool) -> Iterator[Path]:
     bundle is complete (moved aside, the new one renamed in, the old one deleted). The bundle and
     its files get the modes the user's umask gives, so another account can serve it.
     """
-    if out.exists() and not force:
-        raise ExportError(f"{out} exists; pass --force to replace it or choose another --out")
+    check_out(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = fresh_dir(out.parent, f".{out.name}.", ".tmp")
     try:

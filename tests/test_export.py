@@ -402,6 +402,28 @@ def test_cli_refuses_an_existing_bundle_and_replaces_it_with_force(ckpt, tmp_pat
     assert _nbits_attrs(out / "model.onnx") == {(8, 128)}
 
 
+def test_force_replaces_only_a_bundle_never_other_files(ckpt, tmp_path, capsys):
+    files = {"notes.txt": "my notes", "photos/a.jpg": "jpeg", "web/manifest.json": '{"name": "x"}'}
+    for name, text in files.items():
+        (tmp_path / "mine" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "mine" / name).write_text(text)
+    (tmp_path / "a.txt").write_text("a file")
+    # A folder of other files, one with somebody else's manifest.json, a file.
+    for out in ("mine", "mine/web", "a.txt"):
+        with pytest.raises(SystemExit) as e:
+            main([str(ckpt), "--out", str(tmp_path / out), "--quant", "fp32", "--force"])
+        message = str(e.value.code)
+        assert message.startswith(f"error: {tmp_path / out} is not ") and "\n" not in message
+        assert "--force replaces only a bundle: choose another --out" in message
+    for name, text in files.items():
+        assert (tmp_path / "mine" / name).read_text() == text
+    assert (tmp_path / "a.txt").read_text() == "a file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "mine"]  # no staging folder
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "mine").rglob("*")) == sorted(
+        ["mine/notes.txt", "mine/photos", "mine/photos/a.jpg", "mine/web", "mine/web/manifest.json"]
+    )
+
+
 def test_cli_names_the_extra_when_a_package_is_missing(ckpt, tmp_path, monkeypatch):
     import sys
 
