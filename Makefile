@@ -10,22 +10,29 @@ ARGS ?=
 
 .PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality clean
 
+# The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
+# selenium, transformers for the parity tests).
+$(BIN)/.installed-demo: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -e '.[train,export,serve]'
+	touch $@
+
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -e '.[all]'
-	touch $@
+	touch $@ $(BIN)/.installed-demo
 
-demo: $(BIN)/.installed  # make demo DEMO_ARGS=--serve: keep the server up at the end
+demo: $(BIN)/.installed-demo  # make demo DEMO_ARGS=--serve: keep the server up at the end
 	$(BIN)/doel-train demo --out $(OUT) $(DEMO_ARGS)
 
 # The rented-GPU recipe: data -> tokenizer -> shards -> verify -> train -> eval -> bundles, with
 # the projected time and cost asked for before training (ARGS='--yes --price-per-hour 2.5').
-recipe: $(BIN)/.installed
+recipe: $(BIN)/.installed-demo
 	$(BIN)/pip install -q -e '.[all,hub]'
 	$(BIN)/doel-train recipe $(RECIPE) $(ARGS)
 
 # The same stages at tiny scale on this CPU, from local stand-ins: a few minutes, no GPU, no network.
-recipe-dry-run: $(BIN)/.installed
+recipe-dry-run: $(BIN)/.installed-demo
 	$(BIN)/doel-train recipe $(RECIPE) --dry-run --yes $(ARGS)
 
 test: $(BIN)/.installed
