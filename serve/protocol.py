@@ -5,14 +5,18 @@ where a request becomes the engine's parameters.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from serve.sampling import MIN_REPETITION_PENALTY, SamplingParams
 
 MAX_TOKENS = 1 << 20  # a bound for the schema; the context length is checked per request
 MAX_STOPS = 4  # as OpenAI
+# Characters in one stop string: enough for any real delimiter, and it bounds the text a
+# stream holds back and searches for each token (serve/textstream.py).
+MAX_STOP_CHARS = 256
 INT64_MAX = (1 << 63) - 1
 
 
@@ -40,7 +44,7 @@ class CompletionRequest(Request):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=INT64_MAX)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOPS)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one completion per request")
@@ -48,6 +52,18 @@ class CompletionRequest(Request):
     echo: Literal[False] = False
     logprobs: None = None
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _short_stops(cls, stop: str | list[str] | None):
+        for s in [stop] if isinstance(stop, str) else stop or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise PydanticCustomError(
+                    "stop_too_long",
+                    "a stop string is {n} characters, over the limit of {limit}; shorten it",
+                    {"n": len(s), "limit": MAX_STOP_CHARS},
+                )
+        return stop
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 REPLACEMENT = "\ufffd"
 VIRAMA = "\u09cd"
 ZW = ("\u200c", "\u200d")  # ZWNJ, ZWJ: they shape the cluster they sit in
+MAX_CHAR_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte tokens
+MAX_CLUSTER = 32  # characters; a Bengali cluster has under 10
 
 
 def _bengali_letter(ch: str) -> bool:
@@ -51,13 +53,16 @@ def open_cluster_start(text: str) -> int:
 
 
 def stop_prefix_start(text: str, stops: Sequence[str]) -> int:
-    """Index of the longest tail of `text` that is a proper prefix of a stop string."""
+    """Index of the longest tail of `text` that is a proper prefix of a stop string. Only the
+    last len(stop) - 1 characters can start one, so the work is bounded by the stops' length."""
     start = len(text)
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:n]):
-                start = min(start, len(text) - n)
+        i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+        while 0 <= i < start:
+            if stop.startswith(text[i:]):
+                start = i
                 break
+            i = text.find(stop[0], i + 1)
     return start
 
 
@@ -67,51 +72,89 @@ class TextStream:
     `decode` is the tokenizer's decode (ids → str). `context` holds a few prompt ids that are
     decoded in front of the completion, so that decoders which treat the first token specially
     (a leading space stripped) decode the completion as they would inside the whole text.
+
+    The work per id does not grow with the completion. Decoding is incremental: the window
+    decoded is the ids read last time, whose text (`prefix`) is cut off the front, and the ids
+    since, and it moves on once its text ends in a whole character. A window starts where the
+    text before it is whole characters, so decoders that join pieces (ByteFallback + Fuse,
+    ByteLevel) give the text that decoding the whole completion at once gives. Only the text
+    not sent yet is kept: a stop string cannot start in text already sent (its beginning would
+    have been held back), so that is all the stop search reads, and only its new tail at that.
     """
 
     def __init__(self, decode, stops: Sequence[str] = (), context: Sequence[int] = ()):
         self.decode = decode
         self.stops = [s for s in stops if s]
-        self.context = list(context)
-        self.prefix = decode(self.context) if self.context else ""
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the completion already returned
+        self.ids = list(context)  # the decode window: ids[:read] are decoded into text
+        self.read = len(self.ids)
+        self.prefix = decode(self.ids) if self.ids else ""  # the text of ids[:read]
+        self.held = ""  # decoded text not sent yet
         self.stopped = False
 
-    def text(self) -> str:
-        full = self.decode(self.context + self.ids)
-        return full[len(self.prefix) :] if full.startswith(self.prefix) else full
-
-    def _find_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+    def _new_text(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        window = self.decode(self.ids)
+        pending = len(self.ids) - self.read
+        if window.endswith(REPLACEMENT) and pending < MAX_CHAR_TOKENS:
+            return ""  # half a UTF-8 character: its other bytes are in the next ids
+        cut = len(self.prefix)
+        if not window.startswith(self.prefix):  # the prompt ended in half a character
+            cut = len(self.prefix.rstrip(REPLACEMENT))
+        new = window[cut:]
+        # Move the window on: the ids just read become its front (their text is cut off the
+        # next window's text) and older ones are dropped.
+        del self.ids[: self.read]
+        self.read = len(self.ids)
+        self.prefix = self.decode(self.ids)
+        return new
 
     def push(self, token_id: int) -> str:
         """Add one id; return the new safe text (maybe empty). After a stop string, `stopped`."""
-        self.ids.append(token_id)
-        text = self.text()
-        cut = self._find_stop(text)
+        if self.stopped:
+            return ""
+        new = self._new_text(token_id)
+        if not new:
+            return ""
+        before = len(self.held)
+        self.held += new
+        cut = self._find_stop(before)
         if cut is not None:
             self.stopped = True
-            return self._emit(text[:cut])
-        safe = len(text)
-        if text.endswith(REPLACEMENT):
-            safe = len(text.rstrip(REPLACEMENT))
-        safe = min(safe, open_cluster_start(text[:safe]), stop_prefix_start(text, self.stops))
-        return self._emit(text[:safe])
+            out, self.held = self.held[:cut], ""
+            return out
+        safe = min(self._cluster_start(), stop_prefix_start(self.held, self.stops))
+        return self._emit(safe)
 
     def finish(self) -> str:
         """The held-back rest at the end of generation (a stop string ends it first)."""
         if self.stopped:
             return ""
-        text = self.text()
-        cut = self._find_stop(text)
-        return self._emit(text if cut is None else text[:cut])
+        before = len(self.held)
+        if len(self.ids) > self.read:  # ids that never made a whole character
+            self.held += self.decode(self.ids)[len(self.prefix) :]
+        cut = self._find_stop(before)
+        self.stopped = cut is not None
+        return self._emit(len(self.held) if cut is None else cut)
 
-    def _emit(self, safe: str) -> str:
-        # A held-back tail can decode differently once more ids arrive; never take text back.
-        if len(safe) <= self.sent:
-            return ""
-        new = safe[self.sent :]
-        self.sent = len(safe)
-        return new
+    def _find_stop(self, before: int) -> int | None:
+        """Where the first stop string in `held` starts; it can only end in the new text, so
+        the search starts len(stop) - 1 characters before that."""
+        hits = []
+        for s in self.stops:
+            i = self.held.find(s, max(0, before - len(s) + 1))
+            if i >= 0:
+                hits.append(i)
+        return min(hits) if hits else None
+
+    def _cluster_start(self) -> int:
+        """Where the open cluster at the end of `held` starts; a run of marks longer than any
+        real cluster is not held back (a model can emit marks without end)."""
+        tail = self.held[-MAX_CLUSTER:]
+        i = open_cluster_start(tail)
+        if i == 0 and len(self.held) > len(tail):
+            return len(self.held)
+        return len(self.held) - len(tail) + i
+
+    def _emit(self, safe: int) -> str:
+        out, self.held = self.held[:safe], self.held[safe:]
+        return out

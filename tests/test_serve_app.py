@@ -223,3 +223,13 @@ def test_the_playground_page_streams_from_the_completions_route(client):
     for control in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"):
         assert f'id="{control}"' in page
     assert '"/v1/completions"' in page and "stream: true" in page and "getReader" in page
+
+
+def test_a_stop_string_over_256_characters_is_refused_by_name(client):
+    r = client.post("/v1/completions", json={"prompt": "x", "stop": ["a", "b" * 257]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "stop", r.text
+    assert "257 characters, over the limit of 256" in err["message"]
+    for stop in ("b" * 256, "hello", ["a", "b" * 256]):  # a string stop is not a list of 4
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stop": stop})
+        assert r.status_code == 200, r.text

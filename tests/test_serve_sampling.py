@@ -4,6 +4,7 @@ character, a Bengali grapheme cluster or a stop string."""
 from __future__ import annotations
 
 import unicodedata
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,3 +120,72 @@ def test_a_stop_string_ends_the_text_and_is_never_sent(tok):
     assert "".join(chunks) == "one two " and ts.stopped
     chunks, ts = _stream(tok, "one two th", stops=["three"])
     assert "".join(chunks) == "one two th" and not ts.stopped  # an unfinished stop is text
+
+
+SAMPLE_BN = Path(__file__).resolve().parents[1] / "train" / "sample" / "bn.txt"
+
+
+def _long_text(n_chars: int = 6000) -> str:
+    """Bangla prose with an emoji every 300 characters (spelled with byte-fallback tokens)."""
+    bn = SAMPLE_BN.read_text(encoding="utf-8")[:n_chars]
+    return "🙂".join(bn[i : i + 300] for i in range(0, len(bn), 300))
+
+
+def _counting(decode):
+    """`decode` that records how many ids and characters each call handles."""
+    calls: list[tuple[int, int]] = []
+
+    def counted(ids):
+        text = decode(ids)
+        calls.append((len(ids), len(text)))
+        return text
+
+    return counted, calls
+
+
+def test_per_token_work_does_not_grow_with_the_completion(tok):
+    """Issue 15's reproduction, scaled: four stop strings at the 256-character cap whose
+    beginnings run through the text (so tails are held back and searched), over a 2,000-token
+    completion. The ids and characters decoded for token 2,000 are those for token 20 (the
+    whole completion was decoded again each token), and the text held back, which is all that
+    the search for stops reads, stays within a stop string's length."""
+    text = _long_text()
+    ids = tok.encode(text, add_special_tokens=False).ids[:2050]
+    assert len(ids) == 2050
+    stops = [text[k : k + 255] + "\x00" for k in (100, 1500, 3000, 4500)]  # never complete
+    decode, calls = _counting(tok.decode)
+    ts = TextStream(decode, stops, context=[0])
+    per_token, held = [], []
+    for i in ids:
+        start = len(calls)
+        ts.push(i)
+        per_token.append(sum(n + c for n, c in calls[start:]))
+        held.append(len(ts.held))
+    early, late = per_token[10:30], per_token[1990:2010]
+    assert max(late) <= 2 * max(early) and sum(late) <= 1.5 * sum(early), (early, late)
+    assert 200 < max(held) <= 256 + 64, max(held)  # a stop's beginning was held back, no more
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def test_a_long_completion_streams_the_whole_decode_and_cuts_at_the_first_stop(tok):
+    """The incremental decoding gives exactly the whole decode (byte-fallback characters whole,
+    nothing lost at window boundaries), and stops found 1,800 tokens in cut where a search of
+    the whole text would."""
+    text = _long_text()
+    whole = tok.decode(tok.encode(text, add_special_tokens=False).ids[:2050])
+    chunks, ts = _stream(tok, whole)
+    assert "".join(chunks) == whole and not ts.stopped
+    assert not any("\ufffd" in c for c in chunks)
+    late = len(whole) * 9 // 10
+    for stops in (
+        ["never", whole[late : late + 256]],
+        [whole[late + 40 : late + 45], whole[late : late + 200], "🙂"],
+        [whole[late : late + 3] + "\x00", whole[late + 1 : late + 3]],
+    ):
+        cut = _first_stop(whole, stops)
+        chunks, ts = _stream(tok, whole, stops)
+        assert "".join(chunks) == whole[:cut] and ts.stopped, stops
