@@ -57,6 +57,7 @@ class Settings:
     slots: int = 4  # sequences decoded together (each holds a full-context KV cache)
     max_body_bytes: int = 1 << 20
     cors_origins: tuple[str, ...] = ()  # none: CORS off
+    max_headers: int = 256  # as vLLM; more is refused with 431
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
@@ -252,6 +253,11 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
-    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        Guard,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        max_headers=settings.max_headers,
+    )
     app.add_middleware(CountRequests, metrics=app.state.metrics)  # outermost: counts 401s too
     return app

@@ -2,6 +2,8 @@
 
 It binds 127.0.0.1 unless told otherwise; `--api-key` (or DOEL_API_KEY) then guards every route
 but /health. The bundle is checked before the port opens, so a wrong folder is a one-line error.
+Connections get the limits of serve/limits.py (read deadline, keep-alive, a cap, header count),
+served by uvicorn's h11 protocol with those added.
 Heavy imports happen inside `main`, so a missing extra prints the `pip install` line that fixes
 it.
 """
@@ -9,11 +11,13 @@ it.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
 EXTRA_HINT = "pip install 'doel[serve]'"
 KEY_ENV = "DOEL_API_KEY"
+FD_RESERVE = 64  # descriptors kept for the model's files, the log and the listening socket
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +44,51 @@ def build_parser() -> argparse.ArgumentParser:
         "--cors-origin", action="append", default=[], help="allow this browser origin (repeat)"
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    limits = p.add_argument_group("connection limits (see serve/limits.py)")
+    limits.add_argument(
+        "--timeout-read",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds to receive a whole request, head and body, from its first byte or the "
+        "connection's opening; then 408 and close (default 30)",
+    )
+    limits.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds an idle connection is kept between requests (default 5)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        metavar="N",
+        help="open connections; a new one over it is answered 503 (default 512)",
+    )
+    limits.add_argument(
+        "--max-headers",
+        type=int,
+        default=256,
+        metavar="N",
+        help="headers in a request; more is refused with 431 (default 256)",
+    )
     return p
+
+
+def log_config(level: str, floods) -> dict:
+    """uvicorn's logging, plus our `doel` logger on its handler and the flood filter on the
+    loggers that write a line (or a traceback) per socket."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["filters"] = {"floods": {"()": lambda: floods}}
+    cfg["loggers"]["uvicorn.error"]["filters"] = ["floods"]
+    quiet = {"handlers": ["default"], "propagate": False, "filters": ["floods"]}
+    cfg["loggers"]["asyncio"] = {**quiet, "level": "WARNING"}
+    cfg["loggers"]["doel"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,13 +96,18 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("threads", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
-    if args.slots < 1:
-        sys.exit("error: --slots must be 1 or more")
+    for name in ("slots", "max_connections", "max_headers"):
+        if getattr(args, name) < 1:
+            sys.exit(f"error: --{name.replace('_', '-')} must be 1 or more")
+    for name in ("timeout_read", "timeout_keep_alive"):
+        if not 0 < getattr(args, name) <= 3600:
+            sys.exit(f"error: --{name.replace('_', '-')} must be between 0 and 3600 seconds")
     try:
         import uvicorn
 
         from serve.app import Settings, create_app
         from serve.engine import BundleError, read_bundle
+        from serve.limits import QuietFloods, Refusals, protocol_class, raise_open_files
     except ModuleNotFoundError as e:
         sys.exit(f"doel-serve needs the {e.name!r} package, part of the serve extra: {EXTRA_HINT}")
     try:
@@ -70,5 +123,24 @@ def main(argv: list[str] | None = None) -> None:
         slots=args.slots,
         max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin),
+        max_headers=args.max_headers,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    _, files = raise_open_files()
+    if files and args.max_connections > files - FD_RESERVE:
+        print(
+            f"warning: the open-file limit is {files}; --max-connections lowered from "
+            f"{args.max_connections} to {files - FD_RESERVE} (raise it with ulimit -n)",
+            file=sys.stderr,
+        )
+        args.max_connections = max(files - FD_RESERVE, 1)
+    app = create_app(settings)
+    refusals = Refusals(app.state.metrics)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_config=log_config(args.log_level, QuietFloods(refusals)),
+        http=protocol_class(args.timeout_read, args.max_connections, refusals),
+        timeout_keep_alive=args.timeout_keep_alive,
+    )

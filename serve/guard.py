@@ -1,4 +1,4 @@
-"""ASGI middleware in front of every route: the API key and the body-size limit.
+"""ASGI middleware in front of every route: the header count, the API key, the body-size limit.
 
 It is plain ASGI rather than FastAPI dependencies so that it also covers 404s, the OpenAPI page
 and bodies sent without a Content-Length (chunked), which are read up to the limit and replayed.
@@ -14,17 +14,28 @@ import json
 OPEN_PATHS = ("/health", "/")
 
 
+def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return json.dumps(body).encode()
+
+
 async def _reply(send, status: int, message: str, kind: str, headers=()) -> None:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    data = json.dumps(body).encode()
+    data = error_body(status, message, kind)
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
     await send({"type": "http.response.body", "body": data})
 
 
 class Guard:
-    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        app,
+        api_key: str | None = None,
+        max_body_bytes: int = 1 << 20,
+        max_headers: int = 256,
+    ):
         self.app, self.api_key, self.limit = app, api_key, max_body_bytes
+        self.max_headers = max_headers
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         given = headers.get(b"authorization", b"")
@@ -34,6 +45,10 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if len(scope["headers"]) > self.max_headers:  # h11 caps their bytes (16 KiB), not count
+            n = len(scope["headers"])
+            why = f"the request has {n} headers; at most {self.max_headers} are accepted"
+            return await _reply(send, 431, why, "invalid_request_error")
         headers = dict(scope["headers"])
         if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
             challenge = [(b"www-authenticate", b"Bearer")]

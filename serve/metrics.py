@@ -1,5 +1,6 @@
 """Prometheus text exposition for GET /metrics, without the client library (one dependency less):
-requests by route and status, tokens in and out, time to first token, decode speed, queue depth.
+requests by route and status, tokens in and out, time to first token, decode speed, queue depth,
+open connections and those refused below HTTP (serve/limits.py: timeouts, over the limit).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Metrics:
         self.decode_seconds = 0.0  # time spent on tokens after the first
         self.decode_tokens = 0
         self.last_tokens_per_second = 0.0
+        self.connections_open = 0
+        self.refused: Counter[str] = Counter()  # by kind, counted by serve.limits.Refusals
 
     def completion(self, prompt: int, generated: int, ttft: float, total: float) -> None:
         self.prompt_tokens += prompt
@@ -94,6 +97,21 @@ class Metrics:
                 "gauge",
                 "requests on the engine",
                 [f"doel_requests_running {running}"],
+            ),
+            *block(
+                "doel_connections_open",
+                "gauge",
+                "HTTP connections open",
+                [f"doel_connections_open {self.connections_open}"],
+            ),
+            *block(
+                "doel_connections_refused_total",
+                "counter",
+                "connections closed or refused before the app (read timeout, over the limit...)",
+                [
+                    f'doel_connections_refused_total{{reason="{k}"}} {n}'
+                    for k, n in sorted(self.refused.items())
+                ],
             ),
         ]
         return "\n".join(out) + "\n"

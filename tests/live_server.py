@@ -56,6 +56,17 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _child_setup(nofile: tuple[int, int] | None):
+    def setup() -> None:
+        _die_with_parent()
+        if nofile is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+    return setup
+
+
 def _healthy(proc: subprocess.Popen, url: str, timeout: float) -> bool:
     """True once /health is 200; False if the process exits first; fails at the deadline."""
     end = time.monotonic() + timeout
@@ -84,9 +95,15 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def live_server(
-    bundle: Path, log_dir: Path, *args: str, timeout: float = 60, tries: int = 3
+    bundle: Path,
+    log_dir: Path,
+    *args: str,
+    timeout: float = 60,
+    tries: int = 3,
+    nofile: tuple[int, int] | None = None,
 ) -> Iterator[LiveServer]:
-    """`python -m serve BUNDLE --port P --threads 1 ARGS...`, healthy, stopped on exit."""
+    """`python -m serve BUNDLE --port P --threads 1 ARGS...`, healthy, stopped on exit;
+    `nofile`: the server's open-file limit (soft, hard) as it starts."""
     env = {k: v for k, v in os.environ.items() if k != "DOEL_API_KEY"}
     for attempt in range(1, tries + 1):
         port = free_port()
@@ -100,7 +117,7 @@ def live_server(
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(nofile),
             )
         url = f"http://127.0.0.1:{port}"
         try:
