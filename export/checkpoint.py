@@ -1,5 +1,7 @@
-"""Read and check the checkpoint folder before any work: Hugging Face layout, safetensors weights,
-a causal-LM architecture, and a tokenizer whose ids fit the model's vocabulary.
+"""Read and check the checkpoint folder before any work: Hugging Face layout, safetensors weights
+whose headers parse and whose sizes match the files' lengths (a truncated copy is refused in a
+second, naming the file), a causal-LM architecture, and a tokenizer whose ids fit the model's
+vocabulary.
 
 Every refusal says what is wrong and what to pass instead; nothing is written before these checks
 pass.
@@ -8,6 +10,7 @@ pass.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,13 @@ HF_HINT = (
     "expected a model folder in Hugging Face layout (config.json + model.safetensors), such as "
     "RUN/final written by `doel-train fit` or a folder written by `save_pretrained`"
 )
+
+# Bytes per element of the safetensors dtypes a language model's weights use; a dtype not listed
+# (sub-byte ones) is checked only through the file's total length.
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,8 @@ def _read_config(folder: Path) -> dict:
         raise ExportError(f"{folder} has no config.json; {HF_HINT}")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ExportError(f"cannot read {path} ({e.strerror}); {HF_HINT}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExportError(f"{path} is not valid JSON ({e}); {HF_HINT}") from None
     if not isinstance(config, dict) or not config.get("architectures"):
@@ -54,9 +66,77 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
+def _safetensors_header(path: Path, size: int) -> tuple[int, dict]:
+    """(header length, {tensor: entry}) of a safetensors file; ValueError when unreadable."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or n > size - 8:
+            raise ValueError("no room for the header")
+        header = json.loads(f.read(n))  # its errors are ValueErrors
+    if not isinstance(header, dict):
+        raise ValueError("header is not an object")
+    return n, {k: v for k, v in header.items() if k != "__metadata__"}
+
+
+def _span(entry: dict) -> tuple[int, int, int]:
+    """(begin, end, bytes its shape and dtype need; 0 for a dtype not in DTYPE_BYTES)."""
+    begin, end = (int(x) for x in entry["data_offsets"])
+    return (
+        begin,
+        end,
+        math.prod(int(d) for d in entry["shape"]) * DTYPE_BYTES.get(entry["dtype"], 0),
+    )
+
+
+def _check_safetensors(path: Path) -> None:
+    """Parse the header and compare the sizes it states with the file's length: a truncated or
+    damaged file is refused here, in a second, not deep inside a graph builder minutes later."""
+    again = "copy it again or save the checkpoint again"
+    size = path.stat().st_size
+    try:
+        n, tensors = _safetensors_header(path, size)
+        spans = {name: _span(t) for name, t in tensors.items()}
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        raise ExportError(
+            f"{path} is truncated or not a safetensors file (no readable header in its {size} "
+            f"bytes); {again}"
+        ) from None
+    for name, (begin, stop, need) in spans.items():
+        if stop < begin or (need and stop - begin != need):
+            raise ExportError(
+                f"{path} is damaged: tensor {name!r} takes {stop - begin} bytes where its shape "
+                f"and dtype need {need}; {again}"
+            )
+    end = max((stop for _, stop, _ in spans.values()), default=0)
+    if 8 + n + end != size:
+        raise ExportError(
+            f"{path} is truncated or damaged: its header describes {8 + n + end} bytes, the file "
+            f"has {size}; {again}"
+        )
+
+
+def _check_shards(folder: Path) -> None:
+    """Every weights file a sharded checkpoint's index names must be there."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ExportError(f"{index} is not JSON with a weight_map; copy it again") from None
+    missing = sorted(str(n) for n in names if not (folder / str(n)).is_file())
+    if missing:
+        raise ExportError(
+            f"{folder} lacks {', '.join(missing)}, named in {index.name}; copy the whole folder"
+        )
+
+
 def _weights(folder: Path) -> tuple[Path, ...]:
     found = tuple(sorted(folder.glob("*.safetensors")))
     if found:
+        _check_shards(folder)
+        for path in found:
+            _check_safetensors(path)
         return found
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         raise ExportError(

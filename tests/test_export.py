@@ -7,8 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -325,6 +328,76 @@ def test_bad_input_is_refused_before_anything_is_written(ckpt, tmp_path, how, me
     bad = _break(ckpt, tmp_path, how)
     with pytest.raises(ExportError, match=message):
         export_checkpoint(bad, tmp_path / "out", _quiet(quant="fp32"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def _damage(ckpt: Path, tmp: Path, how: str) -> tuple[Path, Path]:
+    """A copy of the checkpoint with one file damaged as an interrupted copy or a bad disk would;
+    returns (folder, the damaged file)."""
+    bad = tmp / "bad"
+    shutil.copytree(ckpt, bad)
+    weights = bad / "model.safetensors"
+    data = weights.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    if how == "cut in the weights":
+        weights.write_bytes(data[: len(data) // 2])
+    elif how == "cut in the header":
+        weights.write_bytes(data[: 8 + n // 2])
+    elif how == "four bytes":
+        weights.write_bytes(data[:4])
+    elif how == "header not JSON":
+        weights.write_bytes(data[:8] + b"#" * n + data[8 + n :])
+    elif how == "a tensor's size":  # same length, so only the tensor's own size can tell
+        weights.write_bytes(data.replace(b'"F32"', b'"F16"', 1))
+    elif how == "missing shard":
+        index = {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+        return bad, bad
+    elif how == "cut config":
+        text = (bad / "config.json").read_text()
+        (bad / "config.json").write_text(text[: len(text) // 2])
+        return bad, bad / "config.json"
+    return bad, weights
+
+
+DAMAGE = {
+    "cut in the weights": r"is truncated or damaged: its header describes \d+ bytes, the file has",
+    "cut in the header": "is truncated or not a safetensors file",
+    "four bytes": "is truncated or not a safetensors file",
+    "header not JSON": "is truncated or not a safetensors file",
+    "a tensor's size": r"is damaged: tensor '.+' takes \d+ bytes where its shape and dtype need",
+    "missing shard": "lacks model-00002-of-00002.safetensors, named in model.safetensors.index",
+    "cut config": "is not valid JSON",
+}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_before_any_work_naming_the_file(
+    ckpt, tmp_path, monkeypatch, how
+):
+    from export import graph
+
+    def build_graph(*_args, **_kw):
+        raise AssertionError("the graph builder ran on a damaged checkpoint")
+
+    monkeypatch.setattr(graph, "build_graph", build_graph)
+    bad, damaged = _damage(ckpt, tmp_path, how)
+    with pytest.raises(SystemExit) as e:
+        main([str(bad), "--out", str(tmp_path / "out"), "--quant", "fp32"])
+    message = str(e.value.code)
+    assert message.startswith(f"error: {damaged}") and "\n" not in message
+    assert re.search(DAMAGE[how], message), message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_doel_export_on_a_truncated_checkpoint_prints_one_line(ckpt, tmp_path):
+    """The reproduction: a model.safetensors cut short, as by an interrupted copy."""
+    bad, weights = _damage(ckpt, tmp_path, "cut in the weights")
+    cmd = [sys.executable, "-m", "export", str(bad), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: {weights} is truncated or damaged")
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
 
 
