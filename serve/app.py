@@ -244,6 +244,15 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
     app.state.metrics = Metrics()
     install_errors(app)
     add_routes(app)
+    # The last added is the outermost: CountRequests → CORS → Guard → routes. CORS outside the
+    # key check answers a browser's preflight (which carries no key) and puts its headers on a
+    # 401, so that a page can read why it was refused.
+    app.add_middleware(
+        Guard,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        max_headers=settings.max_headers,
+    )
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -253,11 +262,5 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
-    app.add_middleware(
-        Guard,
-        api_key=settings.api_key,
-        max_body_bytes=settings.max_body_bytes,
-        max_headers=settings.max_headers,
-    )
     app.add_middleware(CountRequests, metrics=app.state.metrics)  # outermost: counts 401s too
     return app

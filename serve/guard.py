@@ -12,6 +12,10 @@ import json
 # Answered without a key: probes, and the playground page (it holds no data; its requests
 # carry the key typed into it).
 OPEN_PATHS = ("/health", "/")
+# Passed without a key, as vLLM and llama.cpp do: a browser's CORS preflight carries none (the
+# CORS middleware, outside this one, answers it when --cors-origin is set); no route answers
+# OPTIONS otherwise (405).
+OPEN_METHODS = ("OPTIONS",)
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
@@ -50,7 +54,8 @@ class Guard:
             why = f"the request has {n} headers; at most {self.max_headers} are accepted"
             return await _reply(send, 431, why, "invalid_request_error")
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+        guarded = scope["path"] not in OPEN_PATHS and scope["method"] not in OPEN_METHODS
+        if self.api_key and guarded and not self._authorized(headers):
             challenge = [(b"www-authenticate", b"Bearer")]
             return await _reply(
                 send,

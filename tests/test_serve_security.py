@@ -1,0 +1,58 @@
+"""Browsers and keys on a live `doel-serve` (loopback): CORS works together with an API key (the
+preflight passes the key check, a 401 carries the CORS headers so a page can read it)."""
+
+from __future__ import annotations
+
+import httpx2
+import pytest
+from live_server import live_server
+from test_serve_engine import tiny_bundle
+
+KEY = "k-3f9a"
+ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tokenizer_path):
+    return tiny_bundle(tmp_path_factory, tokenizer_path)
+
+
+@pytest.fixture(scope="module")
+def keyed(bundle, tmp_path_factory):
+    args = ("--api-key", KEY, "--cors-origin", ORIGIN)
+    with live_server(bundle, tmp_path_factory.mktemp("keyed"), *args) as s:
+        yield s
+    assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def http(keyed):
+    with httpx2.Client(base_url=keyed.url, trust_env=False, timeout=30) as c:
+        yield c
+
+
+def test_a_preflight_passes_the_key_check(http):
+    ask = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    r = http.options("/v1/completions", headers=ask)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    other = http.options("/v1/completions", headers={**ask, "Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_401_carries_the_cors_headers_and_the_key_still_guards(http):
+    body = {"prompt": "নদী", "max_tokens": 2}
+    r = http.post("/v1/completions", json=body, headers={"Origin": ORIGIN})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert r.json()["error"]["type"] == "authentication_error"
+    ok = {"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"}
+    r = http.post("/v1/completions", json=body, headers=ok)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    # An OPTIONS that is not a preflight reaches no handler: 405, nothing read without the key.
+    r = http.options("/v1/models")
+    assert r.status_code == 405 and "data" not in r.text
