@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.guard import Guard
+from serve.guard import AllowedHosts, Guard
 from serve.metrics import CountRequests, Metrics
 from serve.protocol import (
     Choice,
@@ -58,6 +58,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     cors_origins: tuple[str, ...] = ()  # none: CORS off
     max_headers: int = 256  # as vLLM; more is refused with 431
+    allowed_hosts: tuple[str, ...] | None = None  # Host names answered (any port); None: any
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
@@ -244,9 +245,10 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
     app.state.metrics = Metrics()
     install_errors(app)
     add_routes(app)
-    # The last added is the outermost: CountRequests → CORS → Guard → routes. CORS outside the
-    # key check answers a browser's preflight (which carries no key) and puts its headers on a
-    # 401, so that a page can read why it was refused.
+    # The last added is the outermost: CountRequests → AllowedHosts → CORS → Guard → routes.
+    # A Host not ours is refused before anything else. CORS outside the key check answers a
+    # browser's preflight (which carries no key) and puts its headers on a 401, so that a page
+    # can read why it was refused.
     app.add_middleware(
         Guard,
         api_key=settings.api_key,
@@ -262,5 +264,6 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
+    app.add_middleware(AllowedHosts, hosts=settings.allowed_hosts)
     app.add_middleware(CountRequests, metrics=app.state.metrics)  # outermost: counts 401s too
     return app

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ipaddress
 import os
 import sys
 
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument(
         "--cors-origin", action="append", default=[], help="allow this browser origin (repeat)"
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests whose Host is NAME, any port (repeat; '*': any). Bound to "
+        "loopback, only localhost, 127.0.0.1 and [::1] are answered otherwise (DNS rebinding)",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     limits = p.add_argument_group("connection limits (see serve/limits.py)")
@@ -75,6 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="headers in a request; more is refused with 431 (default 256)",
     )
     return p
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(host: str, extra: list[str]) -> tuple[str, ...] | None:
+    """The Host names answered: on loopback (or with --allowed-host) the loopback names, the
+    bound address and those given; None (any) on another address without --allowed-host."""
+    from serve.guard import LOOPBACK_HOSTS
+
+    if "*" in extra or not (is_loopback(host) or extra):
+        return None
+    return (*LOOPBACK_HOSTS, host, *extra)
 
 
 def log_config(level: str, floods) -> dict:
@@ -124,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         max_body_bytes=args.max_body_bytes,
         cors_origins=tuple(args.cors_origin),
         max_headers=args.max_headers,
+        allowed_hosts=allowed_hosts(args.host, args.allowed_host),
     )
     _, files = raise_open_files()
     if files and args.max_connections > files - FD_RESERVE:

@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: the header count, the API key, the body-size limit.
+"""ASGI middleware in front of every route: the Host name (`AllowedHosts`); the header count, the
+API key, the body-size limit (`Guard`).
 
 It is plain ASGI rather than FastAPI dependencies so that it also covers 404s, the OpenAPI page
 and bodies sent without a Content-Length (chunked), which are read up to the limit and replayed.
@@ -28,6 +29,52 @@ async def _reply(send, status: int, message: str, kind: str, headers=()) -> None
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
     await send({"type": "http.response.body", "body": data})
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(value: str) -> str:
+    """The name in a Host header, without its port: '[::1]:8000' → '::1', 'LocalHost.' →
+    'localhost'."""
+    name = value.strip().lower()
+    if name.startswith("["):
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    return name.rstrip(".")
+
+
+class AllowedHosts:
+    """Answers only requests whose Host names one of `hosts` (any port; "*": any host).
+
+    Against DNS rebinding: a page on evil.example whose name its owner re-points to 127.0.0.1
+    reaches a server on loopback as its own origin, so the browser lets it generate and read
+    /metrics unless the server refuses a Host that is not its own. The refusal is a 421
+    (Misdirected Request, RFC 9110 15.5.20: the server will not answer for that authority) rather
+    than a 400, as the request itself is well-formed; more than one Host is a 400 (RFC 9112 3.2).
+    """
+
+    def __init__(self, app, hosts: tuple[str, ...] | None = None):
+        self.app = app
+        self.hosts = None if hosts is None or "*" in hosts else {host_name(h) for h in hosts}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.hosts is None:
+            return await self.app(scope, receive, send)
+        given = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
+        if len(given) > 1:
+            why = f"the request has {len(given)} Host headers; send one"
+            return await _reply(send, 400, why, "invalid_request_error")
+        name = host_name(given[0]) if given else None  # none: HTTP/1.0, never a browser's
+        if name is not None and name not in self.hosts:
+            shown = ", ".join(sorted(self.hosts))
+            why = (
+                f"this server does not answer for the host {name[:100]!r}, only for {shown}; "
+                f"start it with --allowed-host {name[:100]} to add it"
+            )
+            return await _reply(send, 421, why, "invalid_request_error")
+        return await self.app(scope, receive, send)
 
 
 class Guard:

@@ -1,5 +1,6 @@
 """Browsers and keys on a live `doel-serve` (loopback): CORS works together with an API key (the
-preflight passes the key check, a 401 carries the CORS headers so a page can read it)."""
+preflight passes the key check, a 401 carries the CORS headers so a page can read it); bound to
+loopback, only loopback Host names (and --allowed-host ones) are answered, against DNS rebinding."""
 
 from __future__ import annotations
 
@@ -56,3 +57,37 @@ def test_a_401_carries_the_cors_headers_and_the_key_still_guards(http):
     # An OPTIONS that is not a preflight reaches no handler: 405, nothing read without the key.
     r = http.options("/v1/models")
     assert r.status_code == 405 and "data" not in r.text
+
+
+@pytest.fixture(scope="module")
+def open_server(bundle, tmp_path_factory):
+    """No key, on loopback, one more Host name allowed."""
+    args = ("--allowed-host", "my.box")
+    with live_server(bundle, tmp_path_factory.mktemp("open"), *args) as s:
+        yield s
+    assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/v1/models", "/health", "/"])
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1.evil.example"])
+def test_a_rebound_host_name_is_refused_with_421(open_server, path, host):
+    port = open_server.url.rsplit(":", 1)[1]
+    headers = {"Host": host.format(port=port)}
+    r = httpx2.get(open_server.url + path, headers=headers, trust_env=False)
+    assert r.status_code == 421, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 421
+    assert "--allowed-host" in error["message"] and "doel_" not in r.text
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["localhost", "localhost:{port}", "LocalHost:{port}", "127.0.0.1", "127.0.0.1:{port}",
+     "[::1]", "[::1]:{port}", "my.box", "my.box:{port}"],
+)  # fmt: skip
+def test_loopback_names_and_allowed_hosts_are_answered(open_server, host):
+    port = open_server.url.rsplit(":", 1)[1]
+    r = httpx2.get(
+        f"{open_server.url}/metrics", headers={"Host": host.format(port=port)}, trust_env=False
+    )
+    assert r.status_code == 200 and "doel_requests_total" in r.text
