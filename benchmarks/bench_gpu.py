@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import platform
 import re
 import statistics
@@ -29,19 +30,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from train.cli import resolve_config  # noqa: E402
-from train.config import load_config, resolved  # noqa: E402
+from train.config import load_config, resolve_config, resolved  # noqa: E402
+from train.dist import autocast, resolve_device, resolve_dtype  # noqa: E402
 from train.gradflow import check_gradient_flow  # noqa: E402
-from train.metrics import peak_flops  # noqa: E402
+from train.metrics import mfu, peak_flops  # noqa: E402
 from train.model import Llama  # noqa: E402
-from train.trainer import (  # noqa: E402
-    TrainConfig,
-    autocast,
-    build_optimizer,
-    resolve_device,
-    resolve_dtype,
-    train_step,
-)
+from train.trainer import TrainConfig, build_optimizer, train_step  # noqa: E402
 
 
 def sync(device):
@@ -126,6 +120,10 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     }
 
 
+def _known(x: float) -> float | None:
+    return None if math.isnan(x) else x  # JSON null where the device's peak is unknown
+
+
 def report(cfg: TrainConfig, m: dict, name: str) -> dict:
     model, device, dtype = m.pop("model"), m.pop("device_obj"), m.pop("dtype_obj")
     flops = model.flops_per_token(cfg.seq_len)
@@ -143,12 +141,10 @@ def report(cfg: TrainConfig, m: dict, name: str) -> dict:
         "flops_per_token": flops,
         "peak_flops": peak,
         "peak_source": source,
-        "mfu": tps * flops["total"] / peak if peak else None,
-        "mfu_6n_only": tps * flops["dense"] / peak if peak else None,
-        "forward_mfu": micro_tokens * flops["total"] / 3 / m["forward_s"] / peak if peak else None,
-        "backward_mfu": micro_tokens * flops["total"] * 2 / 3 / m["backward_s"] / peak
-        if peak
-        else None,
+        "mfu": _known(mfu(tps, flops["total"], peak)),
+        "mfu_6n_only": _known(mfu(tps, flops["dense"], peak)),
+        "forward_mfu": _known(mfu(micro_tokens / m["forward_s"], flops["total"] / 3, peak)),
+        "backward_mfu": _known(mfu(micro_tokens / m["backward_s"], flops["total"] * 2 / 3, peak)),
         "backward_over_forward": m["backward_s"] / m["forward_s"],
         "hours_for_2b_tokens": 2e9 / tps / 3600,
         "config": resolved(cfg),

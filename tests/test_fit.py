@@ -19,7 +19,8 @@ from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.config import load_config
 from train.fit import fit
 from train.loop import NonFiniteLossError
-from train.metrics import plot_run, read_metrics
+from train.metrics import read_metrics
+from train.plot import plot_run
 from train.prepare import PrepareConfig, prepare
 from train.trainer import TrainConfig
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from train.cli import build_parser, main
+from train.cli import build_parser, main, train_config
 from train.common import DoelError
 from train.config import load_config
 from train.model import Llama, ModelConfig
@@ -408,14 +411,44 @@ def test_too_little_disk_stops_before_anything_is_written(tmp_path, stand_ins):
 def test_the_torchrun_command_trains_the_plans_config(tmp_path):
     plan = make_plan(load_recipe(RECIPE), tmp_path, gpus=8)
     cmd = torchrun_command(plan, tmp_path / "shards", tmp_path / "run", tmp_path / "tok.json")
-    assert "--nproc_per_node=8" in cmd and cmd[cmd.index("-m", 3) + 1] == "train"
-    args = build_parser().parse_args(cmd[cmd.index("train") + 1 :])
-    from train.cli import _train_config
-
-    assert _train_config(args) == plan.train_cfg
+    script = cmd.index("--no-python") + 1  # torchrun runs the console script, not `-m train`
+    assert "--nproc_per_node=8" in cmd and Path(cmd[script]).name == "doel-train"
+    assert Path(cmd[0]).name == "torchrun" and "-m" not in cmd
+    args = build_parser().parse_args(cmd[script + 1 :])
+    assert train_config(args) == plan.train_cfg
     assert (
         plan.train_cfg.grad_accum * 8
         == make_plan(load_recipe(RECIPE), tmp_path).train_cfg.grad_accum
+    )
+
+
+DECOY = "raise SystemExit('a train.py in the working directory ran instead of doel')\n"
+
+
+@pytest.mark.slow
+def test_the_torchrun_launch_trains_doel_from_a_folder_holding_a_decoy_train_py(
+    tmp_path, shards, tokenizer_path
+):
+    """`python -m train` from this folder runs the decoy; the recipe's launch still trains."""
+    (tmp_path / "train.py").write_text(DECOY, encoding="utf-8")
+    old = subprocess.run(
+        [sys.executable, "-m", "train", "fit", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert "ran instead of doel" in old.stderr  # the hazard is real here
+    recipe = load_recipe(RECIPE, ["tokenizer.vocab_size=2048"], dry_run=True)
+    plan = make_plan(recipe, tmp_path / "out", dry_run=True, gpus=2)
+    run = tmp_path / "out" / "run"
+    cmd = torchrun_command(plan, shards, run, tokenizer_path)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ran instead of doel" not in proc.stdout + proc.stderr
+    assert (run / "final" / "model.safetensors").is_file()
+    assert json.loads((run / "final" / "train_config.json").read_text()) == dataclasses.asdict(
+        plan.train_cfg
     )
 
 

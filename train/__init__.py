@@ -1,3 +1,4 @@
-"""doel's training stage: tokenizer, token shards, and (later) the model and its trainer."""
+"""doel's training stage: text → tokenizer → token shards → a Llama trained and verified →
+evaluation; the recipe (train/recipe/) runs every stage from data to served bundles."""
 
 __version__ = "0.1.0"

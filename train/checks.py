@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
+from train.dist import autocast
 from train.gradflow import check_gradient_flow, unwrap
 from train.model import Llama, RMSNorm
-from train.trainer import TrainConfig, autocast
+from train.trainer import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class CheckResult:
         return {True: "pass", False: "FAIL", None: "skip"}[self.passed]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Setup:
     """What the run will use. `model` is the eager module, `fwd` what the step calls (compiled
     when cfg.compile). The factories make fresh copies for checks that must step or train."""
@@ -103,12 +104,7 @@ class Setup:
 
     def batches(self, n: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The run's next n batches, on the device, without consuming them from its loader."""
-        state = self.loader.state_dict()
-        try:
-            raw = [self.loader.next_batch() for _ in range(n)]
-        finally:
-            self.loader.load_state_dict(state)
-        return [(_tensor(x, self.device), _tensor(y, self.device)) for x, y in raw]
+        return [(_tensor(x, self.device), _tensor(y, self.device)) for x, y in self.loader.peek(n)]
 
     def batch(self):
         return self.batches(1)[0]
@@ -171,10 +167,10 @@ def reference_twin(model: nn.Module, dtype: torch.dtype | None = None) -> Llama:
     return twin
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
     # Names as the inner model has them: a compiled or DDP-wrapped model's carry a prefix.
     out = {
-        _strip(n): p.grad.detach().clone()
+        strip_prefix(n): p.grad.detach().clone()
         for n, p in model.named_parameters()
         if p.grad is not None
     }
@@ -182,12 +178,12 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _loss_pass(model, x, y, ctx, backend=None) -> dict[str, torch.Tensor]:
+def loss_pass(model, x, y, ctx, backend=None) -> dict[str, torch.Tensor]:
     kernel = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
     with kernel, ctx():
         loss = model(x, y, reduction="sum") / y.numel()
     loss.backward()
-    return {"loss": loss.detach().float().reshape(1), **_grads(model)}
+    return {"loss": loss.detach().float().reshape(1), **grads_of(model)}
 
 
 # ------------------------------------------------------------------ 1. gradient flow
@@ -223,7 +219,7 @@ def check_gradients(s: Setup) -> CheckResult:
 # ------------------------------------------------------------------ 3. tied weights
 
 
-def _strip(name: str) -> str:
+def strip_prefix(name: str) -> str:
     while name.startswith(("_orig_mod.", "module.")):
         name = name.split(".", 1)[1]
     return name

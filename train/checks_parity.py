@@ -17,8 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from train.checks import (
     CheckResult,
     Setup,
-    _grads,
-    _loss_pass,
+    grads_of,
+    loss_pass,
     low_precision,
     param_dtype,
     reference_twin,
@@ -41,7 +41,7 @@ def _logits_pass(model, x, grad_out, ctx, backend=None) -> dict[str, torch.Tenso
     with kernel, ctx():
         logits = model(x)
     logits.backward(grad_out.to(logits.dtype))
-    return {"logits": logits.detach().float(), **_grads(model)}
+    return {"logits": logits.detach().float(), **grads_of(model)}
 
 
 def compare(fast: dict, base: dict, ref: dict, factor: float, floor: float) -> dict:
@@ -104,10 +104,10 @@ def check_parity(s: Setup) -> CheckResult:
     twin = _logits_pass(base_twin, x, g, s.ctx)
     rows["model kernels vs plain model"] = compare(run, twin, ref64, v.parity_factor, floor)
     if s.fwd is not eager:  # compiled (or wrapped): the training call, loss and gradients
-        ref_loss = _loss_pass(ref, x, y, contextlib.nullcontext, SDPBackend.MATH)
+        ref_loss = loss_pass(ref, x, y, contextlib.nullcontext, SDPBackend.MATH)
         rows["torch.compile (or wrapper) vs eager"] = compare(
-            _loss_pass(s.fwd, x, y, s.ctx),
-            _loss_pass(eager, x, y, s.ctx),
+            loss_pass(s.fwd, x, y, s.ctx),
+            loss_pass(eager, x, y, s.ctx),
             ref_loss,
             v.parity_factor,
             floor,

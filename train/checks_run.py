@@ -16,7 +16,7 @@ import torch
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.checks import CheckResult, Setup, low_precision, param_dtype, rel_err
 from train.gradflow import unwrap
-from train.metrics import peak_flops
+from train.metrics import mfu, peak_flops
 from train.model import IGNORE_INDEX
 from train.trainer import lr_at, train_step
 
@@ -276,8 +276,8 @@ def check_throughput(s: Setup) -> CheckResult:
     peak, source = peak_flops(s.device, compute)
     floor = s.vcfg.mfu_floor or (0.10 if s.device.type == "cuda" else 0.002)
     tokens = x.numel()
-    mfu_f = tokens * flops / 3 / t_f / peak if peak else float("nan")
-    mfu_b = tokens * flops * 2 / 3 / t_b / peak if peak else float("nan")
+    mfu_f = mfu(tokens / t_f, flops / 3, peak)
+    mfu_b = mfu(tokens / t_b, flops * 2 / 3, peak)
     ratio = t_b / t_f
     bad = []
     if peak and mfu_f < floor:

@@ -22,11 +22,11 @@ from torch import nn
 from train.checks import (
     CheckResult,
     Setup,
-    _loss_pass,
-    _strip,
+    loss_pass,
     low_precision,
     param_dtype,
     rel_err,
+    strip_prefix,
 )
 from train.gradflow import unwrap
 
@@ -60,7 +60,7 @@ def _world_size() -> int:
 
 
 def _broken(module: nn.Module, pairs) -> list[str]:
-    params = {_strip(n): p for n, p in module.named_parameters(remove_duplicate=False)}
+    params = {strip_prefix(n): p for n, p in module.named_parameters(remove_duplicate=False)}
     return [
         f"{b} is a separate tensor from {a} (the tie was broken)"
         for a, b in pairs
@@ -85,9 +85,9 @@ def check_ties(s: Setup) -> CheckResult:
         if broken:
             return CheckResult("ties", CHECKED, False, {"pairs": len(pairs)}, "; ".join(broken))
     else:
-        shared = _loss_pass(s.fwd, x, y, s.ctx)
+        shared = loss_pass(s.fwd, x, y, s.ctx)
         with _untied(inner, [b for _, b in pairs]):  # the same model, each use with its own copy
-            parts = _loss_pass(inner, x, y, s.ctx)
+            parts = loss_pass(inner, x, y, s.ctx)
     numbers, bad = {"pairs": len(pairs), "tolerance": tol, "ranks": _world_size()}, []
     for a, b in pairs:
         if parts.get(a) is None or parts.get(b) is None:

@@ -10,10 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-# Presets: the repository's configs/ (a source checkout) or their copy inside the wheel.
-CONFIG_DIRS = (Path(__file__).parent.parent / "configs", Path(__file__).parent / "configs")
 EXTRA_HINT = "pip install 'doel[train]'"
 
 
@@ -67,21 +64,8 @@ def _cmd_prepare(args) -> None:
     )
 
 
-def resolve_config(name: str | None) -> Path | None:
-    """A TOML path, or a preset name from configs/ (tiny, small, bangla-0.4b, demo)."""
-    if name is None or Path(name).is_file():
-        return Path(name) if name else None
-    for folder in CONFIG_DIRS:
-        if (folder / f"{name}.toml").is_file():
-            return folder / f"{name}.toml"
-    presets = sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.toml")})
-    from train.common import DoelError
-
-    raise DoelError(f"config {name!r} is neither a file nor a preset; presets: {presets}")
-
-
-def _train_config(args):
-    from train.config import load_config
+def train_config(args):
+    from train.config import load_config, resolve_config
     from train.trainer import TrainConfig
 
     sets = list(args.set)
@@ -95,7 +79,7 @@ def _cmd_fit(args) -> None:
     from train.fit import fit
 
     fit(
-        _train_config(args),
+        train_config(args),
         args.data,
         args.out,
         tokenizer=args.tokenizer,
@@ -105,22 +89,11 @@ def _cmd_fit(args) -> None:
 
 
 def _cmd_check_gradients(args) -> None:
-    import torch
+    from train.build import build_run
+    from train.fit import gradient_gate
 
-    from train.fit import check_vocab, gradient_gate
-    from train.loader import TokenLoader, read_meta
-    from train.model import Llama
-    from train.trainer import autocast, resolve_device, resolve_dtype
-
-    cfg = _train_config(args)
-    check_vocab(read_meta(args.data), cfg)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    torch.manual_seed(cfg.seed)
-    with torch.device(device):
-        model = Llama(cfg.model)
-    loader = TokenLoader(args.data, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
-    gradient_gate(model, loader, device, lambda: autocast(device, dtype), print)
+    # The eager model, as before any compilation: the gate alone, quickly.
+    gradient_gate(build_run(train_config(args), args.data, compile=False), print)
 
 
 def _cmd_verify(args) -> None:
@@ -131,7 +104,7 @@ def _cmd_verify(args) -> None:
     vcfg = load_config(VerifyConfig, None, args.check)
     subset = "full" if args.full else "fast"
     report = run_suite(
-        _train_config(args),
+        train_config(args),
         args.data,
         subset,
         args.out,
@@ -155,7 +128,7 @@ def _cmd_eval(args) -> None:
 
 
 def _cmd_plot(args) -> None:
-    from train.metrics import plot_run
+    from train.plot import plot_run
 
     print(f"wrote {plot_run(args.run_dir, args.out)}")
 
@@ -191,6 +164,24 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override, e.g. lr=1e-3 or model.hidden_size=256",
     )
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    """`doel-train recipe`'s options (train/recipe_run.py's `main` takes the parsed ones)."""
+    from train.recipe_order import STAGES  # standard library only at import
+
+    p.add_argument("recipe", nargs="?", default="bangla-0.4b", help="name, folder or TOML")
+    p.add_argument("--dry-run", action="store_true", help="tiny, on this CPU, local files")
+    p.add_argument("--yes", action="store_true", help="train without asking (needed without a tty)")
+    p.add_argument("--price-per-hour", type=float, help="dollars a GPU-hour (default the recipe's)")
+    p.add_argument("--out", help="run folder (default out/NAME or out/NAME-dry-run)")
+    p.add_argument("--gpus", type=int, help="GPUs to train on (default all visible; >1: torchrun)")
+    p.add_argument("--local", nargs="+", default=[], metavar="NAME=PATH", help="a source's file")
+    p.add_argument("--eval-dir", help="the task files' folder (default the recipe's task_dir)")
+    p.add_argument("--until", default="summary", choices=STAGES, help="stop after this stage")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe field")
+    p.add_argument("--gpu-slice", action="store_true", help="time the real config (needs CUDA)")
+    p.add_argument("--slice-seconds", type=float, default=600.0, help="timed seconds of the slice")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,10 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     d.set_defaults(func=_cmd_demo)
 
-    from train.recipe_run import add_arguments  # standard library only at import
-
     rc = sub.add_parser("recipe", help="a whole recipe: data -> model -> bundles, cost up front")
-    add_arguments(rc)
+    _recipe_args(rc)
     rc.set_defaults(func=_cmd_recipe)
     return p
 

@@ -21,6 +21,8 @@ else:  # pragma: no cover
 from train.common import DoelError
 
 T = TypeVar("T")
+# Presets: the repository's configs/ (a source checkout) or their copy inside the wheel.
+CONFIG_DIRS = (Path(__file__).parent.parent / "configs", Path(__file__).parent / "configs")
 
 
 def _coerce(value: str, annotation: Any) -> Any:
@@ -41,7 +43,7 @@ def _coerce(value: str, annotation: Any) -> Any:
     return value
 
 
-def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
+def from_values(cls: type[T], values: dict[str, Any], where: str) -> T:
     """Construct `cls` from a dict, recursing into fields that are dataclasses themselves."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
@@ -53,7 +55,7 @@ def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
                 raise DoelError(f"{where}: {key} must be a table ([{key}])")
-            value = _build(hints[key], value, f"{where} [{key}]")
+            value = from_values(hints[key], value, f"{where} [{key}]")
         kwargs[key] = value
     try:
         return cls(**kwargs)
@@ -61,7 +63,7 @@ def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
         raise DoelError(f"invalid config ({where}): {e}") from None
 
 
-def _set(values: dict[str, Any], cls: type, item: str) -> None:
+def apply_override(values: dict[str, Any], cls: type, item: str) -> None:
     """Apply one `a.b=value` override to the nested dict `values`, typed by `cls`'s fields."""
     dotted, sep, raw = item.partition("=")
     keys = dotted.split(".")
@@ -95,9 +97,20 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         except tomllib.TOMLDecodeError as e:
             raise DoelError(f"{path}: not valid TOML ({e})") from None
     for item in overrides:
-        _set(values, cls, item)
-    return _build(cls, values, str(path) if path else "config")
+        apply_override(values, cls, item)
+    return from_values(cls, values, str(path) if path else "config")
 
 
 def resolved(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def resolve_config(name: str | None) -> Path | None:
+    """A TOML path, or a preset name from configs/ (tiny, small, bangla-0.4b, demo)."""
+    if name is None or Path(name).is_file():
+        return Path(name) if name else None
+    for folder in CONFIG_DIRS:
+        if (folder / f"{name}.toml").is_file():
+            return folder / f"{name}.toml"
+    presets = sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.toml")})
+    raise DoelError(f"config {name!r} is neither a file nor a preset; presets: {presets}")

@@ -58,8 +58,7 @@ def run_demo(
 ) -> Path:
     """The whole path; `serve` keeps the server up at the end until Ctrl-C (on `port`; 0: a
     free one)."""
-    from train.cli import resolve_config
-    from train.config import load_config
+    from train.config import load_config, resolve_config
     from train.evaluate import evaluate_checkpoint, format_eval
     from train.fertility import fertility, format_report, load_any
     from train.fit import fit
@@ -71,17 +70,17 @@ def run_demo(
     out = Path(out)
     train_files, heldout = split_sample(out / "text")
     print(f"1/6 tokenizer: {vocab_size} tokens trained on the built-in sample ({train_files})")
-    tok = train_tokenizer(
+    tok_path = train_tokenizer(
         resolve_sources(train_files),
         TokenizerConfig(vocab_size=vocab_size),
         out / "tokenizer",
         progress=False,
     )
-    print(f"    wrote {tok}\n2/6 fertility on the held-out paragraphs")
+    print(f"    wrote {tok_path}\n2/6 fertility on the held-out paragraphs")
     texts = [d for s in resolve_sources(heldout) for d in iter_source(s)]
-    print(format_report(str(tok), fertility(load_any(tok), texts)))
+    print(format_report(str(tok_path), fertility(load_any(tok_path), texts)))
     print(f"3/6 token shards (every {HOLDOUT_EVERY}th paragraph held out as validation)")
-    prepare(tok, train_files, out / "shards", PrepareConfig(), val=heldout, progress=False)
+    prepare(tok_path, train_files, out / "shards", PrepareConfig(), val=heldout, progress=False)
     cfg = load_config(
         TrainConfig, resolve_config(config), [f"model.vocab_size={vocab_size}", *sets]
     )
@@ -95,7 +94,7 @@ def run_demo(
         final, {"bn": heldout[:1], "en": heldout[1:]}, seq_len=cfg.seq_len, max_new_tokens=30
     )
     print(format_eval(result))
-    from train.metrics import plot_run
+    from train.plot import plot_run
 
     print(f"6/6 curves: {plot_run(out / 'run')}")
     print(f"done: the model in Hugging Face layout is {final}")

@@ -14,13 +14,21 @@ full model in HF layout for the stages after training. Either resumes at any wor
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_state
+import torch.distributed.fsdp as fsdp
+import torch.distributed.tensor
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from train.metrics import cpu_peak_flops
 
 HEARTBEAT = "doel/step/"  # key prefix in torchrun's store: the step each rank last began
 
@@ -40,12 +48,35 @@ class DistInfo:
         return self.world_size > 1
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA; on CPU bf16 only where it is at least twice as fast as fp32 (CPUs
+    with AMX or AVX512-BF16), since elsewhere autocast would only cost accuracy."""
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    fast = cpu_peak_flops(torch.bfloat16, 1024) >= 2 * cpu_peak_flops(torch.float32, 1024)
+    return torch.bfloat16 if fast else torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
 def init_distributed(device_name: str, timeout_s: float) -> tuple[DistInfo, torch.device]:
     """Join the process group torchrun describes (or none), and pick this rank's device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        from train.trainer import resolve_device
-
         return DistInfo(), resolve_device(device_name)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
@@ -89,28 +120,22 @@ def wrap_model(
     if not info.enabled:
         return model
     if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     # On CUDA, FSDP itself casts parameters to bf16 for compute and reduces gradients in fp32;
     # on CPU it keeps fp32 (gloo has no bf16 reductions worth having).
-    mp = MixedPrecisionPolicy(
+    mp = fsdp.MixedPrecisionPolicy(
         param_dtype=dtype if device.type == "cuda" and dtype != torch.float32 else None,
         reduce_dtype=torch.float32,
     )
     for block in model.model.layers:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fsdp.fully_shard(block, mp_policy=mp)
+    fsdp.fully_shard(model, mp_policy=mp)
     return model
 
 
 def _checkpoint_blocks(model: nn.Module) -> None:
     """Recompute each block's activations in backward instead of storing them."""
-    from torch.utils.checkpoint import checkpoint
-
     for block in model.model.layers:
         forward = block.forward
         block.forward = lambda *a, _f=forward: checkpoint(_f, *a, use_reentrant=False)
@@ -126,38 +151,30 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
     """The full (unsharded) model and optimizer state on CPU, keyed by parameter name. Every
     rank must call it (it gathers); only rank 0's copy is complete under FSDP."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(model, optimizer, options=opts)
+    opts = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dcp_state.get_state_dict(model, optimizer, options=opts)
 
 
 def full_model_state(model: nn.Module) -> dict:
     """The full model state on CPU (gathered under FSDP; complete on rank 0). Every rank calls
     it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts)
+    opts = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dcp_state.get_model_state_dict(model, options=opts)
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP shards the parameters (each rank holds a DTensor piece of each)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
 
 def load_full_state(model: nn.Module, optimizer, model_sd: dict, optim_sd: dict) -> None:
     """Load a full state on every rank; FSDP shards it as it loads."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(
+    dcp_state.set_state_dict(
         model,
         optimizer,
         model_state_dict=model_sd,
         optim_state_dict=optim_sd,
-        options=StateDictOptions(full_state_dict=True, strict=True),
+        options=dcp_state.StateDictOptions(full_state_dict=True, strict=True),
     )
 
 

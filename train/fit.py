@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import latest_checkpoint, load_checkpoint
+from train.build import Run, build_run, check_vocab
+from train.checkpoint import latest_checkpoint
 from train.common import DoelError, atomic_write_json
 from train.config import resolved
 from train.dist import (
@@ -22,33 +23,18 @@ from train.dist import (
     full_model_state,
     init_distributed,
     shutdown,
-    wrap_model,
 )
 from train.gradflow import check_gradient_flow
 from train.hf import save_model
-from train.loader import TokenLoader, read_meta
-from train.loop import RunLoop, batches_on
-from train.metrics import MetricsLog, peak_flops
-from train.model import Llama
-from train.trainer import (
-    TrainConfig,
-    autocast,
-    build_optimizer,
-    resolve_dtype,
-)
-from train.verify import select, verify_before_training
+from train.loader import read_meta
+from train.loop import RunLoop
+from train.metrics import MetricsLog
+from train.trainer import TrainConfig
+from train.verify import fit_subset, verify_before_training
 
 
 class GradientFlowError(DoelError):
     pass
-
-
-def check_vocab(meta: dict, cfg: TrainConfig) -> None:
-    if meta["tokenizer"]["vocab_size"] > cfg.model.vocab_size:
-        raise DoelError(
-            f"the shards use a vocabulary of {meta['tokenizer']['vocab_size']} tokens but "
-            f"model.vocab_size is {cfg.model.vocab_size}; raise it (--set model.vocab_size=...)"
-        )
 
 
 def _tokenizer_for(meta: dict, tokenizer, data_dir) -> Path | None:
@@ -60,62 +46,19 @@ def _tokenizer_for(meta: dict, tokenizer, data_dir) -> Path | None:
     return None  # the shards' tokenizer moved: the model folder will lack tokenizer.json
 
 
-def gradient_gate(model, loader, device, ctx, log) -> None:
-    """Run the gate on the next batch without consuming it from the loader."""
-    state = loader.state_dict()
-    ((x, y),) = batches_on(loader, device, 1)
-    loader.load_state_dict(state)
+def gradient_gate(run: Run, log) -> None:
+    """Run the gate on the exact model the step calls (wrapped, compiled) and the loader's next
+    batch, without consuming it."""
+    x, y = (torch.as_tensor(a, device=run.device) for a in run.loader.peek(1)[0])
 
     def loss_fn(m, batch):  # the training step's own call, so a compiled graph is reused
-        with ctx():
+        with run.ctx():
             return m(*batch, reduction="sum") / batch[1].numel()
 
-    report = check_gradient_flow(model, (x, y), loss_fn=loss_fn)
+    report = check_gradient_flow(run.compiled, (x, y), loss_fn=loss_fn)
     log(report.format())
     if not report.ok:
         raise GradientFlowError("refusing to train: the gradient-flow gate failed (above)")
-
-
-def _compiled(model, loader, device, ctx, log):
-    """torch.compile the model, or say loudly why the run falls back to eager (e.g. no C
-    compiler for inductor's CPU kernels)."""
-    log("compiling the model (the first step takes longer)")
-    compiled = torch.compile(model)
-    state = loader.state_dict()
-    ((x, y),) = batches_on(loader, device, 1)
-    loader.load_state_dict(state)
-    try:
-        with ctx():
-            compiled(x, y, reduction="sum").backward()
-    except Exception as e:  # noqa: BLE001 (inductor raises many kinds)
-        log(f"WARNING: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eager")
-        compiled = model
-    model.zero_grad(set_to_none=True)
-    return compiled
-
-
-def _describe(model, cfg: TrainConfig, device, dtype, info: DistInfo, log) -> dict:
-    flops = model.flops_per_token(cfg.seq_len)
-    peak, source = peak_flops(device, dtype)
-    n = model.num_parameters()
-    par = f", {info.world_size} ranks ({cfg.strategy})" if info.enabled else ""
-    log(
-        f"model: {n / 1e6:.2f}M parameters ({model.num_parameters(True) / 1e6:.2f}M without "
-        f"the embedding); {cfg.tokens_per_step * info.world_size:,} tokens a step; device "
-        f"{device}, {dtype}{par}"
-    )
-    log(
-        f"FLOPs/token = 6·(matmul weights, head included) + 6·L·H·D·T (causal attention) = "
-        f"{flops['dense'] / 1e6:.1f}M + {flops['attention'] / 1e6:.1f}M = "
-        f"{flops['total'] / 1e6:.1f}M; peak {peak / 1e12 if peak else float('nan'):.1f} "
-        f"TFLOP/s ({source})"
-    )
-    return {
-        "flops_per_token": flops["total"],
-        "peak_flops": peak,
-        "world": info.world_size,
-        "tokens_per_step": cfg.tokens_per_step * info.world_size,
-    }
 
 
 def _prepare_run_dir(out, cfg, fresh: bool, info: DistInfo) -> Path | None:
@@ -162,93 +105,47 @@ def fit(
 
 
 def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, skip_verify):
-    dtype = resolve_dtype(cfg.dtype, device)
-    ctx = lambda: autocast(device, dtype)  # noqa: E731
     meta = read_meta(data_dir)
-    check_vocab(meta, cfg)
+    check_vocab(meta, cfg)  # before --fresh clears anything
     tok_path = _tokenizer_for(meta, tokenizer, data_dir)
     resume_from = _prepare_run_dir(out, cfg, fresh, info)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    with torch.device(device):
-        model = Llama(cfg.model)
-    wrapped = wrap_model(model, cfg.strategy, info, device, dtype, cfg.activation_checkpointing)
-    optimizer = build_optimizer(wrapped, cfg, device)  # after FSDP: on the sharded parameters
-    loader = TokenLoader(
-        data_dir,
-        "train",
-        cfg.batch_size,
-        cfg.seq_len,
-        cfg.seed,
-        rank=info.rank,
-        world_size=info.world_size,
+    run = build_run(
+        cfg, data_dir, info=info, device=device, resume_from=resume_from, describe_to=log, log=log
     )
-    step, tokens_seen = 0, 0
-    if resume_from is not None:
-        _, state = load_checkpoint(resume_from, wrapped, optimizer)
-        loader.load_state_dict(state["loader"])
-        step, tokens_seen = state["step"], state.get("tokens_seen", 0)
-        log(f"resuming from {resume_from} (step {step})")
-    desc = _describe(model, cfg, device, dtype, info, log)
-    fwd = _compiled(wrapped, loader, device, ctx, log) if cfg.compile else wrapped
     if skip_verify:
         log(
             "WARNING: --skip-verify: the verification suite did not run, so the silent failures "
             "it catches would go unnoticed; only the gradient-flow gate runs"
         )
-        gradient_gate(fwd, loader, device, ctx, log)  # on the exact (wrapped, compiled) model
+        gradient_gate(run, log)  # on the exact (wrapped, compiled) model
     else:  # the fast subset, gradient flow included, on the run's own objects
-        names = None
-        if info.enabled:
-            # Parity compares a rank's gradients with a local eager pass, but DDP/FSDP average
-            # gradients over ranks holding other data, and the step check mirrors the optimizer
-            # onto a plain model (FSDP's are sharded): both run in `doel-train verify` on one
-            # process. Gradient flow and ties (identity and shared gradient) run under the
-            # wrapper.
-            names = [n for n in select("fast") if n not in ("parity", "step")]
         verify_before_training(
             cfg,
-            wrapped,
-            fwd,
-            optimizer,
-            loader,
-            device,
-            dtype,
+            run.wrapped,
+            run.compiled,
+            run.optimizer,
+            run.loader,
+            run.device,
+            run.dtype,
             log,
             out_dir=out / "verify" if info.is_main else None,
-            names=names,
+            names=fit_subset(info.enabled),
         )
     metrics = (
-        MetricsLog(out / "metrics.jsonl", resume_step=step if resume_from else None)
+        MetricsLog(out / "metrics.jsonl", resume_step=run.step if resume_from else None)
         if info.is_main
         else None
     )
-    run = RunLoop(
-        cfg,
-        model,
-        fwd,
-        optimizer,
-        loader,
-        device,
-        ctx,
-        metrics,
-        out,
-        tok_path,
-        desc,
-        log,
-        info,
-        step_hook,
+    loop = RunLoop(
+        run=run, metrics=metrics, out=out, tok_path=tok_path, log=log, step_hook=step_hook
     )
     try:
-        run.loop(step, tokens_seen, meta)
+        loop.loop(run.step, run.tokens_seen, meta)
     finally:
         if metrics:
             metrics.close()
-    final = _save_final(wrapped, model, out, tok_path, cfg, info, log)
-    run.card(final)
+    final = _save_final(run.wrapped, run.model, out, tok_path, cfg, info, log)
+    loop.card(final)
     return final
 
 

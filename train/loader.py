@@ -102,6 +102,15 @@ class TokenLoader:
         rows = np.stack([self.window(int(w)) for w in idx])  # (B, T+1)
         return rows[:, :-1], rows[:, 1:]
 
+    def peek(self, n: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The next n batches, leaving the loader where it was (the gradient gate, the compile
+        warm-up and the verification suite look ahead without consuming)."""
+        state = self.state_dict()
+        try:
+            return [self.next_batch() for _ in range(n)]
+        finally:
+            self.load_state_dict(state)
+
     def __iter__(self):
         while True:
             yield self.next_batch()

@@ -15,8 +15,12 @@ from train.common import DoelError
 from train.config import resolved
 from train.dist import heartbeat
 from train.loader import TokenLoader
-from train.metrics import format_duration
-from train.trainer import evaluate, lr_at, train_step
+from train.metrics import format_duration, mfu
+from train.modelcard import write_model_card
+from train.scoring import task_accuracy
+from train.tasks import load_task
+from train.tokenizer import load_tokenizer
+from train.trainer import lr_at, train_step, validation_loss
 
 
 class NonFiniteLossError(DoelError):
@@ -34,29 +38,21 @@ def batches_on(loader, device, n):
 class RunLoop:
     """The step loop and its bookkeeping (kept apart so `fit` reads as the recipe)."""
 
-    def __init__(
-        self,
-        cfg,
-        model,
-        fwd,
-        optimizer,
-        loader,
-        device,
-        ctx,
-        metrics,
-        out,
-        tok,
-        desc,
-        log,
-        dist_info,
-        step_hook,
-    ):
-        self.cfg, self.model, self.fwd, self.optimizer = cfg, model, fwd, optimizer
-        self.loader, self.device, self.ctx, self.metrics = loader, device, ctx, metrics
-        self.out, self.tok, self.info, self.log = out, tok, desc, log
-        self.dist, self.step_hook = dist_info, step_hook
+    def __init__(self, *, run, metrics, out, tok_path, log, step_hook=None):
+        """`run`: what train/build.py built (model, compiled, optimizer, loader, device,
+        dtype, info, desc); `metrics` the MetricsLog (None off rank 0); `tok_path` the
+        tokenizer.json copied into checkpoints."""
+        self.cfg, self.model, self.fwd, self.optimizer = (
+            run.cfg,
+            run.model,
+            run.compiled,
+            run.optimizer,
+        )
+        self.loader, self.device, self.ctx, self.metrics = run.loader, run.device, run.ctx, metrics
+        self.out, self.tok_path, self.desc, self.log = out, tok_path, run.desc, log
+        self.info, self.step_hook = run.info, step_hook
         self.write = metrics.write if metrics else (lambda row: None)
-        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=run.device)
         self.last_ckpt = None
         self._task_items, self._task_tok, self._task_warned = None, None, False
 
@@ -66,7 +62,7 @@ class RunLoop:
         projected, self.meta = False, meta
         self.step, self.tokens_seen, self.seconds = step, tokens_seen, 0.0
         while step < cfg.steps:
-            heartbeat(self.dist, step + 1)
+            heartbeat(self.info, step + 1)
             t0 = time.perf_counter()
             batches = batches_on(self.loader, self.device, cfg.grad_accum)
             out = train_step(
@@ -87,7 +83,7 @@ class RunLoop:
                 self._log_step(
                     step,
                     out,
-                    (step - step_mark) * self.info["tokens_per_step"] / dt,
+                    (step - step_mark) * self.desc["tokens_per_step"] / dt,
                     dt / (step - step_mark),
                     tokens_seen,
                 )
@@ -117,20 +113,16 @@ class RunLoop:
             )
 
     def _log_step(self, step, out, tokens_per_s, sec_per_step, tokens_seen) -> None:
-        cfg, info = self.cfg, self.info
+        cfg, desc = self.cfg, self.desc
         loss, gnorm = float(out["loss"]), float(out["grad_norm"])
         # MFU per device: the global rate shared by world devices, against one device's peak.
-        mfu = (
-            tokens_per_s / info["world"] * info["flops_per_token"] / info["peak_flops"]
-            if info["peak_flops"]
-            else float("nan")
-        )
+        util = mfu(tokens_per_s, desc["flops_per_token"], desc["peak_flops"], desc["world"])
         eta = format_duration((cfg.steps - step) * sec_per_step)
         lr = lr_at(step - 1, cfg)
         self.log(
             f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
-            f"{tokens_per_s:,.0f} tok/s{' (global)' if info['world'] > 1 else ''} | "
-            f"MFU {100 * mfu:.1f}% | ETA {eta}"
+            f"{tokens_per_s:,.0f} tok/s{' (global)' if desc['world'] > 1 else ''} | "
+            f"MFU {100 * util:.1f}% | ETA {eta}"
         )
         self.write(
             {
@@ -140,7 +132,7 @@ class RunLoop:
                 "lr": lr,
                 "grad_norm": gnorm,
                 "tokens_per_s": tokens_per_s,
-                "mfu": mfu,
+                "mfu": util,
                 "tokens": int(tokens_seen),
                 "time": time.time(),
             }
@@ -148,14 +140,14 @@ class RunLoop:
 
     def _projection(self, step, sec_per_step) -> None:
         total = self.cfg.steps * sec_per_step
-        cost, world = "", self.info["world"]
+        cost, world = "", self.desc["world"]
         if self.device.type == "cuda":
             gpu_hours = total / 3600 * world
             cost = (
                 f", about ${gpu_hours * self.cfg.hourly_price:,.2f} at "
                 f"${self.cfg.hourly_price:.2f}/GPU-hour × {world} GPU(s)"
             )
-        tokens = self.cfg.steps * self.info["tokens_per_step"]
+        tokens = self.cfg.steps * self.desc["tokens_per_step"]
         self.log(
             f"projected: {self.cfg.steps} steps × {sec_per_step:.3f} s = {format_duration(total)}"
             f" for {tokens / 1e6:,.1f}M tokens{cost}; "
@@ -171,7 +163,9 @@ class RunLoop:
             return  # no (or too small a) validation split: nothing to report
         n = min(self.cfg.eval_batches, val.n_windows // self.cfg.batch_size)
         # Eager model: a compiled one would recompile for no_grad/eval mode.
-        loss = evaluate(self.model, (val.next_batch() for _ in range(n)), self.device, self.ctx)
+        loss = validation_loss(
+            self.model, (val.next_batch() for _ in range(n)), self.device, self.ctx
+        )
         chars = sum(s.get("val_characters", 0) for s in meta["sources"].values())
         toks = sum(s.get("val_tokens", 0) for s in meta["sources"].values())
         bpc = loss * toks / chars / math.log(2) if chars else float("nan")
@@ -183,21 +177,17 @@ class RunLoop:
     def _task(self, step) -> None:
         """Accuracy on the fixed first items of a multiple-choice task. Scored by rank 0 on
         its own copy of the weights, so it cannot run on FSDP shards (said once)."""
-        if self.dist.enabled and self.cfg.strategy == "fsdp":
+        if self.info.enabled and self.cfg.strategy == "fsdp":
             if not self._task_warned:
                 self.log("note: eval_task is skipped under FSDP (rank 0 holds only a shard)")
                 self._task_warned = True
             return
-        if not self.dist.is_main:
+        if not self.info.is_main:
             return
-        from train.scoring import task_accuracy
-        from train.tasks import load_task
-        from train.tokenizer import load_tokenizer
-
         name, _, path = self.cfg.eval_task.partition("=")
         if self._task_items is None:
             self._task_items = load_task(name, path, limit=self.cfg.eval_task_limit)
-            self._task_tok = load_tokenizer(self.tok)
+            self._task_tok = load_tokenizer(self.tok_path)
         r = task_accuracy(self.model, self._task_tok, self._task_items, device=self.device)
         self.log(
             f"{name} at step {step}: acc {r['acc']:.3f} ± {r['acc_stderr']:.3f}, "
@@ -218,7 +208,7 @@ class RunLoop:
             self.model,
             self.optimizer,
             state,
-            tokenizer=self.tok,
+            tokenizer=self.tok_path,
             keep=self.cfg.keep_checkpoints,
         )
         self.card(self.last_ckpt)
@@ -226,10 +216,8 @@ class RunLoop:
     def card(self, folder) -> None:
         """The model card (README.md) of a checkpoint or final folder; rank 0 only. A card
         that cannot be written is reported, not allowed to end the run."""
-        if not self.dist.is_main:
+        if not self.info.is_main:
             return
-        from train.modelcard import write_model_card
-
         dev = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU"
         try:
             write_model_card(
@@ -240,7 +228,7 @@ class RunLoop:
                     "tokens_seen": int(self.tokens_seen),
                     "config": resolved(self.cfg),
                 },
-                hardware=f"{self.dist.world_size} × {dev}",
+                hardware=f"{self.info.world_size} × {dev}",
                 seconds=self.seconds,
                 hourly_price=self.cfg.hourly_price if self.device.type == "cuda" else None,
             )

@@ -1,4 +1,5 @@
-"""Throughput accounting and run logs: device peak FLOP/s, MFU, `metrics.jsonl`, PNG curves.
+"""Throughput accounting and run logs: device peak FLOP/s, MFU, `metrics.jsonl` (its PNG curves
+are train/plot.py).
 
 MFU here is model FLOPs (the formula in `Llama.flops_per_token`, printed at the start of every
 run) over the device's dense peak for the compute dtype. GPU peaks come from the vendors' data
@@ -65,6 +66,14 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
     return None, f"{device.type}: unknown peak"
 
 
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None, devices: int = 1) -> float:
+    """Model FLOPs utilisation: the model FLOPs each device does a second (`tokens_per_s` is
+    shared by `devices`) over one device's peak; NaN where the peak is unknown."""
+    if not peak:
+        return float("nan")
+    return tokens_per_s / devices * flops_per_token / peak
+
+
 def format_duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
     h, rem = divmod(seconds, 3600)
@@ -104,39 +113,3 @@ def read_metrics(path: str | Path) -> list[dict]:
             except json.JSONDecodeError:  # a line cut by a kill: skip it
                 continue
     return rows
-
-
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Loss (train and validation) and throughput curves from metrics.jsonl, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from train.common import DoelError
-
-    run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise DoelError(f"{run_dir} has no metrics.jsonl; is it a `doel-train fit` run folder?")
-    rows = read_metrics(path)
-    train = [r for r in rows if r.get("kind") == "train"]
-    val = [r for r in rows if r.get("kind") == "val"]
-    if not train:
-        raise DoelError(f"{path} holds no training steps yet")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", lw=1)
-    if val:
-        ax1.plot([r["step"] for r in val], [r["loss"] for r in val], "o-", label="validation")
-    ax1.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
-    ax1.legend()
-    ax1.grid(alpha=0.3)
-    ax2.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train], lw=1)
-    ax2.set(xlabel="step", ylabel="tokens/s", title="throughput")
-    ax2.grid(alpha=0.3)
-    fig.suptitle(run_dir.name)
-    fig.tight_layout()
-    out = Path(out) if out else run_dir / "curves.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

@@ -24,7 +24,7 @@ else:  # pragma: no cover
 
 from train.checks import VerifyConfig
 from train.common import DoelError
-from train.config import _build, _set, load_config, resolved
+from train.config import apply_override, from_values, load_config, resolve_config, resolved
 from train.prepare import PrepareConfig
 from train.tokenizer import TokenizerConfig
 
@@ -235,14 +235,14 @@ def load_recipe(path, overrides=(), dry_run: bool = False) -> Recipe:
 def _from_values(raw: dict, path: Path, overrides) -> Recipe:
     values = {k: v for k, v in raw.items() if k != "sources"}
     for item in overrides:
-        _set(values, Recipe, item)
+        apply_override(values, Recipe, item)
     sources = raw.get("sources", [])
     if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
         raise DoelError(f"{path}: sources must be [[sources]] tables")
     values["sources"] = tuple(
-        _build(HubSource, s, f"{path} [[sources]] #{i + 1}") for i, s in enumerate(sources)
+        from_values(HubSource, s, f"{path} [[sources]] #{i + 1}") for i, s in enumerate(sources)
     )
-    return _build(Recipe, values, str(path))
+    return from_values(Recipe, values, str(path))
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,6 @@ def make_plan(recipe: Recipe, out, dry_run=False, gpus=1, yes=False, local=None,
     """Resolve the training config (steps from the token budget at the global batch) and the
     task files. With gpus > 1 the global batch stays the preset's: grad_accum (or batch_size)
     is divided."""
-    from train.cli import resolve_config
     from train.trainer import TrainConfig
 
     preset = resolve_config(recipe.train.preset)

@@ -8,13 +8,20 @@ stage's needs with what `probe` finds (free disk under the run folder, MemAvaila
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from train.build import build_run
 from train.common import DoelError
+from train.dist import resolve_device
+from train.metrics import format_duration, mfu, peak_flops
+from train.trainer import train_step
 
 GB = 1e9
 BYTES_PER_CHAR = {"bn": 3.0}  # UTF-8: Bengali letters take 3 bytes; other languages ~1
@@ -156,79 +163,53 @@ def confirm(question: str, yes: bool, stdin=None) -> None:
 
 def measure_steps(cfg, next_batches, warmup: int, steps: int, seconds=None, log=print) -> dict:
     """Time `steps` optimizer steps (or as many as fit in `seconds`) of a fresh model built
-    as `fit` builds it, after `warmup` untimed ones (compilation, allocator). next_batches()
-    gives one step's micro-batches on the device."""
-    import torch
-
-    from train.model import Llama
-    from train.trainer import build_optimizer, resolve_device
-
+    by `build_run` as `fit` builds it (compiled when cfg.compile, eager where compilation
+    fails), after `warmup` untimed ones (compilation, allocator). next_batches() gives one
+    step's micro-batches on the device."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        torch.manual_seed(cfg.seed)
-        with torch.device(device):
-            model = Llama(cfg.model)
-        opt = build_optimizer(model, cfg, device)
-        warm_s, times = _timed(cfg, model, opt, next_batches, device, warmup, steps, seconds, log)
+        first = next_batches()
+        run = build_run(cfg, None, device=device, example_batch=first[0], log=log)
+        warm_s, times = _timed(run, first, next_batches, warmup, steps, seconds)
     except torch.OutOfMemoryError:
         raise DoelError(
             f"out of GPU memory at batch_size={cfg.batch_size} x seq_len={cfg.seq_len}: halve "
             "batch_size and double grad_accum (train.set in the recipe; same tokens a step)"
         ) from None
-    result = _throughput(cfg, model, device, times) | {"warmup_s": warm_s}
-    del model, opt
+    result = _throughput(run, times) | {"warmup_s": warm_s}
+    del run
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
-def _timed(cfg, model, opt, next_batches, device, warmup, steps, seconds, log):
-    """(seconds of warm-up, each timed step's seconds), on the compiled model as fit runs it
-    (eager when compilation fails, as fit falls back)."""
-    import torch
-
-    from train.trainer import autocast, resolve_dtype, train_step
-
-    dtype = resolve_dtype(cfg.dtype, device)
-    ctx = lambda: autocast(device, dtype)  # noqa: E731
+def _timed(run, first, next_batches, warmup, steps, seconds):
+    """(seconds of warm-up, each timed step's seconds), on the model as fit runs it."""
+    cfg, device = run.cfg, run.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fwd = torch.compile(model) if cfg.compile else model
     t0 = time.perf_counter()
-    try:
-        train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 (inductor raises many kinds)
-        if fwd is model:
-            raise
-        log(f"WARNING: torch.compile failed ({type(e).__name__}); measuring eager")
-        fwd = model
+    train_step(run.compiled, run.optimizer, first, cfg.lr, cfg.grad_clip, run.ctx)
     for _ in range(warmup - 1):
-        train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
+        train_step(run.compiled, run.optimizer, next_batches(), cfg.lr, cfg.grad_clip, run.ctx)
     sync()
     warm_s, times = time.perf_counter() - t0, []
     while len(times) < steps or (seconds and sum(times) < seconds):
         t = time.perf_counter()
-        train_step(fwd, opt, next_batches(), cfg.lr, cfg.grad_clip, ctx)
+        train_step(run.compiled, run.optimizer, next_batches(), cfg.lr, cfg.grad_clip, run.ctx)
         sync()
         times.append(time.perf_counter() - t)
     return warm_s, times
 
 
-def _throughput(cfg, model, device, times: list[float]) -> dict:
-    import torch
-
-    from train.metrics import peak_flops
-    from train.trainer import resolve_dtype
-
-    dtype = resolve_dtype(cfg.dtype, device)
+def _throughput(run, times: list[float]) -> dict:
+    cfg, device, dtype = run.cfg, run.device, run.dtype
     cuda = device.type == "cuda"
     sec = sorted(times)[len(times) // 2]  # the median: robust to a stray slow step
     peak, source = peak_flops(device, dtype)
     tps = cfg.tokens_per_step / sec
+    util = mfu(tps, run.model.flops_per_token(cfg.seq_len)["total"], peak)
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "dtype": str(dtype).replace("torch.", ""),
@@ -236,9 +217,9 @@ def _throughput(cfg, model, device, times: list[float]) -> dict:
         "steps_timed": len(times),
         "sec_per_step": sec,
         "tokens_per_s": tps,
-        "mfu": tps * model.flops_per_token(cfg.seq_len)["total"] / peak if peak else None,
+        "mfu": None if math.isnan(util) else util,
         "peak_source": source,
-        "parameters": model.num_parameters(),
+        "parameters": run.model.num_parameters(),
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / GB if cuda else None,
         "gpu_memory_gb": torch.cuda.get_device_properties(device).total_memory / GB
         if cuda
@@ -247,16 +228,14 @@ def _throughput(cfg, model, device, times: list[float]) -> dict:
 
 
 def format_projection(m: dict, p: dict, tokens: int) -> str:
-    mfu = f", MFU {100 * m['mfu']:.1f}%" if m["mfu"] is not None else ""
-    from train.metrics import format_duration
-
+    util = f", MFU {100 * m['mfu']:.1f}%" if m["mfu"] is not None else ""
     mem = ""
     if m["peak_memory_gb"] is not None:
         mem = f", peak memory {m['peak_memory_gb']:.1f} of {m['gpu_memory_gb']:.0f} GB"
     lines = [
         f"measured {m['steps_timed']} steps on {m['device']} ({m['dtype']}, compile="
         f"{m['compile']}): {m['sec_per_step']:.3f} s a step, {m['tokens_per_s']:,.0f} tokens/s "
-        f"a GPU{mfu}{mem}",
+        f"a GPU{util}{mem}",
         f"projected: {p['steps']:,} steps for {tokens / 1e6:,.1f}M tokens = "
         f"{format_duration(p['total_s'])} on {p['gpus']} GPU(s), ${p['total_usd']:,.2f} at "
         f"${p['hourly_price']:.2f}/GPU-hour",

@@ -7,7 +7,7 @@ the shards, training and what follows), whether it finished, and the seconds spe
 every attempt (the summary's time and cost are what was paid, interruptions included).
 
 Training runs in this process on one device. On several GPUs only the training stage goes
-under torchrun, as a child process (`python -m torch.distributed.run ... -m train fit`): the
+under torchrun, as a child process (`torchrun --no-python ... doel-train fit`): the
 data, tokenizer and export stages must run once, not once per rank, and a crashed rank is
 restarted by torchrun from the last checkpoint without repeating them. The verify stage runs
 on one GPU the checks `fit` leaves out, so the two together are the whole suite.
@@ -30,17 +30,7 @@ from train.recipe_checks import (
     probe,
     require_answer,
 )
-
-STAGES = ("data", "tokenizer", "shards", "verify", "train", "eval", "export", "summary")
-DEPENDS = {  # stage -> (the stage before it in the chain, the plan parts it reads)
-    "data": (None, ("sources", "data", "token_budget")),
-    "tokenizer": ("data", ("tokenizer",)),
-    "shards": ("tokenizer", ("prepare",)),
-    "verify": ("shards", ("train", "gpus", "verify")),
-    "train": ("shards", ("train", "gpus")),
-    "eval": ("train", ("eval",)),
-    "export": ("train", ("export",)),
-}
+from train.recipe_order import DEPENDS, STAGES
 
 
 def _read(path: Path) -> dict | None:
@@ -52,7 +42,7 @@ class RecipeRun:
         self.plan, self.log, self.probe, self.stdin = plan, log, probe_fn, stdin
         self.on_chunk = on_chunk
         out = plan.out
-        self.data, self.tok = out / "data", out / "tokenizer" / "tokenizer.json"
+        self.data, self.tok_path = out / "data", out / "tokenizer" / "tokenizer.json"
         self.shards, self.run, self.stages = out / "shards", out / "run", out / "stages"
         cfg = plan.train_cfg
         quants = {q: q in plan.recipe.export.mobile for q in plan.recipe.export.quants}
@@ -93,7 +83,7 @@ class RecipeRun:
             return False
         outputs = {
             "data": [self.data / s.name / "progress.json" for s in self.plan.recipe.sources],
-            "tokenizer": [self.tok, self.tok.parent / "fertility.json"],
+            "tokenizer": [self.tok_path, self.tok_path.parent / "fertility.json"],
             "shards": [self.shards / "meta.json"],
             "verify": [self.plan.out / "verify" / "verify.json"],
             "train": [self.run / "final" / "model.safetensors"],
@@ -189,24 +179,8 @@ def run_recipe(plan, until: str = "summary", log=print, **kw) -> dict:
     r.preflight(stages)
     atomic_write_json(plan.out / "recipe.json", plan.resolved())
     for name in stages:
-        r.stage(name, getattr(recipe_stages, "evaluate" if name == "eval" else name))
+        r.stage(name, recipe_stages.STAGE_FUNCTIONS[name])
     return _read(plan.out / "summary.json") if until == "summary" else None
-
-
-def add_arguments(p) -> None:
-    """`doel-train recipe`'s options (train/cli.py hands the parsed ones to `main`)."""
-    p.add_argument("recipe", nargs="?", default="bangla-0.4b", help="name, folder or TOML")
-    p.add_argument("--dry-run", action="store_true", help="tiny, on this CPU, local files")
-    p.add_argument("--yes", action="store_true", help="train without asking (needed without a tty)")
-    p.add_argument("--price-per-hour", type=float, help="dollars a GPU-hour (default the recipe's)")
-    p.add_argument("--out", help="run folder (default out/NAME or out/NAME-dry-run)")
-    p.add_argument("--gpus", type=int, help="GPUs to train on (default all visible; >1: torchrun)")
-    p.add_argument("--local", nargs="+", default=[], metavar="NAME=PATH", help="a source's file")
-    p.add_argument("--eval-dir", help="the task files' folder (default the recipe's task_dir)")
-    p.add_argument("--until", default="summary", choices=STAGES, help="stop after this stage")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe field")
-    p.add_argument("--gpu-slice", action="store_true", help="time the real config (needs CUDA)")
-    p.add_argument("--slice-seconds", type=float, default=600.0, help="timed seconds of the slice")
 
 
 def main(args) -> None:

@@ -33,13 +33,13 @@ def tokenizer(r) -> None:
     c = r.corpus()
     sources = resolve_sources(c["train"])
     weights = parse_weights(c["weights"], sources)
-    train_tokenizer(sources, r.plan.recipe.tokenizer, r.tok.parent, weights)
+    train_tokenizer(sources, r.plan.recipe.tokenizer, r.tok_path.parent, weights)
     held = resolve_sources(c["heldout_dirs"])
-    report = fertility(load_any(r.tok), (d for s in held for d in iter_source(s)))
-    text = format_report(str(r.tok), report)
+    report = fertility(load_any(r.tok_path), (d for s in held for d in iter_source(s)))
+    text = format_report(str(r.tok_path), report)
     r.log(text)
-    atomic_write_json(r.tok.parent / "fertility.json", report)
-    (r.tok.parent / "fertility.md").write_text(text + "\n", encoding="utf-8")
+    atomic_write_json(r.tok_path.parent / "fertility.json", report)
+    (r.tok_path.parent / "fertility.md").write_text(text + "\n", encoding="utf-8")
 
 
 def shards(r) -> None:
@@ -47,17 +47,15 @@ def shards(r) -> None:
 
     c = r.corpus()
     prepare(
-        r.tok, c["train"], r.shards, r.plan.recipe.prepare, c["weights"],
+        r.tok_path, c["train"], r.shards, r.plan.recipe.prepare, c["weights"],
         c["heldout_dirs"], log=r.log,
     )  # fmt: skip
 
 
 def verify(r) -> None:
-    from train.verify import run_suite, select
+    from train.verify import fit_subset, run_suite, select
 
-    fit_runs = select("fast")
-    if r.plan.gpus > 1:  # what fit leaves out under torchrun (train/fit.py)
-        fit_runs = [n for n in fit_runs if n not in ("parity", "step")]
+    fit_runs = fit_subset(distributed=r.plan.gpus > 1)  # what fit runs before step 1
     names = [n for n in select("full") if n not in fit_runs]
     out = r.plan.out / "verify"
     report = run_suite(
@@ -65,7 +63,7 @@ def verify(r) -> None:
         r.shards,
         "full",
         out,
-        tokenizer=r.tok,
+        tokenizer=r.tok_path,
         vcfg=r.plan.recipe.verify,
         checks=names,
         log=r.log,
@@ -76,10 +74,10 @@ def verify(r) -> None:
 
 def train(r) -> None:
     from train.checkpoint import latest_checkpoint
+    from train.dist import resolve_device
     from train.loader import TokenLoader
     from train.loop import batches_on
     from train.metrics import format_duration
-    from train.trainer import resolve_device
 
     plan, cfg = r.plan, r.plan.train_cfg
     started = r.stages / "train.started.json"
@@ -113,9 +111,9 @@ def _launch(r) -> None:
     if r.plan.gpus == 1:
         from train.fit import fit
 
-        fit(r.plan.train_cfg, r.shards, r.run, tokenizer=r.tok, log=r.log)
+        fit(r.plan.train_cfg, r.shards, r.run, tokenizer=r.tok_path, log=r.log)
         return
-    cmd = torchrun_command(r.plan, r.shards, r.run, r.tok)
+    cmd = torchrun_command(r.plan, r.shards, r.run, r.tok_path)
     r.log("under torchrun: " + " ".join(cmd))
     rc = subprocess.run(cmd, check=False).returncode
     if rc:
@@ -125,7 +123,7 @@ def _launch(r) -> None:
         )
 
 
-def evaluate(r) -> None:
+def evaluation(r) -> None:
     from train.evaluate import evaluate_checkpoint, format_eval
     from train.recipe_summary import write_card
 
@@ -174,19 +172,35 @@ def export(r) -> None:
 
 
 def _device_name(cfg) -> str:
-    from train.trainer import resolve_device
+    from train.dist import resolve_device
 
     return resolve_device(cfg.device).type
 
 
-def torchrun_command(plan, shards: Path, run: Path, tok: Path) -> list[str]:
+def console_script(name: str) -> str:
+    """The path of one of this installation's console scripts (beside the interpreter in a
+    virtualenv, else on PATH). A script imports the installed package by its absolute name,
+    so a `train.py` in the working directory cannot stand in for it as with `python -m`."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if not found:
+        raise DoelError(
+            f"{name} is not installed beside {sys.executable} nor on PATH; reinstall doel: "
+            "pip install -e '.[train]'"
+        )
+    return found
+
+
+def torchrun_command(plan, shards: Path, run: Path, tok_path: Path) -> list[str]:
     """`doel-train fit` under torchrun with the recipe's training config (the preset and its
-    overrides, as on the command line). --max-restarts: a crashed rank brings the job back
-    from the last checkpoint; the recipe cleared old runs before, so no --fresh here."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={plan.gpus}", "--max-restarts=2", "-m", "train", "fit"]
+    overrides, as on the command line). --no-python runs the console script itself, never a
+    `train` module found in the working directory. --max-restarts: a crashed rank brings the
+    job back from the last checkpoint; the recipe cleared old runs before, so no --fresh
+    here."""
+    cmd = [console_script("torchrun"), "--standalone", f"--nproc_per_node={plan.gpus}"]
+    cmd += ["--max-restarts=2", "--no-python", console_script("doel-train"), "fit"]
     cmd += ["--config", str(plan.preset), "--data", str(shards), "--out", str(run)]
-    cmd += ["--tokenizer", str(tok)]
+    cmd += ["--tokenizer", str(tok_path)]
     for item in plan.train_sets:
         cmd += ["--set", item]
     return cmd
@@ -196,6 +210,18 @@ def summary(r) -> None:
     from train.recipe_summary import write_summary
 
     write_summary(r)
+
+
+STAGE_FUNCTIONS = {
+    "data": data,
+    "tokenizer": tokenizer,
+    "shards": shards,
+    "verify": verify,
+    "train": train,
+    "eval": evaluation,
+    "export": export,
+    "summary": summary,
+}
 
 
 def _read_json(path: Path) -> dict | None:

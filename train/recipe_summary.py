@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from train.common import atomic_write_bytes, atomic_write_json
+from train.recipe_order import STAGES
 
 
 def _read(path: Path):
@@ -87,8 +88,6 @@ def _data_table(r) -> dict:
 
 
 def summary(r) -> dict:
-    from train.recipe_run import STAGES
-
     plan, price = r.plan, r.plan.train_cfg.hourly_price
     marks = {s: _read(r.stages / f"{s}.json") for s in STAGES if s != "summary"}
     stages = {s: m for s, m in marks.items() if m}
@@ -124,7 +123,7 @@ def summary(r) -> dict:
         "eval": _eval_table(_read(plan.out / "eval.json")),
         "exports": _read(plan.out / "exports.json") or {},
         "artifacts": {
-            "tokenizer": str(r.tok),
+            "tokenizer": str(r.tok_path),
             "shards": str(r.shards),
             "model": str(r.run / "final"),
             "bundles": [str(plan.out / f"bundle-{q}") for q in plan.recipe.export.quants],

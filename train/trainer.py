@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from train.dist import all_reduce_sum
 from train.model import IGNORE_INDEX, ModelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -120,33 +121,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return peak + (low - peak) * min(progress, 1.0)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA; on CPU bf16 only where it is at least twice as fast as fp32 (CPUs
-    with AMX or AVX512-BF16), since elsewhere autocast would only cost accuracy."""
-    if name == "float32":
-        return torch.float32
-    if name == "bfloat16":
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    from train.metrics import cpu_peak_flops
-
-    fast = cpu_peak_flops(torch.bfloat16, 1024) >= 2 * cpu_peak_flops(torch.float32, 1024)
-    return torch.bfloat16 if fast else torch.float32
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     """AdamW; weight decay on matrices only (not norms). Fused kernel where the device has it."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -188,8 +162,6 @@ def train_step(
     The loss is normalised by the target tokens of the whole step across all ranks (DDP and
     FSDP average gradients over ranks, hence the world-size factor). Returns loss (mean nats
     per target token), grad_norm and tokens (global), all tensors on the device."""
-    from train.dist import all_reduce_sum
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     # Counted on the device: an int() here would make the host wait for the GPU once per
     # micro-batch. A step without any target gives a NaN loss, which the run stops on.
@@ -220,7 +192,7 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, ctx=contextlib.nullcontext) -> float:
+def validation_loss(model, batches, device, ctx=contextlib.nullcontext) -> float:
     """Mean nats per target token over (inputs, targets) numpy/tensor batches."""
     was_training = model.training
     model.eval()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from train.build import build_run
 from train.checks import (
     CheckResult,
     Setup,
@@ -39,7 +40,7 @@ from train.checks_ties import check_ties
 from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.config import resolved
 from train.gradflow import unwrap
-from train.trainer import TrainConfig, autocast, build_optimizer, resolve_device, resolve_dtype
+from train.trainer import TrainConfig
 
 # name -> (check, in the fast subset). The fast subset is what `fit` runs before step 1: a few
 # seconds on the tiny preset on CPU. Resume (a checkpoint of the full model written and read)
@@ -57,6 +58,12 @@ CHECKS: dict[str, tuple[Callable[[Setup], CheckResult], bool]] = {
     "tokenizer": (check_tokenizer_fairness, True),
 }
 SUBSETS = ("fast", "full")
+# What `fit` leaves out of its fast subset under torchrun. Parity compares a rank's gradients
+# with a local eager pass, but DDP/FSDP average gradients over ranks holding other data, and the
+# step check mirrors the optimizer onto a plain model (FSDP's are sharded): both run in
+# `doel-train verify` on one process (the recipe's verify stage). Gradient flow and ties
+# (identity and shared gradient) run under the wrapper.
+SINGLE_PROCESS_ONLY = ("parity", "step")
 
 
 class VerificationError(DoelError):
@@ -175,6 +182,12 @@ def select(subset: str, names: list[str] | None = None) -> list[str]:
     return [n for n, (_, fast) in CHECKS.items() if subset == "full" or fast]
 
 
+def fit_subset(distributed: bool) -> list[str]:
+    """The checks `fit` runs before step 1: the fast subset, less SINGLE_PROCESS_ONLY under
+    torchrun."""
+    return [n for n in select("fast") if not (distributed and n in SINGLE_PROCESS_ONLY)]
+
+
 def run_checks(setup: Setup, names: list[str], subset: str = "custom", log=None) -> Report:
     """Run the named checks on a Setup. A check that raises is a failed row (naming the error),
     not a crashed suite: a broken model may break a check's own machinery."""
@@ -242,50 +255,33 @@ def run_suite(
     checks: list[str] | None = None,
     log=print,
 ) -> Report:
-    """Build what `fit` would build from `cfg` (device, dtype, model, optimizer, loader, compile)
-    and run the subset (or the named `checks`); write verify.md and verify.json to out_dir.
-    The factories let tests plant failures: model_factory(cfg) -> model (moved to the device
-    here), optimizer_factory(model), loader_factory()."""
-    from train.fit import _compiled, check_vocab
-    from train.loader import TokenLoader, read_meta
-    from train.model import Llama
-
+    """Build what `fit` would build from `cfg` (train/build.py: device, dtype, model,
+    optimizer, loader, compile) and run the subset (or the named `checks`); write verify.md and
+    verify.json to out_dir. The factories let tests plant failures: model_factory(cfg) -> model
+    (moved to the device here), optimizer_factory(model), loader_factory()."""
     names = select(subset, checks)
-    check_vocab(read_meta(data_dir), cfg)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-
-    def make_model():
-        with torch.device(device):
-            return (model_factory or (lambda c: Llama(c.model)))(cfg).to(device)
-
-    def make_optimizer(m):
-        return (optimizer_factory or (lambda m_: build_optimizer(m_, cfg, device)))(m)
-
-    def make_loader():
-        if loader_factory:
-            return loader_factory()
-        return TokenLoader(data_dir, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
-
-    torch.manual_seed(cfg.seed)
-    model, loader = make_model(), make_loader()
-    optimizer = make_optimizer(model)
-    ctx = lambda: autocast(device, dtype)  # noqa: E731
-    fwd = _compiled(model, loader, device, ctx, log) if cfg.compile else model
-    setup = Setup(
+    run = build_run(
         cfg,
-        device,
-        dtype,
-        model,
-        fwd,
-        optimizer,
-        loader,
-        Path(data_dir),
-        make_model,
-        make_optimizer,
-        make_loader,
-        tokenizer,
-        vcfg or VerifyConfig(),
+        data_dir,
+        model_factory=model_factory,
+        optimizer_factory=optimizer_factory,
+        loader_factory=loader_factory,
+        log=log,
+    )
+    setup = Setup(
+        cfg=cfg,
+        device=run.device,
+        dtype=run.dtype,
+        model=run.model,
+        fwd=run.compiled,
+        optimizer=run.optimizer,
+        loader=run.loader,
+        data_dir=Path(data_dir),
+        make_model=run.make_model,
+        make_optimizer=run.make_optimizer,
+        make_loader=run.make_loader,
+        tokenizer=tokenizer,
+        vcfg=vcfg or VerifyConfig(),
     )
     report = run_checks(setup, names, subset if not checks else "custom")
     if out_dir is not None:
@@ -328,19 +324,18 @@ def verify_before_training(
         )
 
     setup = Setup(
-        cfg,
-        device,
-        dtype,
-        inner,
-        fwd,
-        optimizer,
-        loader,
-        Path(loader.data_dir),
-        make_model,
-        lambda m: mirror_optimizer(optimizer, inner, m),
-        make_loader,
-        None,
-        vcfg or VerifyConfig(),
+        cfg=cfg,
+        device=device,
+        dtype=dtype,
+        model=inner,
+        fwd=fwd,
+        optimizer=optimizer,
+        loader=loader,
+        data_dir=Path(loader.data_dir),
+        make_model=make_model,
+        make_optimizer=lambda m: mirror_optimizer(optimizer, inner, m),
+        make_loader=make_loader,
+        vcfg=vcfg or VerifyConfig(),
     )
     log(f"verifying before step 1 ({subset} subset; --skip-verify skips it)")
     report = run_checks(setup, select(subset, names), subset, log=log)

@@ -1,0 +1,193 @@
+"""Build a training run: the one place that turns a TrainConfig and a shard folder into the
+objects a run uses. `fit`, `verify`, `check-gradients` and the recipe's step timing all call
+`build_run`, so what they check or measure is what training runs.
+
+Order: device and dtype → the shards' vocabulary against the model's → seed → model on the
+device → DDP/FSDP wrapper (and activation checkpointing) → optimizer (after FSDP: on the sharded
+parameters) → loader at this rank → resume from a checkpoint → torch.compile, falling back to
+eager loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from train.checkpoint import load_checkpoint
+from train.common import DoelError
+from train.dist import DistInfo, autocast, resolve_device, resolve_dtype, wrap_model
+from train.loader import TokenLoader, read_meta
+from train.metrics import peak_flops
+from train.model import Llama
+from train.trainer import TrainConfig, build_optimizer
+
+
+@dataclass(kw_only=True)
+class Run:
+    """What a run trains with. `model` is the eager module (what checkpoints, evaluation and
+    the checks read), `wrapped` the DDP/FSDP module around it (or `model`), `compiled` what the
+    step calls (torch.compile of `wrapped`, or `wrapped`). The factories make fresh copies built
+    the same way, for checks that must step or train without touching the run."""
+
+    cfg: TrainConfig
+    model: nn.Module
+    wrapped: nn.Module
+    compiled: nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: TokenLoader | None  # None when the caller brings its own batches
+    device: torch.device
+    dtype: torch.dtype  # autocast dtype
+    info: DistInfo
+    make_model: Callable[[], nn.Module]
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    make_loader: Callable[[], TokenLoader] | None
+    meta: dict | None = None  # the shards' meta.json
+    step: int = 0  # where a resumed run continues
+    tokens_seen: int = 0
+    desc: dict | None = None  # FLOPs a token, peak, world, tokens a step (when described)
+
+    def ctx(self):
+        return autocast(self.device, self.dtype)
+
+
+def check_vocab(meta: dict, cfg: TrainConfig) -> None:
+    if meta["tokenizer"]["vocab_size"] > cfg.model.vocab_size:
+        raise DoelError(
+            f"the shards use a vocabulary of {meta['tokenizer']['vocab_size']} tokens but "
+            f"model.vocab_size is {cfg.model.vocab_size}; raise it (--set model.vocab_size=...)"
+        )
+
+
+def compiled(model: nn.Module, batch, ctx, log) -> nn.Module:
+    """torch.compile the model, or say loudly why the run falls back to eager (e.g. no C
+    compiler for inductor's CPU kernels). `batch` (inputs, targets on the device) warms it up;
+    the gradients of that pass are cleared."""
+    log("compiling the model (the first step takes longer)")
+    fast = torch.compile(model)
+    x, y = batch
+    try:
+        with ctx():
+            fast(x, y, reduction="sum").backward()
+    except Exception as e:  # noqa: BLE001 (inductor raises many kinds)
+        log(f"WARNING: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eager")
+        fast = model
+    model.zero_grad(set_to_none=True)
+    return fast
+
+
+def describe(model, cfg: TrainConfig, device, dtype, info: DistInfo, log) -> dict:
+    """Log the model's size and FLOPs a token; return what the step loop's rates need."""
+    flops = model.flops_per_token(cfg.seq_len)
+    peak, source = peak_flops(device, dtype)
+    n = model.num_parameters()
+    par = f", {info.world_size} ranks ({cfg.strategy})" if info.enabled else ""
+    log(
+        f"model: {n / 1e6:.2f}M parameters ({model.num_parameters(True) / 1e6:.2f}M without "
+        f"the embedding); {cfg.tokens_per_step * info.world_size:,} tokens a step; device "
+        f"{device}, {dtype}{par}"
+    )
+    log(
+        f"FLOPs/token = 6·(matmul weights, head included) + 6·L·H·D·T (causal attention) = "
+        f"{flops['dense'] / 1e6:.1f}M + {flops['attention'] / 1e6:.1f}M = "
+        f"{flops['total'] / 1e6:.1f}M; peak {peak / 1e12 if peak else float('nan'):.1f} "
+        f"TFLOP/s ({source})"
+    )
+    return {
+        "flops_per_token": flops["total"],
+        "peak_flops": peak,
+        "world": info.world_size,
+        "tokens_per_step": cfg.tokens_per_step * info.world_size,
+    }
+
+
+def _tensors(batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(torch.as_tensor(a, device=device) for a in batch)
+
+
+def build_run(
+    cfg: TrainConfig,
+    data,
+    *,
+    model_factory: Callable[[TrainConfig], nn.Module] | None = None,
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+    loader_factory: Callable[[], TokenLoader] | None = None,
+    info: DistInfo | None = None,
+    device: torch.device | None = None,
+    resume_from: Path | None = None,
+    compile: bool | None = None,
+    example_batch=None,
+    describe_to=None,
+    log=print,
+) -> Run:
+    """Build what training `cfg` on the shards in `data` uses. `data` None: no loader (the
+    caller brings its batches; `example_batch` then warms up compilation). `info`/`device`: the
+    process group and device `init_distributed` gave (default: one process, cfg.device).
+    `compile` overrides cfg.compile. `describe_to`: a log that gets the model's size and FLOPs.
+    The factories let tests plant failures: model_factory(cfg) -> model (moved to the device
+    here), optimizer_factory(model), loader_factory()."""
+    info = info or DistInfo()
+    device = device or resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    meta = None
+    if data is not None:
+        meta = read_meta(data)
+        check_vocab(meta, cfg)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    def make_model() -> nn.Module:
+        with torch.device(device):
+            return (model_factory or (lambda c: Llama(c.model)))(cfg).to(device)
+
+    def make_optimizer(m: nn.Module) -> torch.optim.Optimizer:
+        return optimizer_factory(m) if optimizer_factory else build_optimizer(m, cfg, device)
+
+    def make_loader() -> TokenLoader:
+        if loader_factory:
+            return loader_factory()
+        return TokenLoader(
+            data,
+            "train",
+            cfg.batch_size,
+            cfg.seq_len,
+            cfg.seed,
+            rank=info.rank,
+            world_size=info.world_size,
+        )
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = make_model()
+    wrapped = wrap_model(model, cfg.strategy, info, device, dtype, cfg.activation_checkpointing)
+    optimizer = make_optimizer(wrapped)
+    loader = make_loader() if data is not None else None
+    run = Run(
+        cfg=cfg,
+        model=model,
+        wrapped=wrapped,
+        compiled=wrapped,
+        optimizer=optimizer,
+        loader=loader,
+        device=device,
+        dtype=dtype,
+        info=info,
+        make_model=make_model,
+        make_optimizer=make_optimizer,
+        make_loader=make_loader if data is not None else None,
+        meta=meta,
+    )
+    if resume_from is not None:
+        _, state = load_checkpoint(resume_from, wrapped, optimizer)
+        loader.load_state_dict(state["loader"])
+        run.step, run.tokens_seen = state["step"], state.get("tokens_seen", 0)
+        log(f"resuming from {resume_from} (step {run.step})")
+    if describe_to is not None:
+        run.desc = describe(model, cfg, device, dtype, info, describe_to)
+    if cfg.compile if compile is None else compile:
+        batch = example_batch if loader is None else loader.peek(1)[0]
+        run.compiled = compiled(wrapped, _tensors(batch, device), run.ctx, log)
+    return run
