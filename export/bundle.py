@@ -24,7 +24,7 @@ import numpy as np
 
 from export import graph, parity
 from export.checkpoint import Checkpoint, inspect_checkpoint
-from export.common import ExportError, file_table, staging, write_json
+from export.common import ExportError, file_table, sha256_file, staging, write_json
 from export.runner import OnnxLM
 
 FORMAT_VERSION = 1
@@ -147,9 +147,15 @@ def manifest(
         "special_tokens": ckpt.special_tokens,
         "context_length": ckpt.context_length,
         "quantization": graph.quantization_info(opts.quant, opts.block_size, engine, model),
+        # Which checkpoint, without where it lay on the machine that exported it (an absolute
+        # path tells every reader of the bundle the exporter's user and folder layout): the
+        # folder's name, and hashes that identify its config and weights anywhere.
         "source": {
-            "path": str(ckpt.folder.resolve()),
+            "folder": ckpt.folder.resolve().name,
             "config_sha256": ckpt.config_sha256,
+            "weights": {
+                p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in ckpt.weights
+            },
             "num_hidden_layers": cfg.get("num_hidden_layers", cfg.get("n_layer")),
             "hidden_size": cfg.get("hidden_size", cfg.get("n_embd")),
         },

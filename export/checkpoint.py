@@ -115,11 +115,12 @@ def _check_safetensors(path: Path) -> None:
         )
 
 
-def _check_shards(folder: Path) -> None:
-    """Every weights file a sharded checkpoint's index names must be there."""
+def _check_shards(folder: Path) -> list[str]:
+    """The weights files a sharded checkpoint's index names (none without an index); each must
+    be there."""
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
-        return
+        return []
     try:
         names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -129,15 +130,20 @@ def _check_shards(folder: Path) -> None:
         raise ExportError(
             f"{folder} lacks {', '.join(missing)}, named in {index.name}; copy the whole folder"
         )
+    return sorted(str(n) for n in names)
 
 
 def _weights(folder: Path) -> tuple[Path, ...]:
+    """The model's weights files, checked: those a sharded index names, else model.safetensors,
+    else every *.safetensors (a training checkpoint's optimizer and RNG files are not the
+    model's, and are neither read nor hashed)."""
     found = tuple(sorted(folder.glob("*.safetensors")))
     if found:
-        _check_shards(folder)
-        for path in found:
+        names = _check_shards(folder) or ["model.safetensors"]
+        model = tuple(p for p in found if p.name in names) or found
+        for path in model:
             _check_safetensors(path)
-        return found
+        return model
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         raise ExportError(
             f"{folder} holds only pickled weights (.bin/.pt), which doel never loads; save the "

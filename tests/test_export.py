@@ -112,6 +112,17 @@ def _nbits_attrs(model: Path) -> set[tuple[int, int]]:
     return found
 
 
+def _strings(obj) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(obj, str):
+        return [obj]
+    if isinstance(obj, dict):
+        return [s for k, v in obj.items() for s in [k, *_strings(v)]]
+    if isinstance(obj, list):
+        return [s for v in obj for s in _strings(v)]
+    return []
+
+
 def test_fp32_bundle_matches_pytorch_and_describes_itself(fp32_bundle, ckpt, tok):
     m = json.loads((fp32_bundle / "manifest.json").read_text())
     assert m["engine"] == "genai" and m["quantization"]["scheme"] == "fp32"
@@ -122,7 +133,15 @@ def test_fp32_bundle_matches_pytorch_and_describes_itself(fp32_bundle, ckpt, tok
         assert entry["sha256"] == sha256_file(fp32_bundle / name)
     assert sha256_file(fp32_bundle / "tokenizer.json") == sha256_file(ckpt / "tokenizer.json")
     _assert_modes(fp32_bundle, 0o022)  # written under umask 022: another account can serve it
+    # The source by name and hashes, never by where it lay on the exporting machine.
     assert m["source"]["config_sha256"] == sha256_file(ckpt / "config.json")
+    weights = ckpt / "model.safetensors"
+    assert m["source"]["folder"] == ckpt.name == "final"
+    assert m["source"]["weights"] == {
+        "model.safetensors": {"bytes": weights.stat().st_size, "sha256": sha256_file(weights)}
+    }
+    assert str(ckpt.parent) not in (fp32_bundle / "manifest.json").read_text()
+    assert not [s for s in _strings(m) if os.path.isabs(s)]
     assert m["vocab_size"] == TINY.vocab_size and m["context_length"] == 256
     assert m["special_tokens"]["bos"] == {"id": 0, "token": "<|bos|>"}
     lm = _lm(fp32_bundle)
@@ -388,6 +407,16 @@ def test_a_damaged_checkpoint_is_refused_before_any_work_naming_the_file(
     assert message.startswith(f"error: {damaged}") and "\n" not in message
     assert re.search(DAMAGE[how], message), message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_only_the_model_weights_are_checked_and_hashed(ckpt, tmp_path):
+    """A training checkpoint also holds optimizer and RNG state: not the model's, not read."""
+    from export.checkpoint import inspect_checkpoint
+
+    step = tmp_path / "step-000100"
+    shutil.copytree(ckpt, step)
+    (step / "optimizer.safetensors").write_bytes(b"cut short")
+    assert inspect_checkpoint(step).weights == (step / "model.safetensors",)
 
 
 def test_doel_export_on_a_truncated_checkpoint_prints_one_line(ckpt, tmp_path):
