@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 def make_shards(work: Path) -> Path:
     """The built-in sample, tokenized at the preset's vocabulary (no external data needed)."""
-    from train.prepare import PrepareConfig, prepare
-    from train.textio import resolve_sources
-    from train.tokenizer import TokenizerConfig, train_tokenizer
+    from train.data.prepare import PrepareConfig, prepare
+    from train.data.textio import resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     sample = [str(ROOT / "train" / "sample" / n) for n in ("bn.txt", "en.txt")]
     tok = train_tokenizer(

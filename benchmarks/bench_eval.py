@@ -60,7 +60,7 @@ def limits_arg(specs: list[str]) -> dict[str, int]:
 
 
 def held_out(folder: Path, data: Path, max_chars: int, device: str) -> dict:
-    from train.evaluate import evaluate_checkpoint
+    from train.evals.heldout import evaluate_checkpoint
 
     splits = json.loads((data / "splits.json").read_text())
     val = {lang: [str(data / p) for p in splits[lang]["validation"]] for lang in ("bn", "en")}
@@ -79,10 +79,10 @@ def held_out(folder: Path, data: Path, max_chars: int, device: str) -> dict:
 
 def run_tasks(folder: Path, data: Path, limits: dict, default: int | None, device: str):
     """Every task: its summary (with items available, seconds) and the per-item lls."""
+    from train.data.tokenizer import load_tokenizer
+    from train.evals.scoring import score_items, summarize
+    from train.evals.tasks import load_task
     from train.hf import load_model
-    from train.scoring import score_items, summarize
-    from train.tasks import load_task
-    from train.tokenizer import load_tokenizer
 
     model, tok = load_model(folder, device=device).eval(), load_tokenizer(folder)
     results, lls = {}, {}
@@ -111,11 +111,11 @@ def run_tasks(folder: Path, data: Path, limits: dict, default: int | None, devic
 def crosscheck(folder: Path, data: Path, task: str, ours, n: int, device: str) -> dict:
     """lm-eval on the first n items; agreement with our verdicts (`ours`: our per-item lls,
     or None to score them here) item by item."""
-    from train.crosscheck import lm_eval_choices
+    from train.data.tokenizer import load_tokenizer
+    from train.evals.crosscheck import lm_eval_choices
+    from train.evals.scoring import predictions, score_items
+    from train.evals.tasks import load_task
     from train.hf import load_model
-    from train.scoring import predictions, score_items
-    from train.tasks import load_task
-    from train.tokenizer import load_tokenizer
 
     items = load_task(task, data / TASK_FILES[task], limit=n)
     if ours is None:
@@ -151,8 +151,8 @@ def model_card(folder: Path, rep: dict, out: Path, meta_path: Path | None = None
     import shutil
     import tempfile
 
+    from train.evals.modelcard import write_model_card
     from train.metrics import read_metrics
-    from train.modelcard import write_model_card
 
     run = folder.parent
     meta_path = meta_path or run.parent / "shards" / "meta.json"
@@ -177,7 +177,7 @@ def model_card(folder: Path, rep: dict, out: Path, meta_path: Path | None = None
 
 
 def markdown(rep: dict) -> str:
-    from train.evaluate import format_eval
+    from train.evals.heldout import format_eval
 
     lines = [
         f"# Evaluation of `{rep['model']}` ({rep['date']}, {rep['machine']}, commit "
@@ -187,8 +187,8 @@ def markdown(rep: dict) -> str:
         "",
         "## Zero-shot tasks",
         "",
-        "Log-likelihood of each choice given the context (train/scoring.py); acc_norm divides "
-        "by the choice's characters; ± bootstrap standard error. Bangla tasks: gold answer "
+        "Log-likelihood of each choice given the context (train/evals/scoring.py); acc_norm "
+        "divides by the choice's characters; ± bootstrap standard error. Bangla tasks: gold answer "
         "against 3 distractors (TyDi QA: same-length spans of the passage; BLanCK: answers of "
         "the same category). Majority: the accuracy of always picking the most frequent gold "
         "position, the score of a model that prefers one letter or one word.",

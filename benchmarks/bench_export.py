@@ -68,10 +68,10 @@ def make_checkpoint(folder: Path, preset: str) -> Path:
     import torch
 
     from train.config import load_config
+    from train.data.textio import resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
     from train.hf import save_model
     from train.model import Llama
-    from train.textio import resolve_sources
-    from train.tokenizer import TokenizerConfig, train_tokenizer
     from train.trainer import TrainConfig
 
     cfg = load_config(TrainConfig, ROOT / "configs" / f"{preset}.toml").model

@@ -178,7 +178,7 @@ def run_verify(cfg: TrainConfig, out: Path) -> bool:
     import tempfile
 
     from benchmarks.bench_dist import make_shards
-    from train.verify import run_suite
+    from train.checks.suite import run_suite
 
     shards = make_shards(Path(tempfile.mkdtemp(prefix="doel-verify-")))
     # The sample is small: shorter windows and batches, the preset's model, dtype and compile.

@@ -52,7 +52,7 @@ def plain_loop(data: Path, out: Path, steps: int, budget: float, bf16: bool) -> 
     """What a user would write with transformers and PyTorch, same settings as `small`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from train.loader import TokenLoader
+    from train.data.loader import TokenLoader
 
     cfg = small_config(f"steps={steps}")
     torch.manual_seed(cfg.seed)
@@ -194,9 +194,9 @@ def calibrate(name, data, work) -> float:
 def setup(data: Path, work: Path, bangla_share: float) -> tuple[Path, Path, dict]:
     """Tokenizer (32,768, trained on the train split) and shards; cached in `work`."""
     from benchmarks.bench_tokenizer import language_weights
-    from train.prepare import PrepareConfig, prepare
-    from train.textio import resolve_sources
-    from train.tokenizer import TokenizerConfig, train_tokenizer
+    from train.data.prepare import PrepareConfig, prepare
+    from train.data.textio import resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     splits = json.loads((data / "splits.json").read_text())
     train = [str(data / p) for p in splits["bn"]["train"] + splits["en"]["train"]]
@@ -225,9 +225,9 @@ def setup(data: Path, work: Path, bangla_share: float) -> tuple[Path, Path, dict
 
 def evaluate_all(folders: dict[str, Path], tok: Path, val: dict, max_chars: int) -> dict:
     """The same scorer for every contender, plus the random twin and the compressors."""
-    from train.evaluate import bits_per_char, compressor_bits_per_char, random_twin, read_texts
+    from train.data.tokenizer import load_tokenizer
+    from train.evals.heldout import bits_per_char, compressor_bits_per_char, random_twin, read_texts
     from train.hf import load_model
-    from train.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tok)
     texts = {lang: read_texts(paths, max_chars) for lang, paths in val.items()}

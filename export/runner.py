@@ -132,7 +132,7 @@ class OnnxLM:
 
 def windows(ids: list[int], size: int) -> list[list[int]]:
     """Windows of at most size + 1 tokens overlapping by one: every token after the first is a
-    target exactly once (the convention of `train/evaluate.py`, so the figures compare)."""
+    target exactly once (the convention of `train/evals/heldout.py`, so the figures compare)."""
     return [ids[s : s + size + 1] for s in range(0, len(ids) - 1, size)]
 
 

@@ -121,7 +121,7 @@ def test_demo_runs_the_main_job(tmp_path):
     from fastapi.testclient import TestClient
 
     from serve.app import Settings, create_app
-    from train.demo import DEMO_REQUEST
+    from train.recipe.demo import DEMO_REQUEST
 
     with TestClient(create_app(Settings(bundle=str(tmp_path / "bundle-int4")))) as c:
         end = time.monotonic() + 60

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from train.checkpoint import latest_checkpoint
-from train.loader import TokenLoader
+from train.data.loader import TokenLoader
+from train.data.prepare import PrepareConfig, prepare
 from train.metrics import read_metrics
-from train.prepare import PrepareConfig, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}

@@ -1,4 +1,4 @@
-"""train/evaluate.py: held-out bits per character against brute force, chunking, the random
+"""train/evals/heldout.py: held-out bits per character against brute force, chunking, the random
 twin, the compressors, the causal-leak check (and that it catches a leaky model), the label
 shift, continuations and the checkpoint report. Tiny models only: the file runs in seconds."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train import evaluate as ev
+from train.evals import heldout as ev
 from train.model import IGNORE_INDEX, Llama, ModelConfig
 
 
@@ -178,7 +178,7 @@ def test_label_shift_copy_task_reaches_zero_loss():
     x, y = batch(n=64)
     with torch.no_grad():
         assert float(model(x, y)) < 0.1
-        # evaluate.py's own shift (position t predicts token t + 1) agrees.
+        # heldout.py's own shift (position t predicts token t + 1) agrees.
         lp = ev.token_logprobs(model, x)[:, :-1]
         nll = -lp.gather(-1, x[:, 1:, None])[..., 0]
         assert float(nll[:, 0::2].mean()) < 0.1  # the copies

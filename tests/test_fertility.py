@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from train.fertility import balance_warnings, fertility, format_report, load_any, script_runs
-from train.textio import iter_documents, resolve_sources
-from train.tokenizer import TokenizerConfig, train_tokenizer
+from train.data.fertility import balance_warnings, fertility, format_report, load_any, script_runs
+from train.data.textio import iter_documents, resolve_sources
+from train.data.tokenizer import TokenizerConfig, train_tokenizer
 
 MIXED = st.text(st.sampled_from(list("আমি ভাত খাই। I eat rice, 2024 ১৯৭১ Ωμέγα \n\t")))
 

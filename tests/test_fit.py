@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.config import load_config
+from train.data.prepare import PrepareConfig, prepare
 from train.fit import fit
 from train.loop import NonFiniteLossError
 from train.metrics import read_metrics
 from train.plot import plot_run
-from train.prepare import PrepareConfig, prepare
 from train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,6 @@
-"""train/modelcard.py: the README.md a model folder gets, its Hugging Face metadata block, and that
-every figure in it is the one its source holds (parameters, fertility, data mix, cost, eval)."""
+"""train/evals/modelcard.py: the README.md a model folder gets, its Hugging Face metadata
+block, and that every figure in it is the one its source holds (parameters, fertility, data
+mix, cost, eval)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import json
 import pytest
 import torch
 
+from train.evals.modelcard import SAMPLE, stored_parameters, write_model_card
 from train.hf import save_model
 from train.model import Llama, ModelConfig
-from train.modelcard import SAMPLE, stored_parameters, write_model_card
 
 
 @pytest.fixture
@@ -44,9 +45,9 @@ META = {
 
 
 def test_card_with_everything(folder, sample_paths, tmp_path):
-    from train.evaluate import evaluate_checkpoint
-    from train.fertility import fertility, load_any
-    from train.textio import iter_documents
+    from train.data.fertility import fertility, load_any
+    from train.data.textio import iter_documents
+    from train.evals.heldout import evaluate_checkpoint
 
     piqa = tmp_path / "piqa"
     piqa.mkdir()

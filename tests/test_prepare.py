@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from train.common import DoelError
-from train.loader import TokenLoader
-from train.prepare import PrepareConfig, prepare
-from train.shards import HEADER_BYTES, ShardWriter, itemsize_for, open_shard, read_header
+from train.data.loader import TokenLoader
+from train.data.prepare import PrepareConfig, prepare
+from train.data.shards import HEADER_BYTES, ShardWriter, itemsize_for, open_shard, read_header
 
 
 def quiet(*_):
@@ -48,7 +48,7 @@ def documents_in(out, meta, split, tok):
 
 def test_stream_holds_every_document_once_each_after_bos(shards, tok, sample_paths):
     out, meta = shards
-    from train.textio import iter_documents
+    from train.data.textio import iter_documents
 
     original = [unicodedata.normalize("NFC", d) for p in sample_paths for d in iter_documents(p)]
     train, val = documents_in(out, meta, "train", tok), documents_in(out, meta, "val", tok)
@@ -178,8 +178,8 @@ def test_loader_resumes_exactly_across_epochs(shards):
 
 
 def test_loader_refuses_another_tokenizer(shards, tmp_path, sample_paths):
-    from train.textio import resolve_sources
-    from train.tokenizer import TokenizerConfig, train_tokenizer
+    from train.data.textio import resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     out, _ = shards
     other = train_tokenizer(

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import train.prepare as prep
+import train.data.prepare as prep
 from train.cli import main
 from train.common import DoelError
-from train.prepare import PrepareConfig, prepare
-from train.prepare_stream import Reader
+from train.data.prepare import PrepareConfig, prepare
+from train.data.stream import Reader
 
 # Small batches and shards: a few dozen batches, several shards, records in between.
 CFG = PrepareConfig(val_fraction=0.1, shard_tokens=1500, batch_chars=1500)

@@ -21,20 +21,20 @@ import torch
 from train.cli import build_parser, main, train_config
 from train.common import DoelError
 from train.config import load_config
+from train.data.prepare import prepare
+from train.data.textio import iter_documents
 from train.model import Llama, ModelConfig
-from train.prepare import prepare
-from train.recipe import DataSpec, HubSource, load_recipe, make_plan
-from train.recipe_checks import (
+from train.recipe.budget import (
     check_stage,
     confirm,
     estimate_needs,
     parameter_count,
     projection,
 )
-from train.recipe_data import fetch_source
-from train.recipe_run import DEPENDS, RecipeRun, run_recipe
-from train.recipe_stages import torchrun_command
-from train.textio import iter_documents
+from train.recipe.fetch import fetch_source
+from train.recipe.runner import DEPENDS, RecipeRun, run_recipe
+from train.recipe.spec import DataSpec, HubSource, load_recipe, make_plan
+from train.recipe.stages import torchrun_command
 from train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -346,7 +346,7 @@ def test_an_interrupted_data_stage_resumes_and_counts_both_attempts(tmp_path, dr
 
 
 def test_an_interrupted_shards_stage_resumes_to_the_same_shards(tmp_path, stand_ins, monkeypatch):
-    import train.prepare as prep
+    import train.data.prepare as prep
 
     # Small batches and shards, so that the stage stops with shards finished and one open.
     plan = dry_plan(

@@ -1,6 +1,6 @@
-"""train/tasks.py and train/scoring.py: every task format from files written here, the prompts and
-splits lm-eval uses, scores against brute force, the metrics, the CLI, and the cross-check with
-lm-evaluation-harness item by item on a tiny HF-layout checkpoint."""
+"""train/evals/tasks.py and train/evals/scoring.py: every task format from files written here,
+the prompts and splits lm-eval uses, scores against brute force, the metrics, the CLI, and the
+cross-check with lm-evaluation-harness item by item on a tiny HF-layout checkpoint."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train import scoring, tasks
 from train.common import DoelError
+from train.evals import scoring, tasks
+from train.evals.tasks import Item
 from train.model import Llama, ModelConfig
-from train.tasks import Item
 
 WORDS = (
     "the river rose in the night and the boats were pulled up onto the bank while the "
@@ -314,7 +314,7 @@ def test_eval_cli_runs_tasks(tok, tokenizer_path, sample_paths, tmp_path, capsys
     main([*argv, "--tasks", f"hellaswag={hs}", f"piqa={piqa}", "--limit", "4", "--json"])
     r = json.loads(capsys.readouterr().out)
     assert r["tasks"]["hellaswag"]["items"] == 4 and r["tasks"]["piqa"]["chance"] == 0.5
-    from train.evaluate import format_eval
+    from train.evals.heldout import format_eval
 
     assert "| piqa | 4 | " in format_eval(r) and "acc_norm" in format_eval(r)
 
@@ -324,9 +324,9 @@ def test_item_by_item_equal_to_lm_eval(tok, tokenizer_path, tmp_path):
     """lm-eval (its own hellaswag/piqa task definitions, transformers' Llama and tokenizer) and
     our scorer give the same choice log-likelihoods and the same verdicts, item by item."""
     pytest.importorskip("lm_eval")
-    from train.crosscheck import lm_eval_choices
+    from train.data.tokenizer import load_tokenizer
+    from train.evals.crosscheck import lm_eval_choices
     from train.hf import load_model, save_model
-    from train.tokenizer import load_tokenizer
 
     net = tiny(tok.get_vocab_size(), scale=2.0)
     folder = save_model(net, tmp_path / "ckpt", tokenizer_path)

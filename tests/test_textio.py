@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from train.common import DoelError
-from train.textio import iter_documents, iter_source, resolve_sources
+from train.data.textio import iter_documents, iter_source, resolve_sources
 
 DOCS = ["প্রথম অনুচ্ছেদ।", "Second paragraph,\nwith two lines.", "তৃতীয়: third"]
 

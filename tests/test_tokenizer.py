@@ -13,8 +13,8 @@ from tokenizers import Regex, pre_tokenizers
 
 from train.common import DoelError
 from train.config import load_config
-from train.textio import resolve_sources
-from train.tokenizer import BOS, EOS, PAD, PATTERNS, SPECIAL_TOKENS, TokenizerConfig
+from train.data.textio import resolve_sources
+from train.data.tokenizer import BOS, EOS, PAD, PATTERNS, SPECIAL_TOKENS, TokenizerConfig
 
 BENGALI = st.characters(min_codepoint=0x0980, max_codepoint=0x09FF, categories=("L", "M", "N"))
 # Any assigned character (the Unicode version of this Python), surrogates excluded.
@@ -148,7 +148,7 @@ def test_config_from_toml_with_overrides(tmp_path):
 
 
 def test_empty_corpus_is_an_error(tmp_path):
-    from train.tokenizer import train_tokenizer
+    from train.data.tokenizer import train_tokenizer
 
     (tmp_path / "empty.txt").write_text("\n\n   \n")
     with pytest.raises(DoelError, match="empty"):

@@ -14,15 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.checks import VerifyConfig
+from train.checks.base import VerifyConfig
+from train.checks.suite import CHECKS, VerificationError, run_suite, verify_before_training
 from train.config import load_config
-from train.loader import TokenLoader
+from train.data.loader import TokenLoader
+from train.data.prepare import PrepareConfig, prepare
+from train.data.textio import resolve_sources
+from train.data.tokenizer import TokenizerConfig, train_tokenizer
 from train.model import IGNORE_INDEX, Llama
-from train.prepare import PrepareConfig, prepare
-from train.textio import resolve_sources
-from train.tokenizer import TokenizerConfig, train_tokenizer
 from train.trainer import TrainConfig, build_optimizer, lr_at, train_step
-from train.verify import CHECKS, VerificationError, run_suite, verify_before_training
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = list(CHECKS)
@@ -422,9 +422,9 @@ def head_sees_a_detached_weight(cfg):
 def test_ties_need_one_tensor_holding_both_uses_gradients(shards, monkeypatch, ranks):
     """At 2 ranks (simulated: no process group) the check takes its DDP/FSDP path, where each
     use's gradient is rebuilt by hooks instead of by splitting the tie."""
-    import train.checks_ties
+    import train.checks.ties
 
-    monkeypatch.setattr(train.checks_ties, "_world_size", lambda: ranks)
+    monkeypatch.setattr(train.checks.ties, "_world_size", lambda: ranks)
     row = suite(shards, ["ties"]).results[0]
     assert row.passed, row.detail
     parts = row.numbers["model.embed_tokens.weight"]

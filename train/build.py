@@ -19,8 +19,8 @@ from torch import nn
 
 from train.checkpoint import load_checkpoint
 from train.common import DoelError
+from train.data.loader import TokenLoader, read_meta
 from train.dist import DistInfo, autocast, resolve_device, resolve_dtype, wrap_model
-from train.loader import TokenLoader, read_meta
 from train.metrics import peak_flops
 from train.model import Llama
 from train.trainer import TrainConfig, build_optimizer

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dcp_state
+from safetensors.torch import load_file, save_file
 
 from train.common import DoelError, atomic_write_json
 from train.dist import full_model_state, full_state, is_sharded, load_full_state
@@ -82,8 +85,6 @@ def save_checkpoint(
     """Write `run_dir/checkpoints/step-NNNNNN` atomically and prune older ones. Under
     torch.distributed every rank must call it (each writes its shards under FSDP, and the
     full model is gathered); rank 0 writes the rest."""
-    from safetensors.torch import save_file
-
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:06d}"
     # One name on every rank (each writes its shards into it); a stale one is a killed save.
@@ -127,9 +128,8 @@ def _dcp_state(model, optimizer) -> tuple[dict, dict]:
     """What DCP writes and reads: this rank's model and optimizer tensors (DTensor shards under
     FSDP, whole tensors on one process), a tied parameter once (safetensors refuses two names
     for one storage); and the optimizer's non-tensor rest."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer's state made
+    # (a fresh optimizer's state is made here)
+    model_sd, optim_sd = dcp_state.get_state_dict(model, optimizer)
     for _, dropped in unwrap(model).tied_parameters:
         model_sd.pop(dropped, None)
     tensors, rest = flatten_optimizer(optim_sd)
@@ -139,29 +139,22 @@ def _dcp_state(model, optimizer) -> tuple[dict, dict]:
 def save_sharded(folder: Path, model, optimizer) -> dict:
     """Each rank writes its shards to `folder` (one safetensors file a rank); every rank calls
     it. Returns the optimizer's non-tensor rest, for trainer_state.json."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
     state, rest = _dcp_state(model, optimizer)
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
+    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True))
     return rest
 
 
 def load_sharded(folder: Path, model, optimizer, rest: dict) -> None:
     """Read the shards in `folder` into `model` and `optimizer`, resharded to this run's world
     size (one process: no process group needed)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     state, _ = _dcp_state(model, optimizer)
-    reader = HuggingFaceStorageReader(str(folder))
+    reader = dcp.HuggingFaceStorageReader(str(folder))
     dcp.load(state, storage_reader=reader, no_dist=not dist.is_initialized())  # in place
     model_sd = state["model"]
     for kept, dropped in unwrap(model).tied_parameters:
         model_sd[dropped] = model_sd[kept]
     optim_sd = unflatten_optimizer(state["optim"], rest)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    dcp_state.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def _rank() -> int:
@@ -203,8 +196,6 @@ def load_checkpoint(folder, model=None, optimizer=None, device="cpu"):
     """Load a checkpoint into `model` (built from its config.json if None) and `optimizer`,
     plain or wrapped by DDP/FSDP at any world size; restore the RNG state. Returns
     (model, trainer_state)."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     state_path = folder / "trainer_state.json"
     if not state_path.is_file():
@@ -231,8 +222,6 @@ def load_checkpoint(folder, model=None, optimizer=None, device="cpu"):
 
 def _load_training_state(folder: Path, model, optimizer, state: dict) -> None:
     """Model and optimizer from the shards (an FSDP checkpoint) or the full files."""
-    from safetensors.torch import load_file
-
     rest = state["optimizer"]
     if "param_groups" not in rest or "scalars" not in rest:
         raise DoelError(f"{folder}: optimizer state in an unknown layout")

@@ -16,9 +16,9 @@ EXTRA_HINT = "pip install 'doel[train]'"
 
 def _cmd_tokenizer(args) -> None:
     from train.config import load_config
-    from train.prepare import parse_weights
-    from train.textio import resolve_sources
-    from train.tokenizer import TokenizerConfig, train_tokenizer
+    from train.data.prepare import parse_weights
+    from train.data.textio import resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     sets = list(args.set)
     if args.vocab_size is not None:
@@ -32,8 +32,8 @@ def _cmd_tokenizer(args) -> None:
 
 
 def _cmd_fertility(args) -> None:
-    from train.fertility import fertility, format_report, load_any
-    from train.textio import iter_source, resolve_sources
+    from train.data.fertility import fertility, format_report, load_any
+    from train.data.textio import iter_source, resolve_sources
 
     tok = load_any(args.tokenizer, args.pattern)
     texts = (d for src in resolve_sources(args.text) for d in iter_source(src, args.text_field))
@@ -46,7 +46,7 @@ def _cmd_fertility(args) -> None:
 
 def _cmd_prepare(args) -> None:
     from train.config import load_config
-    from train.prepare import PrepareConfig, prepare
+    from train.data.prepare import PrepareConfig, prepare
 
     sets = list(args.set)
     if args.val_fraction is not None:
@@ -97,9 +97,9 @@ def _cmd_check_gradients(args) -> None:
 
 
 def _cmd_verify(args) -> None:
-    from train.checks import VerifyConfig
+    from train.checks.base import VerifyConfig
+    from train.checks.suite import run_suite
     from train.config import load_config
-    from train.verify import run_suite
 
     vcfg = load_config(VerifyConfig, None, args.check)
     subset = "full" if args.full else "fast"
@@ -117,8 +117,8 @@ def _cmd_verify(args) -> None:
 
 
 def _cmd_eval(args) -> None:
-    from train.evaluate import evaluate_checkpoint, format_eval
-    from train.tasks import parse_task_specs
+    from train.evals.heldout import evaluate_checkpoint, format_eval
+    from train.evals.tasks import parse_task_specs
 
     tasks = parse_task_specs(args.tasks)
     result = evaluate_checkpoint(
@@ -134,13 +134,13 @@ def _cmd_plot(args) -> None:
 
 
 def _cmd_demo(args) -> None:
-    from train.demo import run_demo
+    from train.recipe.demo import run_demo
 
     run_demo(args.out, args.vocab_size, args.config, args.set, args.serve, args.port)
 
 
 def _cmd_recipe(args) -> None:
-    from train.recipe_run import main as recipe_main
+    from train.recipe.runner import main as recipe_main
 
     recipe_main(args)
 
@@ -167,8 +167,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
-    """`doel-train recipe`'s options (train/recipe_run.py's `main` takes the parsed ones)."""
-    from train.recipe_order import STAGES  # standard library only at import
+    """`doel-train recipe`'s options (train/recipe/runner.py's `main` takes the parsed ones)."""
+    from train.recipe.order import STAGES  # standard library only at import
 
     p.add_argument("recipe", nargs="?", default="bangla-0.4b", help="name, folder or TOML")
     p.add_argument("--dry-run", action="store_true", help="tiny, on this CPU, local files")

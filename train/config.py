@@ -21,8 +21,19 @@ else:  # pragma: no cover
 from train.common import DoelError
 
 T = TypeVar("T")
-# Presets: the repository's configs/ (a source checkout) or their copy inside the wheel.
-CONFIG_DIRS = (Path(__file__).parent.parent / "configs", Path(__file__).parent / "configs")
+PACKAGE = Path(__file__).resolve().parent  # the installed `train` package
+
+
+def shipped_dirs(name: str) -> tuple[Path, ...]:
+    """Where the shipped `name` folder (configs, recipes) is: inside the installed package (the
+    wheel force-includes it as train/NAME), else beside the package in a source checkout (an
+    editable install) — never a top-level site-packages/NAME that another wheel could make."""
+    checkout = PACKAGE.parent
+    beside = (checkout / name,) if (checkout / "pyproject.toml").is_file() else ()
+    return (PACKAGE / name, *beside)
+
+
+CONFIG_DIRS = shipped_dirs("configs")  # presets
 
 
 def _coerce(value: str, annotation: Any) -> Any:

@@ -1,6 +1,7 @@
 """`doel-train fit`: shards → a trained model in Hugging Face layout, resumable exactly.
 
-Order of a run: resolve device and dtype → build or resume (latest checkpoint in RUN_DIR) →
+Order of a run: `build_run` (train/build.py: device, dtype, model, wrapper, optimizer, loader,
+resume from the latest checkpoint in RUN_DIR, compile) →
 gradient-flow gate on the first batch (refuses to train on failure) → steps with periodic
 logging, validation and atomic checkpoints → RUN_DIR/final/. Running the same command again
 continues from the last checkpoint; `fresh=True` starts over.
@@ -15,8 +16,10 @@ import torch
 
 from train.build import Run, build_run, check_vocab
 from train.checkpoint import latest_checkpoint
+from train.checks.suite import fit_subset, verify_before_training
 from train.common import DoelError, atomic_write_json
 from train.config import resolved
+from train.data.loader import read_meta
 from train.dist import (
     DistInfo,
     collective_timeout_message,
@@ -26,11 +29,9 @@ from train.dist import (
 )
 from train.gradflow import check_gradient_flow
 from train.hf import save_model
-from train.loader import read_meta
 from train.loop import RunLoop
 from train.metrics import MetricsLog
 from train.trainer import TrainConfig
-from train.verify import fit_subset, verify_before_training
 
 
 class GradientFlowError(DoelError):

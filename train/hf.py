@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from train.common import DoelError, atomic_write_json
 from train.model import Llama, ModelConfig
@@ -49,7 +50,6 @@ def save_model(
     """Write the HF-layout folder (not atomically: callers that need that write to a temporary
     folder and rename it, as `train/checkpoint.py` does). `state_dict` replaces the model's own
     (a full state gathered from FSDP shards)."""
-    from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,6 @@ def read_config(folder: str | Path) -> ModelConfig:
 def load_model(folder: str | Path, device: str | torch.device = "cpu") -> Llama:
     """Build the model from `config.json` and load `model.safetensors` strictly: a missing or
     unexpected tensor is an error, never a silently random weight."""
-    from safetensors.torch import load_file
 
     folder = Path(folder)
     cfg = read_config(folder)

@@ -1,6 +1,6 @@
 """The step loop of a run and its bookkeeping: logging (tokens/s, MFU, ETA), the time and cost
-projection, periodic validation, checkpoints, and the non-finite-loss stop. `train/fit.py`
-builds everything and hands it to `RunLoop`.
+projection, periodic validation, checkpoints, and the non-finite-loss stop. `train/build.py`
+builds the run and `train/fit.py` hands it to `RunLoop`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import torch
 from train.checkpoint import save_checkpoint
 from train.common import DoelError
 from train.config import resolved
+from train.data.loader import TokenLoader
+from train.data.tokenizer import load_tokenizer
 from train.dist import heartbeat
-from train.loader import TokenLoader
+from train.evals.modelcard import write_model_card
+from train.evals.scoring import task_accuracy
+from train.evals.tasks import load_task
 from train.metrics import format_duration, mfu
-from train.modelcard import write_model_card
-from train.scoring import task_accuracy
-from train.tasks import load_task
-from train.tokenizer import load_tokenizer
 from train.trainer import lr_at, train_step, validation_loss
 
 

@@ -1,10 +1,9 @@
 """The verification suite's shared parts (VerifyConfig, Setup, CheckResult, the float64
-reference twin) and the gradient-flow check (tied weights are in checks_ties.py). Each
-check takes a `Setup` (what the run will use) and returns one `CheckResult` row, leaving no
-trace on the run's model (gradients cleared, weights never stepped). Parity is in
-checks_parity.py, causal leak and label shift in checks_causal.py, step / accumulation /
-resume / throughput in checks_run.py, data and tokenizer in checks_data.py; verify.py runs them
-and writes the report.
+reference twin) and the gradient-flow check (tied weights are in ties.py). Each check takes a
+`Setup` (what the run will use) and returns one `CheckResult` row, leaving no trace on the
+run's model (gradients cleared, weights never stepped). Parity is in parity.py, causal leak and
+label shift in causal.py, step / accumulation / resume / throughput in steps.py, data and
+tokenizer in inputs.py; suite.py runs them and writes the report.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from train.checks import CheckResult, Setup, low_precision, param_dtype
-from train.evaluate import causal_leak
+from train.checks.base import CheckResult, Setup, low_precision, param_dtype
+from train.evals.heldout import causal_leak
 from train.gradflow import unwrap
 from train.model import IGNORE_INDEX
 

@@ -10,12 +10,13 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
-from train.checks import CheckResult, Setup
+from train.checks.base import CheckResult, Setup
 from train.common import DoelError
-from train.fertility import balance_warnings, fertility, load_any
-from train.loader import check_tokenizer, read_meta
-from train.shards import open_shard
+from train.data.fertility import balance_warnings, fertility, load_any
+from train.data.loader import check_tokenizer, read_meta
+from train.data.shards import open_shard
 
 # ------------------------------------------------------------------ 9. data
 
@@ -120,7 +121,6 @@ def _tokenizer_path(s: Setup, meta: dict) -> Path | None:
 
 
 def check_tokenizer_fairness(s: Setup) -> CheckResult:
-    from tokenizers import Tokenizer
 
     meta = read_meta(s.data_dir)
     checked = (

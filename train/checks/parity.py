@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from train.checks import (
+from train.checks.base import (
     CheckResult,
     Setup,
     grads_of,

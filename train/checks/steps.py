@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from train.checkpoint import load_checkpoint, save_checkpoint
-from train.checks import CheckResult, Setup, low_precision, param_dtype, rel_err
+from train.checks.base import CheckResult, Setup, low_precision, param_dtype, rel_err
 from train.gradflow import unwrap
 from train.metrics import mfu, peak_flops
 from train.model import IGNORE_INDEX

@@ -3,8 +3,9 @@ kernels, dtype and compile setting a run will use, with a report (Markdown + JSO
 check: what it checked, the numbers, pass/fail). `fit` runs the fast subset before step 1
 through `verify_before_training` and refuses to train on a failure.
 
-The checks live in checks.py (gradient flow), checks_ties.py, checks_parity.py, checks_causal.py,
-checks_run.py (step, accumulation, resume, throughput) and checks_data.py (data, tokenizer).
+The checks live beside this file: base.py (gradient flow), ties.py, parity.py, causal.py,
+steps.py (step, accumulation, resume, throughput) and inputs.py (data, tokenizer); what they
+run on is what train/build.py builds for the run.
 None leaves a trace: the run's loader is peeked, never consumed; its model is never stepped;
 the RNG is forked, so a run with the suite is the run without it.
 """
@@ -21,22 +22,22 @@ from pathlib import Path
 import torch
 
 from train.build import build_run
-from train.checks import (
+from train.checks.base import (
     CheckResult,
     Setup,
     VerifyConfig,
     check_gradients,
 )
-from train.checks_causal import check_causal
-from train.checks_data import check_data, check_tokenizer_fairness
-from train.checks_parity import check_parity
-from train.checks_run import (
+from train.checks.causal import check_causal
+from train.checks.inputs import check_data, check_tokenizer_fairness
+from train.checks.parity import check_parity
+from train.checks.steps import (
     check_accumulation,
     check_resume,
     check_step,
     check_throughput,
 )
-from train.checks_ties import check_ties
+from train.checks.ties import check_ties
 from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.config import resolved
 from train.gradflow import unwrap

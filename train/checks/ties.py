@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.checks import (
+from train.checks.base import (
     CheckResult,
     Setup,
     loss_pass,

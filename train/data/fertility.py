@@ -12,6 +12,7 @@ character (" অনু" plus the first bytes of the next letter); those are coun
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
+import tiktoken
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from train.common import DoelError
 
@@ -201,7 +205,6 @@ def _byte_flags(token_bytes: dict[int, bytes], n: int) -> tuple[np.ndarray, np.n
 
 
 def _load_hf(p: Path, data: dict) -> AnyTokenizer:
-    from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(p))
     n = tok.get_vocab_size(with_added_tokens=True)
@@ -228,7 +231,6 @@ def _load_hf(p: Path, data: dict) -> AnyTokenizer:
 
 
 def _ranks_tokenizer(name, ranks: dict[bytes, int], pattern: str) -> AnyTokenizer:
-    import tiktoken
 
     enc = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
     fallback, partial = _byte_flags({i: raw for raw, i in ranks.items()}, enc.n_vocab)
@@ -244,7 +246,6 @@ CL100K_PATTERN = (
 
 
 def _load_tiktoken(p: Path, pattern: str | None) -> AnyTokenizer:
-    import base64
 
     ranks = {}
     for line in p.read_bytes().splitlines():
@@ -256,7 +257,6 @@ def _load_tiktoken(p: Path, pattern: str | None) -> AnyTokenizer:
 
 
 def _load_tekken(p: Path, data: dict) -> AnyTokenizer:
-    import base64
 
     n_special = data["config"].get("default_num_special_tokens", 0)
     ranks = {base64.b64decode(v["token_bytes"]): v["rank"] for v in data["vocab"]}
@@ -267,7 +267,6 @@ def _load_tekken(p: Path, data: dict) -> AnyTokenizer:
 
 
 def _load_sentencepiece(p: Path) -> AnyTokenizer:
-    import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor()
     try:
@@ -280,7 +279,6 @@ def _load_sentencepiece(p: Path) -> AnyTokenizer:
 
 
 def _load_wordpiece(p: Path) -> AnyTokenizer:
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
     vocab = {}
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines()):

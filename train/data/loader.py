@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from train.common import DoelError, sha256_file
-from train.shards import open_shard
-from train.tokenizer import tokenizer_file
+from train.data.shards import open_shard
+from train.data.tokenizer import tokenizer_file
 
 
 def read_meta(data_dir: str | Path) -> dict:

@@ -8,6 +8,8 @@ Documents shorter than n tokens are left to the exact-duplicate check.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 # Fixed odd multipliers, one per position in the window (deterministic across runs).
@@ -54,7 +56,6 @@ class OverlapCheck:
     def take_new(self) -> dict[str, bytes]:
         """What was added since the last call, as raw bytes for prepare's resume record (the
         side files only grow: `restore` gets their whole contents back)."""
-        import json
 
         t, v, x = self._saved
         self._saved = (len(self._train), len(self._val), len(self._val_text))
@@ -66,7 +67,6 @@ class OverlapCheck:
         }
 
     def restore(self, side: dict[str, bytes]) -> None:
-        import json
 
         # One array each: result() concatenates them anyway, and val_docs are absolute.
         self._train = [np.frombuffer(side["train_ngrams"], np.uint64)]

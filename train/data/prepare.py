@@ -5,7 +5,7 @@ meta.json show the resulting shares of characters and of tokens side by side, be
 tokenizer that is unfair to one language silently shifts the token balance. Exact duplicate
 documents are dropped, and validation text found in the training set (hashed word n-grams,
 or whole documents) fails the run. An interrupted run continues where it stopped, to the same
-bytes (train/prepare_state.py).
+bytes (train/data/resume.py).
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import normalizers
+from tqdm import tqdm
 
 from train.common import DoelError, atomic_write_json, sha256_file
 from train.config import resolved
-from train.overlap import OverlapCheck
-from train.prepare_state import ResumeRecord, fingerprint
-from train.prepare_stream import Batch, Reader
-from train.shards import HEADER_BYTES, MAGIC, VERSION, ShardWriter, itemsize_for, remove_shards
-from train.textio import Source, resolve_sources
-from train.tokenizer import BOS, load_tokenizer, tokenizer_file
+from train.data.overlap import OverlapCheck
+from train.data.resume import ResumeRecord, fingerprint
+from train.data.shards import HEADER_BYTES, MAGIC, VERSION, ShardWriter, itemsize_for, remove_shards
+from train.data.stream import Batch, Reader
+from train.data.textio import Source, resolve_sources
+from train.data.tokenizer import BOS, load_tokenizer, tokenizer_file
 
 SPLITS = ("train", "val")
 
@@ -92,7 +94,6 @@ def prepare(
     Resumable: a resume record is saved at every finished shard and every `record_every`
     seconds, and a run in the same out_dir with the same inputs and settings continues from
     it, to the same bytes (`resume=False`: start over). meta.json marks a finished folder."""
-    from tqdm import tqdm
 
     if val and cfg.val_fraction:
         raise DoelError("give either --val PATH... or --val-fraction, not both")
@@ -168,7 +169,6 @@ def _drop_nfc(tok) -> None:
     Bengali marks the old tables do not know included): the tokens stay the same, and the
     encoding takes about a tenth less time. Any other normalizer stays.
     """
-    from tokenizers import normalizers
 
     if type(tok.normalizer) is normalizers.NFC:
         tok.normalizer = None

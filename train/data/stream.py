@@ -1,5 +1,5 @@
 """prepare's input side: the mixed documents in batches, NFC, exact duplicates dropped, each
-with its split; and what a resume needs to continue the stream exactly (train/prepare_state.py).
+with its split; and what a resume needs to continue the stream exactly (train/data/resume.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hashlib import blake2b as _blake2b
 from unicodedata import normalize as _nfc
 
-from train.tokenizer import mix_documents
+from train.data.tokenizer import mix_documents
 
 DIGEST = 16  # bytes of a document's blake2b hash
 

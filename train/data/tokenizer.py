@@ -24,9 +24,20 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
 from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.config import resolved
-from train.textio import Source, iter_source
+from train.data.textio import Source, iter_source
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 N_RESERVED = 5
@@ -96,7 +107,6 @@ class TokenizerConfig:
 
 def build_tokenizer(style: str = "doel"):
     """An untrained tokenizer with doel's normalizer, pre-tokenizer, model and decoder."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     pattern, byte_level = STYLES[style]
     split = pre_tokenizers.Split(Regex(PATTERNS[pattern]), behavior="isolated")
@@ -180,7 +190,6 @@ def train_tokenizer(
 ) -> Path:
     """Train on the sources and write tokenizer.json (+ the Hugging Face side files and the
     resolved config) to out_dir. Returns the tokenizer.json path."""
-    from tokenizers import Tokenizer, pre_tokenizers, processors, trainers
 
     tok = build_tokenizer(cfg.style)
     byte_level = STYLES[cfg.style][1]
@@ -266,7 +275,6 @@ def load_tokenizer(path: str | Path):
     """Load a tokenizer.json (or a folder holding one) for encoding documents, with a clear
     error when it is missing. Text that spells a special token ("<|eos|>") is encoded as plain
     text, so no document can inject a control token and decode(encode(s)) == NFC(s) always."""
-    from tokenizers import Tokenizer
 
     p = tokenizer_file(path)
     if not p.is_file():

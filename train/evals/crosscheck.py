@@ -1,5 +1,5 @@
 """The same model folder and the same local files through lm-evaluation-harness (`lm-eval`, in the
-dev extra), for the item-by-item cross-check of `train/scoring.py` on HellaSwag and PIQA.
+dev extra), for the item-by-item cross-check of `train/evals/scoring.py` on HellaSwag and PIQA.
 
 lm-eval runs its own task definitions (the hellaswag.yaml / piqa.yaml it ships, with its own
 HellaSwag preprocessing), only pointed at a JSON lines file instead of the hub: nothing is
@@ -22,7 +22,7 @@ LM_EVAL_HINT = "pip install 'doel[dev]' (lm-eval is a dev dependency)"
 
 def _docs(task: str, path: Path) -> list[dict]:
     """The task's items as lm-eval's own config expects its dataset rows."""
-    from train.tasks import read_jsonl
+    from train.evals.tasks import read_jsonl
 
     if task == "hellaswag":
         docs = read_jsonl(path)
@@ -45,7 +45,7 @@ def lm_eval_choices(
     device: str = "cpu",
 ) -> list[dict]:
     """lm-eval's verdict per item, in file order: {"lls": choice log-likelihoods, "acc",
-    "acc_norm"}. `task` is hellaswag or piqa; `path` as `train.tasks.load_task` takes it."""
+    "acc_norm"}. `task` is hellaswag or piqa; `path` as `train.evals.tasks.load_task` takes it."""
     os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
         import lm_eval

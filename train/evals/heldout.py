@@ -26,6 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from train.common import DoelError
+from train.data.textio import iter_documents
+from train.data.tokenizer import load_tokenizer
+from train.evals.scoring import format_tasks, run_tasks
+from train.hf import load_model
 from train.model import IGNORE_INDEX, Llama
 
 BENGALI = (0x0980, 0x09FF)  # the Bengali Unicode block, shared by Bangla and Assamese
@@ -115,7 +120,6 @@ def bits_per_char(
 
 def read_texts(paths: Sequence[str], max_chars: int | None = None) -> list[str]:
     """Documents of the files (any format textio reads), stopping once max_chars are read."""
-    from train.textio import iter_documents
 
     texts, total = [], 0
     for path in paths:
@@ -283,12 +287,8 @@ def evaluate_checkpoint(
     """Everything above for a model folder in Hugging Face layout (with its tokenizer.json).
     text_paths is a list of files (grouped by guessed language) or {language: files}; at most
     max_chars characters are read per language; seq_len defaults to the model's context.
-    tasks: {name: file or folder} of zero-shot tasks (`train/tasks.py`), the first `limit`
+    tasks: {name: file or folder} of zero-shot tasks (`train/evals/tasks.py`), the first `limit`
     items of each."""
-    from train.common import DoelError
-    from train.hf import load_model
-    from train.scoring import run_tasks
-    from train.tokenizer import load_tokenizer
 
     model = load_model(folder, device=device).eval()
     tokenizer = load_tokenizer(folder)
@@ -339,8 +339,6 @@ def format_eval(result: dict) -> str:
             f"| {c['xz -9e']:.3f} | {c['bzip2 -9']:.3f} |"
         )
     if result.get("tasks"):
-        from train.scoring import format_tasks
-
         lines += [
             "",
             "Zero-shot tasks (± bootstrap standard error):",

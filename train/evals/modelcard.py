@@ -16,8 +16,12 @@ import struct
 from pathlib import Path
 
 from train.common import atomic_write_bytes
+from train.data.fertility import fertility, load_any
+from train.data.textio import iter_documents
+from train.evals.scoring import format_tasks
+from train.metrics import format_duration
 
-SAMPLE = Path(__file__).resolve().parent / "sample"
+SAMPLE = Path(__file__).resolve().parents[1] / "sample"
 TASK_NAMES = {
     "hellaswag": "HellaSwag",
     "piqa": "PIQA",
@@ -108,8 +112,6 @@ def architecture_section(folder: Path) -> list[str]:
 
 
 def tokenizer_section(folder: Path) -> list[str]:
-    from train.fertility import fertility, load_any
-    from train.textio import iter_documents
 
     if not (folder / "tokenizer.json").is_file():
         return ["## Tokenizer", "", "No tokenizer.json in the folder."]
@@ -159,7 +161,6 @@ def data_section(meta: dict | None) -> list[str]:
 
 
 def training_section(folder, train_state, hardware, seconds, hourly_price) -> list[str]:
-    from train.metrics import format_duration
 
     cfg = (train_state or {}).get("config") or _read_json(folder / "train_config.json") or {}
     rows = []
@@ -197,8 +198,6 @@ def evaluation_section(eval_result: dict | None) -> list[str]:
             )
         lines.append("")
     if eval_result.get("tasks"):
-        from train.scoring import format_tasks
-
         lines += [
             "Zero-shot multiple choice by log-likelihood (± bootstrap standard error; acc_norm "
             "divides by the choice's characters):",

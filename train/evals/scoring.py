@@ -18,10 +18,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from train.common import DoelError
+from train.evals.tasks import Item, load_task
+from train.gradflow import unwrap
 from train.model import Llama
-from train.tasks import Item, load_task
 
 Request = tuple[str, str]
 
@@ -94,9 +96,6 @@ def loglikelihoods(
     progress: bool = False,
 ) -> list[float]:
     """log P(continuation | context) in nats for each (context, continuation) request."""
-    from tqdm import tqdm
-
-    from train.gradflow import unwrap
 
     model = unwrap(model)  # torch.compile / DDP wrappers: score with the eager module inside
     limit = model.config.max_position_embeddings
@@ -196,7 +195,7 @@ def task_accuracy(
     device=None,
     progress: bool = False,
 ) -> dict:
-    """Zero-shot accuracy of `model` on items (from `train.tasks.load_task`): items, acc,
+    """Zero-shot accuracy of `model` on items (from `train.evals.tasks.load_task`): items, acc,
     acc_stderr, acc_norm, acc_norm_stderr, chance. Leaves the model's train/eval mode as it was."""
     lls = score_items(
         model,

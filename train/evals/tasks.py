@@ -2,7 +2,8 @@
 continuation) requests of which one is right: HellaSwag (`ctx`/`endings`/`label`), PIQA
 (`valid.jsonl` + `valid-labels.lst`), MosaicML's query/choices/gold and schema JSONL (ARC, BoolQ,
 COPA, OpenBookQA, CommonsenseQA, SocialIQA, PIQA, WinoGrande, WSC), and two Bangla short-answer
-sets turned into four-way choices (TyDi QA GoldP Bengali, BLanCK). Scoring: `train/scoring.py`.
+sets turned into four-way choices (TyDi QA GoldP Bengali, BLanCK). Scoring:
+`train/evals/scoring.py`.
 
 Prompts follow lm-evaluation-harness where it has the task (HellaSwag and PIQA are cross-checked
 item by item against it) and llm-foundry's delimiters for its files. A choice's word-boundary
@@ -87,7 +88,7 @@ def _items(path: Path, docs: list, make) -> list[Item]:
         except (KeyError, ValueError, TypeError, IndexError) as e:
             what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
             raise DoelError(
-                f"{path}: item {n}: {what}; see train/tasks.py for the formats"
+                f"{path}: item {n}: {what}; see train/evals/tasks.py for the formats"
             ) from None
     return items
 

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-SAMPLE_DIR = Path(__file__).parent / "sample"
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "sample"
 HOLDOUT_EVERY = 8  # every 8th paragraph of each sample file is held out for evaluation
 # The completion the demo asks its server for; seeded, so the same bundle gives the same text.
 DEMO_REQUEST = {
@@ -32,7 +32,7 @@ NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopb
 
 def split_sample(out: Path) -> tuple[list[str], list[str]]:
     """Write train/ and heldout/ copies of the sample files, split by paragraph."""
-    from train.textio import iter_documents
+    from train.data.textio import iter_documents
 
     train, held = [], []
     for name in ("bn.txt", "en.txt"):
@@ -59,12 +59,12 @@ def run_demo(
     """The whole path; `serve` keeps the server up at the end until Ctrl-C (on `port`; 0: a
     free one)."""
     from train.config import load_config, resolve_config
-    from train.evaluate import evaluate_checkpoint, format_eval
-    from train.fertility import fertility, format_report, load_any
+    from train.data.fertility import fertility, format_report, load_any
+    from train.data.prepare import PrepareConfig, prepare
+    from train.data.textio import iter_source, resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from train.evals.heldout import evaluate_checkpoint, format_eval
     from train.fit import fit
-    from train.prepare import PrepareConfig, prepare
-    from train.textio import iter_source, resolve_sources
-    from train.tokenizer import TokenizerConfig, train_tokenizer
     from train.trainer import TrainConfig
 
     out = Path(out)

@@ -23,7 +23,7 @@ from train.config import resolved
 
 PROGRESS = "progress.json"
 HUB_RETRIES = 3  # a dropped connection reopens the stream at the last chunk this many times
-SAMPLE = Path(__file__).parent / "sample"
+SAMPLE = Path(__file__).resolve().parents[1] / "sample"
 
 
 def chunk_name(i: int) -> str:
@@ -64,7 +64,7 @@ def _open_hub(src, state: dict):
 
 
 def _open_local(src, path: str, state: dict):
-    from train.textio import iter_documents
+    from train.data.textio import iter_documents
 
     if not Path(path).is_file():
         raise DoelError(f"--local {src.name}={path}: no such file")
@@ -230,7 +230,7 @@ def standins(recipe, folder: Path, given: dict) -> dict[str, str]:
     built-in sample in the source's language, shared out by the sources' shares (no paragraph
     twice, so deduplication and the overlap check see what real data gives them), written as
     .jsonl, .parquet and .txt in turn with the source's text field."""
-    from train.textio import iter_documents
+    from train.data.textio import iter_documents
 
     todo = [s for s in recipe.sources if s.name not in given]
     out = dict(given)

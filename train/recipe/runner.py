@@ -20,9 +20,8 @@ import json
 import time
 from pathlib import Path
 
-from train import recipe_stages
 from train.common import DoelError, atomic_write_json
-from train.recipe_checks import (
+from train.recipe.budget import (
     Need,
     check_stage,
     estimate_needs,
@@ -30,7 +29,8 @@ from train.recipe_checks import (
     probe,
     require_answer,
 )
-from train.recipe_order import DEPENDS, STAGES
+from train.recipe.order import DEPENDS, STAGES
+from train.recipe.stages import STAGE_FUNCTIONS, gpu_slice
 
 
 def _read(path: Path) -> dict | None:
@@ -157,7 +157,7 @@ class RecipeRun:
             )
 
     def corpus(self) -> dict:
-        from train.recipe_data import corpus
+        from train.recipe.fetch import corpus
 
         sources = self.plan.recipe.sources
         progress = {s.name: _read(self.data / s.name / "progress.json") for s in sources}
@@ -179,13 +179,12 @@ def run_recipe(plan, until: str = "summary", log=print, **kw) -> dict:
     r.preflight(stages)
     atomic_write_json(plan.out / "recipe.json", plan.resolved())
     for name in stages:
-        r.stage(name, recipe_stages.STAGE_FUNCTIONS[name])
+        r.stage(name, STAGE_FUNCTIONS[name])
     return _read(plan.out / "summary.json") if until == "summary" else None
 
 
 def main(args) -> None:
-    from train.recipe import load_recipe, make_plan, resolve_recipe
-    from train.recipe_stages import gpu_slice
+    from train.recipe.spec import load_recipe, make_plan, resolve_recipe
 
     sets = list(args.set)
     if args.price_per_hour is not None:

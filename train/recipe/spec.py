@@ -5,7 +5,7 @@ shard settings, the training preset and its overrides, the evaluation tasks, the
 and the hourly price. `load_recipe` reads it (errors name the field), `make_plan` turns it into
 what the stages run: the training config with its steps derived from the token budget, the
 characters to fetch from each source, the task files found. `--dry-run` is the same recipe with
-its `[dry_run]` overrides (tiny model, local files, CPU). The stages are in train/recipe_run.py.
+its `[dry_run]` overrides (tiny model, local files, CPU). The stages are in train/recipe/runner.py.
 """
 
 from __future__ import annotations
@@ -22,14 +22,21 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from train.checks import VerifyConfig
+from train.checks.base import VerifyConfig
 from train.common import DoelError
-from train.config import apply_override, from_values, load_config, resolve_config, resolved
-from train.prepare import PrepareConfig
-from train.tokenizer import TokenizerConfig
+from train.config import (
+    apply_override,
+    from_values,
+    load_config,
+    resolve_config,
+    resolved,
+    shipped_dirs,
+)
+from train.data.prepare import PrepareConfig
+from train.data.tokenizer import TokenizerConfig
+from train.trainer import TrainConfig
 
-# The repository's recipes/ (a source checkout) or their copy inside the wheel.
-RECIPE_DIRS = (Path(__file__).parent.parent / "recipes", Path(__file__).parent / "recipes")
+RECIPE_DIRS = shipped_dirs("recipes")
 QUANTS = ("fp32", "int8", "int4")
 BOOKKEEPING = (  # TrainConfig fields that leave the trained weights as they are
     "hourly_price", "eval_task", "eval_task_limit", "log_every", "eval_every", "eval_batches",
@@ -285,7 +292,6 @@ def make_plan(recipe: Recipe, out, dry_run=False, gpus=1, yes=False, local=None,
     """Resolve the training config (steps from the token budget at the global batch) and the
     task files. With gpus > 1 the global batch stays the preset's: grad_accum (or batch_size)
     is divided."""
-    from train.trainer import TrainConfig
 
     preset = resolve_config(recipe.train.preset)
     sets = list(recipe.train.set) + [f"model.vocab_size={recipe.tokenizer.vocab_size}"]

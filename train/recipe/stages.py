@@ -1,5 +1,5 @@
 """What each stage of a recipe does, as a function of the running recipe `r`
-(train/recipe_run.py: its plan, its folders, its log). Each reads what the stages before it
+(train/recipe/runner.py: its plan, its folders, its log). Each reads what the stages before it
 wrote and writes its own outputs; whether it runs at all is decided by the runner. Also the GPU
 slice: a fixed-length run of the real configuration on synthetic tokens.
 """
@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 from train.common import DoelError, atomic_write_json
-from train.recipe_checks import confirm, format_projection, measure_steps, projection
+from train.recipe.budget import confirm, format_projection, measure_steps, projection
 
 
 def data(r) -> None:
-    from train.recipe_data import fetch_all, standins
+    from train.recipe.fetch import fetch_all, standins
 
     local = r.plan.local
     if r.plan.dry_run:
@@ -25,10 +25,10 @@ def data(r) -> None:
 
 
 def tokenizer(r) -> None:
-    from train.fertility import fertility, format_report, load_any
-    from train.prepare import parse_weights
-    from train.textio import iter_source, resolve_sources
-    from train.tokenizer import train_tokenizer
+    from train.data.fertility import fertility, format_report, load_any
+    from train.data.prepare import parse_weights
+    from train.data.textio import iter_source, resolve_sources
+    from train.data.tokenizer import train_tokenizer
 
     c = r.corpus()
     sources = resolve_sources(c["train"])
@@ -43,7 +43,7 @@ def tokenizer(r) -> None:
 
 
 def shards(r) -> None:
-    from train.prepare import prepare
+    from train.data.prepare import prepare
 
     c = r.corpus()
     prepare(
@@ -53,7 +53,7 @@ def shards(r) -> None:
 
 
 def verify(r) -> None:
-    from train.verify import fit_subset, run_suite, select
+    from train.checks.suite import fit_subset, run_suite, select
 
     fit_runs = fit_subset(distributed=r.plan.gpus > 1)  # what fit runs before step 1
     names = [n for n in select("full") if n not in fit_runs]
@@ -74,8 +74,8 @@ def verify(r) -> None:
 
 def train(r) -> None:
     from train.checkpoint import latest_checkpoint
+    from train.data.loader import TokenLoader
     from train.dist import resolve_device
-    from train.loader import TokenLoader
     from train.loop import batches_on
     from train.metrics import format_duration
 
@@ -124,8 +124,8 @@ def _launch(r) -> None:
 
 
 def evaluation(r) -> None:
-    from train.evaluate import evaluate_checkpoint, format_eval
-    from train.recipe_summary import write_card
+    from train.evals.heldout import evaluate_checkpoint, format_eval
+    from train.recipe.summary import write_card
 
     spec, cfg = r.plan.recipe.eval, r.plan.train_cfg
     result = evaluate_checkpoint(
@@ -207,7 +207,7 @@ def torchrun_command(plan, shards: Path, run: Path, tok_path: Path) -> list[str]
 
 
 def summary(r) -> None:
-    from train.recipe_summary import write_summary
+    from train.recipe.summary import write_summary
 
     write_summary(r)
 

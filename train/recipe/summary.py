@@ -10,7 +10,11 @@ import json
 from pathlib import Path
 
 from train.common import atomic_write_bytes, atomic_write_json
-from train.recipe_order import STAGES
+from train.data.loader import read_meta
+from train.evals.modelcard import write_model_card
+from train.evals.scoring import format_tasks
+from train.metrics import format_duration, read_metrics
+from train.recipe.order import STAGES
 
 
 def _read(path: Path):
@@ -23,7 +27,6 @@ def _median(values: list[float]) -> float | None:
 
 
 def _train_rows(run: Path) -> list[dict]:
-    from train.metrics import read_metrics
 
     path = run / "metrics.jsonl"
     return [r for r in read_metrics(path) if r["kind"] == "train"] if path.is_file() else []
@@ -37,8 +40,6 @@ def _hardware(r) -> tuple[str, bool]:
 
 def write_card(r, eval_result: dict) -> Path:
     """The final folder's model card again, now with the final evaluation."""
-    from train.loader import read_meta
-    from train.modelcard import write_model_card
 
     final = r.run / "final"
     rows = _train_rows(r.run)
@@ -146,8 +147,6 @@ def _eval_lines(ev: dict) -> list[str]:
                 f"{x['random_twin_bits_per_char']:.3f} | {x['xz_bits_per_char']:.3f} |"
             )
         if ev["tasks"]:
-            from train.scoring import format_tasks  # the table the model card and eval print
-
             lines += ["", format_tasks(ev["tasks"])]
     return lines
 
@@ -166,7 +165,6 @@ def _export_lines(exports: dict) -> list[str]:
 
 
 def markdown(s: dict) -> str:
-    from train.metrics import format_duration
 
     t, c = s["training"], s["cost"]
     mfu = _num(100 * t["mfu"], ".1f") + " %" if t["mfu"] is not None else "n/a"

@@ -1,0 +1,156 @@
+"""The import graph of train/, export/ and serve/, read from the source (imports at module level
+and inside functions alike): no circle anywhere, and the stage boundaries of the guide. The
+runtime side of serve's boundary (no torch after answering a request) is test_serve_imports.py;
+train's is the fresh-interpreter test below."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("train", "export", "serve")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imported(path: Path, name: str | None = None) -> list[tuple[str, int]]:
+    """Every module an `import` or `from ... import` names in the file (module `name`), at any
+    depth, as absolute dotted names (a `from a import b` also names a.b, in case b is a
+    module)."""
+    name = name or module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            out.append((base, node.lineno))
+            out += [(f"{base}.{a.name}", node.lineno) for a in node.names]
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    edges = {m: set() for m in mods}
+    for m, path in mods.items():
+        for target, _ in imported(path):
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != m:
+                edges[m].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def offenders(prefix: str, banned: tuple[str, ...], allowed: str | None = None) -> list[str]:
+    """`file:line module` for each import under `prefix` of a top-level name in `banned`."""
+    out = []
+    for m, path in modules().items():
+        if not (m == prefix or m.startswith(prefix + ".")):
+            continue
+        if allowed and (m == allowed or m.startswith(allowed + ".")):
+            continue
+        for target, line in imported(path):
+            if target.split(".")[0] in banned:
+                out.append(f"{path.relative_to(ROOT)}:{line} {target}")
+    return sorted(set(out))
+
+
+def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
+    src = tmp_path / "probe.py"
+    src.write_text("def f():\n    from train.loop import RunLoop\n    from . import fit\n")
+    names = {target for target, _ in imported(src, "train.probe")}
+    assert {"train.loop", "train.loop.RunLoop", "train.fit"} <= names
+
+
+def test_no_import_circle_in_train_export_or_serve():
+    edges = graph()
+    assert len(edges) > 60 and "train.fit" in edges["train.cli"] | set().union(*edges.values())
+    assert cycles(edges) == []
+
+
+def test_cycle_finder_finds_a_planted_circle():
+    edges = graph()
+    edges["train.model"] = edges["train.model"] | {"train.fit"}  # fit reaches model
+    assert any("train.model" in c and "train.fit" in c for c in cycles(edges))
+
+
+def test_only_the_recipe_wing_of_train_imports_other_stages():
+    assert offenders("train", ("export", "serve"), allowed="train.recipe") == []
+
+
+def test_export_imports_nothing_from_train():
+    assert offenders("export", ("train",)) == []
+
+
+def test_serve_imports_no_torch_train_or_export():
+    banned = ("torch", "transformers", "train", "export", "onnxruntime_genai", "optimum")
+    assert offenders("serve", banned) == []
+
+
+TRAIN_SCRIPT = """
+import importlib, json, pkgutil, sys
+import train
+names = [m.name for m in pkgutil.walk_packages(train.__path__, "train.")]
+for name in names:
+    if not name.startswith("train.recipe") and name != "train.__main__":
+        importlib.import_module(name)
+banned = ("export", "serve", "onnx", "onnxruntime", "fastapi", "uvicorn")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in banned)))
+"""
+
+
+@pytest.mark.slow
+def test_importing_train_outside_the_recipe_loads_no_other_stage():
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAIN_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
