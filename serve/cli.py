@@ -1,7 +1,9 @@
 """`doel-serve BUNDLE` (or `python -m serve`): the HTTP server on an export bundle.
 
-It binds 127.0.0.1 unless told otherwise; `--api-key` (or DOEL_API_KEY) then guards every route
-but /health. The bundle is checked before the port opens, so a wrong folder is a one-line error.
+It binds 127.0.0.1 unless told otherwise; an API key (`--api-key-file`, DOEL_API_KEY or
+`--api-key`) guards every route but /health and the playground page; binding another address
+without one is warned about. The bundle and the key are checked before the port opens, so a wrong
+folder or an empty key is a one-line error.
 Connections get the limits of serve/limits.py (read deadline, keep-alive, a cap, header count),
 served by uvicorn's h11 protocol with those added.
 Heavy imports happen inside `main`, so a missing extra prints the `pip install` line that fixes
@@ -15,6 +17,7 @@ import copy
 import ipaddress
 import os
 import sys
+from pathlib import Path
 
 EXTRA_HINT = "pip install 'doel[serve]'"
 KEY_ENV = "DOEL_API_KEY"
@@ -31,10 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: per core)")
     p.add_argument(
-        "--api-key",
-        default=os.environ.get(KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on all but /health (default: ${KEY_ENV})",
+        "--api-key-file",
+        metavar="PATH",
+        help=f"require 'Authorization: Bearer KEY' on all but /health, KEY read from PATH (or "
+        f"${KEY_ENV}, or --api-key, which every local user can see in the process list)",
     )
+    p.add_argument("--api-key", help="the key itself (prefer --api-key-file)")
     p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
     p.add_argument(
         "--slots", type=int, default=4, help="requests decoded together (each holds a KV cache)"
@@ -84,6 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="headers in a request; more is refused with 431 (default 256)",
     )
     return p
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, --api-key or $DOEL_API_KEY; an empty one is an error rather
+    than a server without a key."""
+    if args.api_key_file and args.api_key is not None:
+        sys.exit("error: give --api-key-file or --api-key, not both")
+    if args.api_key_file:
+        try:
+            key, where = Path(args.api_key_file).read_text(encoding="utf-8"), args.api_key_file
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: cannot read --api-key-file {args.api_key_file}: {e}")
+    elif args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    elif KEY_ENV in os.environ:
+        key, where = os.environ[KEY_ENV], KEY_ENV
+    else:
+        return None
+    key = key.strip()  # a file's newline; a client cannot send edge spaces in a header anyway
+    if not key:
+        sys.exit(f"error: {where} is empty; give a key, or unset it to serve without one")
+    return key
 
 
 def is_loopback(host: str) -> bool:
@@ -142,11 +169,18 @@ def main(argv: list[str] | None = None) -> None:
         read_bundle(args.bundle)
     except BundleError as e:
         sys.exit(f"error: {e}")
+    key = api_key(args)
+    if key is None and not is_loopback(args.host):
+        print(
+            f"warning: serving on {args.host} without an API key: anyone who can reach it can "
+            f"use the model and read /metrics; set {KEY_ENV} or --api-key-file",
+            file=sys.stderr,
+        )
     settings = Settings(
         bundle=args.bundle,
         model_name=args.model_name,
         threads=args.threads,
-        api_key=args.api_key or None,
+        api_key=key,
         max_queue=args.max_queue,
         slots=args.slots,
         max_body_bytes=args.max_body_bytes,

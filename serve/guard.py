@@ -87,11 +87,22 @@ class Guard:
     ):
         self.app, self.api_key, self.limit = app, api_key, max_body_bytes
         self.max_headers = max_headers
+        self.key = api_key.encode() if api_key else None
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        given = headers.get(b"authorization", b"")
-        want = f"Bearer {self.api_key}".encode()
-        return hmac.compare_digest(given, want)  # constant time: no key guessing by timing
+    def _refusal(self, scope) -> tuple[int, str, str, list] | None:
+        """Why the request does not pass the key check (status, message, type, headers)."""
+        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(given) > 1:  # which one counts would depend on who reads them: refuse both
+            why = f"the request has {len(given)} Authorization headers; send one"
+            return 400, why, "invalid_request_error", []
+        scheme, _, token = (given[0] if given else b"").partition(b" ")
+        # The scheme in any case (RFC 9110 11.1); the key compared in constant time, so that
+        # it cannot be guessed by timing.
+        right = hmac.compare_digest(token.strip(b" \t"), self.key)
+        if scheme.lower() == b"bearer" and right:
+            return None
+        why = "missing or wrong API key: send Authorization: Bearer KEY"
+        return 401, why, "authentication_error", [(b"www-authenticate", b"Bearer")]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -102,15 +113,8 @@ class Guard:
             return await _reply(send, 431, why, "invalid_request_error")
         headers = dict(scope["headers"])
         guarded = scope["path"] not in OPEN_PATHS and scope["method"] not in OPEN_METHODS
-        if self.api_key and guarded and not self._authorized(headers):
-            challenge = [(b"www-authenticate", b"Bearer")]
-            return await _reply(
-                send,
-                401,
-                "missing or wrong API key: send Authorization: Bearer KEY",
-                "authentication_error",
-                challenge,
-            )
+        if self.key and guarded and (refused := self._refusal(scope)):
+            return await _reply(send, *refused)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await _reply(send, 413, self._too_big(), "invalid_request_error")

@@ -49,6 +49,48 @@ def test_loopback_by_default_and_the_key_from_the_environment(bundle, monkeypatc
     assert guard.api_key == "k1"
 
 
+@pytest.fixture
+def never_serve(monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: pytest.fail("the server started"))
+    monkeypatch.delenv("DOEL_API_KEY", raising=False)
+
+
+def test_an_empty_or_unreadable_key_is_a_one_line_error(bundle, tmp_path, monkeypatch, never_serve):
+    (tmp_path / "empty").write_text("\n")
+    cases = [
+        ([], "DOEL_API_KEY is empty; give a key, or unset it to serve without one"),
+        (["--api-key", " "], "--api-key is empty"),
+        (["--api-key-file", str(tmp_path / "empty")], f"{tmp_path / 'empty'} is empty"),
+        (["--api-key-file", str(tmp_path / "none")], "cannot read --api-key-file .*none"),
+        (["--api-key-file", str(tmp_path / "none"), "--api-key", "k"], "give .* not both"),
+    ]
+    monkeypatch.setenv("DOEL_API_KEY", "")
+    for args, message in cases:
+        with pytest.raises(SystemExit, match=f"^error: {message}") as e:
+            main([str(bundle), *args])
+        assert "\n" not in str(e.value)
+
+
+def test_a_non_loopback_address_without_a_key_is_warned_about(bundle, monkeypatch, capsys):
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    monkeypatch.delenv("DOEL_API_KEY", raising=False)
+    main([str(bundle), "--host", "0.0.0.0"])
+    assert seen["host"] == "0.0.0.0"
+    assert "warning: serving on 0.0.0.0 without an API key" in capsys.readouterr().err
+    for quiet in (
+        ["--host", "127.0.0.1"],
+        ["--host", "::1"],
+        ["--host", "0.0.0.0", "--api-key", "k"],
+    ):
+        main([str(bundle), *quiet])
+        assert "without an API key" not in capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,7 +100,7 @@ def _free_port() -> int:
 def test_a_real_server_answers_completions_and_streams(bundle):
     port = _free_port()
     cmd = [sys.executable, "-m", "serve", str(bundle), "--port", str(port), "--threads", "1"]
-    env = {**os.environ, "DOEL_API_KEY": ""}
+    env = {k: v for k, v in os.environ.items() if k != "DOEL_API_KEY"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

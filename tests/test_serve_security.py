@@ -1,6 +1,7 @@
 """Browsers and keys on a live `doel-serve` (loopback): CORS works together with an API key (the
 preflight passes the key check, a 401 carries the CORS headers so a page can read it); bound to
-loopback, only loopback Host names (and --allowed-host ones) are answered, against DNS rebinding."""
+loopback, only loopback Host names (and --allowed-host ones) are answered, against DNS rebinding;
+the key comes from a file, its scheme in any case, and two Authorization headers are refused."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ def bundle(tmp_path_factory, tokenizer_path):
 
 @pytest.fixture(scope="module")
 def keyed(bundle, tmp_path_factory):
-    args = ("--api-key", KEY, "--cors-origin", ORIGIN)
-    with live_server(bundle, tmp_path_factory.mktemp("keyed"), *args) as s:
+    folder = tmp_path_factory.mktemp("keyed")
+    (folder / "key").write_text(f"{KEY}\n")  # as `echo KEY > key` writes it
+    args = ("--api-key-file", str(folder / "key"), "--cors-origin", ORIGIN)
+    with live_server(bundle, folder, *args) as s:
         yield s
     assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
 
@@ -91,3 +94,24 @@ def test_loopback_names_and_allowed_hosts_are_answered(open_server, host):
         f"{open_server.url}/metrics", headers={"Host": host.format(port=port)}, trust_env=False
     )
     assert r.status_code == 200 and "doel_requests_total" in r.text
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_key_from_its_file_with_the_bearer_scheme_in_any_case(http, scheme):
+    r = http.get("/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+    assert r.status_code == 200 and r.json()["data"]
+
+
+@pytest.mark.parametrize("given", ["Basic " + KEY, KEY, f"Bearer {KEY}x", "Bearer", ""])
+def test_another_scheme_or_key_is_401(http, given):
+    r = http.get("/v1/models", headers={"Authorization": given})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("second", [f"Bearer {KEY}", "Bearer wrong"])
+def test_two_authorization_headers_are_refused(http, second):
+    headers = [("Authorization", f"Bearer {KEY}"), ("Authorization", second)]
+    for first_last in (headers, headers[::-1]):
+        r = http.get("/v1/models", headers=first_last)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "2 Authorization headers; send one" in r.json()["error"]["message"]
