@@ -22,8 +22,9 @@ INT64_MAX = (1 << 63) - 1
 
 class Request(BaseModel):
     # An unknown field is refused by name rather than silently ignored (a typo in `top_p`
-    # would otherwise sample with the default).
-    model_config = ConfigDict(extra="forbid")
+    # would otherwise sample with the default). Strict: "8" and true are not numbers, nor 1 a
+    # boolean (pydantic's lax mode takes them); an integer is still a float.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Request):

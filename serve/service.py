@@ -129,7 +129,9 @@ class Service:
                         break  # closing the generator frees the slot
         except QueueFull:
             waiting = len(self.scheduler.waiting)
-            raise RequestError(429, f"{waiting} requests are waiting; retry shortly") from None
+            raise RequestError(
+                429, f"{waiting} requests are waiting; retry shortly", kind="rate_limit_exceeded"
+            ) from None
         finally:
             self.metrics.completion(len(ids), made, ttft, time.perf_counter() - t0)
         full = made >= req.max_tokens or len(ids) + made >= self.context_length

@@ -1,9 +1,12 @@
 """Browsers and keys on a live `doel-serve` (loopback): CORS works together with an API key (the
 preflight passes the key check, a 401 carries the CORS headers so a page can read it); bound to
 loopback, only loopback Host names (and --allowed-host ones) are answered, against DNS rebinding;
-the key comes from a file, its scheme in any case, and two Authorization headers are refused."""
+the key comes from a file, its scheme in any case, and two Authorization headers are refused;
+numbers and booleans are strict ("8" and true are not numbers); a 429 says it is a rate limit."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx2
 import pytest
@@ -64,8 +67,8 @@ def test_a_401_carries_the_cors_headers_and_the_key_still_guards(http):
 
 @pytest.fixture(scope="module")
 def open_server(bundle, tmp_path_factory):
-    """No key, on loopback, one more Host name allowed."""
-    args = ("--allowed-host", "my.box")
+    """No key, on loopback, one more Host name allowed; one slot and no queue (429 at once)."""
+    args = ("--allowed-host", "my.box", "--slots", "1", "--max-queue", "0")
     with live_server(bundle, tmp_path_factory.mktemp("open"), *args) as s:
         yield s
     assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
@@ -115,3 +118,47 @@ def test_two_authorization_headers_are_refused(http, second):
         r = http.get("/v1/models", headers=first_last)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         assert "2 Authorization headers; send one" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_tokens", "8", "max_tokens: Input should be a valid integer"),
+        ("max_tokens", True, "max_tokens: Input should be a valid integer"),
+        ("max_tokens", 8.0, "max_tokens: Input should be a valid integer"),
+        ("temperature", "0.5", "temperature: Input should be a valid number"),
+        ("temperature", True, "temperature: Input should be a valid number"),
+        ("seed", "1", "seed: Input should be a valid integer"),
+        ("stream", "true", "stream: Input should be a valid boolean"),
+        ("stream", 1, "stream: Input should be a valid boolean"),
+    ],
+)
+def test_strings_and_booleans_are_not_numbers(open_server, field, value, message):
+    body = {"prompt": "নদী", "max_tokens": 2, field: value}
+    r = httpx2.post(f"{open_server.url}/v1/completions", json=body, trust_env=False)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_an_integer_is_a_number_for_a_float_field(open_server):
+    body = {"prompt": "নদী", "max_tokens": 2, "temperature": 1, "top_p": 1, "presence_penalty": 0}
+    r = httpx2.post(f"{open_server.url}/v1/completions", json=body, trust_env=False)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_a_full_queue_is_429_with_a_rate_limit_type(open_server):
+    # One slot and no queue: of 6 requests sent together, all but the one decoding are refused.
+    body = {"prompt": "নদী", "max_tokens": 60, "temperature": 0}
+
+    def post(_):
+        return httpx2.post(f"{open_server.url}/v1/completions", json=body, trust_env=False)
+
+    for _ in range(5):  # sent together they overlap, unless the machine stalls the first ones
+        with ThreadPoolExecutor(6) as pool:
+            refused = [r for r in pool.map(post, range(6)) if r.status_code == 429]
+        if refused:
+            break
+    assert refused, "no request was refused with one slot and no queue"
+    error = refused[0].json()["error"]
+    assert error["type"] == "rate_limit_exceeded" and error["code"] == 429
+    assert refused[0].headers["retry-after"] == "1"
