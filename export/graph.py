@@ -3,8 +3,9 @@
 Two engines write the graph:
 - `genai`: onnxruntime-genai's model builder. Its graph is fused (GroupQueryAttention with
   rotary, SkipSimplifiedLayerNormalization, one QKV MatMul, MatMulNBits), which decoded the
-  0.4B Llama about 1.5× faster at int4 than the unfused graph (measured: 52 vs 35 tokens/s on
-  2 cores), so it is the default for the architectures in GENAI_ARCHS.
+  0.4B Llama faster at int4 than the unfused graph (its figures now:
+  benchmarks/results/export_0.4b_cpu.md), so it is the default for the architectures in
+  GENAI_ARCHS.
 - `optimum`: optimum's `text-generation-with-past` export, quantized with ONNX Runtime's
   MatMulNBitsQuantizer. Slower, but it knows far more architectures, so it is the path for
   the rest.
@@ -15,8 +16,9 @@ accuracy_level 4) for every linear layer including the head; the embedding table
 row per token, goes to 8 bits (GatherBlockQuantized, export/embedding.py): no decode time saved,
 but 100 MB of a 0.4B server's memory. Quantized builder graphs can keep their KV cache in fp16
 (`--kv-cache fp16`, export/kvcache.py): half its memory, but on x86 ONNX Runtime's attention
-runs 2.4x slower in fp16 (it converts the cache to fp32 as it reads it), which costs batched
-decoding most: at 0.4B int4, 8 sequences a step took 48 ms with the fp16 cache, 39 with fp32.
+runs slower in fp16 (it converts the cache to fp32 as it reads it), which costs batched
+decoding most (the measurement is in the commit that made fp32 the default, 80a6f6d; serving
+figures: benchmarks/results/serve_0.4b_cpu.md).
 """
 
 from __future__ import annotations
