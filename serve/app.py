@@ -59,6 +59,8 @@ class Settings:
     cors_origins: tuple[str, ...] = ()  # none: CORS off
     max_headers: int = 256  # as vLLM; more is refused with 431
     allowed_hosts: tuple[str, ...] | None = None  # Host names answered (any port); None: any
+    docs: bool = False  # /docs, /redoc, /openapi.json (the pages load their scripts from a CDN)
+    url: str | None = None  # the server's address, printed in one line once the model is ready
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
@@ -116,7 +118,15 @@ def make_lifespan(settings: Settings, loader: Callable[[Settings], Service]):
                 svc = await asyncio.to_thread(loader, settings)
                 svc.metrics = app.state.metrics
                 app.state.service = svc
-                log.info("model %s ready", app.state.service.name)
+                if settings.url:  # the line a user looks for, whatever the log level
+                    key = "; key required" if settings.api_key else ""
+                    print(
+                        f"doel-serve: {svc.name} ready at {settings.url}/v1 (OpenAI API{key}), "
+                        f"playground at {settings.url}/",
+                        flush=True,
+                    )
+                else:
+                    log.info("model %s ready", svc.name)
             except Exception as e:  # reported on /health; the server stays up to say so
                 log.exception("loading %s failed", settings.bundle)
                 app.state.load_error = f"loading the model failed: {type(e).__name__}: {e}"
@@ -241,7 +251,12 @@ def add_routes(app: FastAPI) -> None:
 
 def create_app(settings: Settings, loader: Callable[[Settings], Service] | None = None) -> FastAPI:
     """The app; `loader` builds the Service (tests pass their own to control loading)."""
-    app = FastAPI(title="doel", lifespan=make_lifespan(settings, loader or default_loader))
+    pages = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"}
+    app = FastAPI(
+        title="doel",
+        lifespan=make_lifespan(settings, loader or default_loader),
+        **{k: v if settings.docs else None for k, v in pages.items()},
+    )
     app.state.metrics = Metrics()
     install_errors(app)
     add_routes(app)

@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also answer requests whose Host is NAME, any port (repeat; '*': any). Bound to "
         "loopback, only localhost, 127.0.0.1 and [::1] are answered otherwise (DNS rebinding)",
     )
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="serve /docs, /redoc and /openapi.json (off: the pages load scripts from a CDN)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     limits = p.add_argument_group("connection limits (see serve/limits.py)")
     limits.add_argument(
@@ -132,6 +137,12 @@ def allowed_hosts(host: str, extra: list[str]) -> tuple[str, ...] | None:
     return (*LOOPBACK_HOSTS, host, *extra)
 
 
+def base_url(host: str, port: int) -> str:
+    """Where a browser on this machine reaches the server (all addresses: via loopback)."""
+    shown = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
 def log_config(level: str, floods) -> dict:
     """uvicorn's logging, plus our `doel` logger on its handler and the flood filter on the
     loggers that write a line (or a traceback) per socket."""
@@ -187,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         cors_origins=tuple(args.cors_origin),
         max_headers=args.max_headers,
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
+        docs=args.docs,
+        url=base_url(args.host, args.port),
     )
     _, files = raise_open_files()
     if files and args.max_connections > files - FD_RESERVE:

@@ -2,7 +2,8 @@
 preflight passes the key check, a 401 carries the CORS headers so a page can read it); bound to
 loopback, only loopback Host names (and --allowed-host ones) are answered, against DNS rebinding;
 the key comes from a file, its scheme in any case, and two Authorization headers are refused;
-numbers and booleans are strict ("8" and true are not numbers); a 429 says it is a rate limit."""
+numbers and booleans are strict ("8" and true are not numbers); a 429 says it is a rate limit;
+/docs and /openapi.json only with --docs; one line says the server is ready, and where."""
 
 from __future__ import annotations
 
@@ -67,8 +68,9 @@ def test_a_401_carries_the_cors_headers_and_the_key_still_guards(http):
 
 @pytest.fixture(scope="module")
 def open_server(bundle, tmp_path_factory):
-    """No key, on loopback, one more Host name allowed; one slot and no queue (429 at once)."""
-    args = ("--allowed-host", "my.box", "--slots", "1", "--max-queue", "0")
+    """No key, on loopback, one more Host name allowed; one slot and no queue (429 at once);
+    the API's pages on."""
+    args = ("--allowed-host", "my.box", "--slots", "1", "--max-queue", "0", "--docs")
     with live_server(bundle, tmp_path_factory.mktemp("open"), *args) as s:
         yield s
     assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
@@ -162,3 +164,19 @@ def test_a_full_queue_is_429_with_a_rate_limit_type(open_server):
     error = refused[0].json()["error"]
     assert error["type"] == "rate_limit_exceeded" and error["code"] == 429
     assert refused[0].headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_the_api_pages_are_off_unless_asked_for(http, open_server, path):
+    assert http.get(path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    r = httpx2.get(open_server.url + path, trust_env=False)
+    assert r.status_code == 200 and ("/v1/completions" in r.text or "<html" in r.text.lower())
+
+
+def test_one_line_says_it_is_ready_with_the_api_and_playground_addresses(keyed, open_server):
+    for server, key in ((keyed, "; key required"), (open_server, "")):
+        lines = [x for x in server.log_text().splitlines() if "ready" in x]
+        assert lines == [
+            f"doel-serve: serve-bundle ready at {server.url}/v1 (OpenAI API{key}), "
+            f"playground at {server.url}/"
+        ]
