@@ -16,6 +16,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from train.common import DoelError
+from train.config import load_config, resolve_config
+from train.data.fertility import fertility, format_report, load_any
+from train.data.prepare import PrepareConfig, prepare
+from train.data.textio import iter_documents, iter_source, resolve_sources
+from train.data.tokenizer import TokenizerConfig, train_tokenizer
+from train.evals.heldout import evaluate_checkpoint, format_eval
+from train.fit import fit
+from train.plot import plot_run
+from train.trainer import TrainConfig
+
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "sample"
 HOLDOUT_EVERY = 8  # every 8th paragraph of each sample file is held out for evaluation
 # The completion the demo asks its server for; seeded, so the same bundle gives the same text.
@@ -32,7 +43,6 @@ NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopb
 
 def split_sample(out: Path) -> tuple[list[str], list[str]]:
     """Write train/ and heldout/ copies of the sample files, split by paragraph."""
-    from train.data.textio import iter_documents
 
     train, held = [], []
     for name in ("bn.txt", "en.txt"):
@@ -58,14 +68,6 @@ def run_demo(
 ) -> Path:
     """The whole path; `serve` keeps the server up at the end until Ctrl-C (on `port`; 0: a
     free one)."""
-    from train.config import load_config, resolve_config
-    from train.data.fertility import fertility, format_report, load_any
-    from train.data.prepare import PrepareConfig, prepare
-    from train.data.textio import iter_source, resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
-    from train.evals.heldout import evaluate_checkpoint, format_eval
-    from train.fit import fit
-    from train.trainer import TrainConfig
 
     out = Path(out)
     train_files, heldout = split_sample(out / "text")
@@ -94,7 +96,6 @@ def run_demo(
         final, {"bn": heldout[:1], "en": heldout[1:]}, seq_len=cfg.seq_len, max_new_tokens=30
     )
     print(format_eval(result))
-    from train.plot import plot_run
 
     print(f"6/6 curves: {plot_run(out / 'run')}")
     print(f"done: the model in Hugging Face layout is {final}")
@@ -181,7 +182,6 @@ def _health(url: str) -> tuple[int | None, str]:
 
 def _wait_ready(server, thread: threading.Thread) -> str:
     """The server's URL once it listens and /health says 200."""
-    from train.common import DoelError
 
     end = time.monotonic() + READY_SECONDS
     while time.monotonic() < end:

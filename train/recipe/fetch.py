@@ -18,8 +18,11 @@ import json
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.config import resolved
+from train.data.textio import iter_documents
 
 PROGRESS = "progress.json"
 HUB_RETRIES = 3  # a dropped connection reopens the stream at the last chunk this many times
@@ -64,7 +67,6 @@ def _open_hub(src, state: dict):
 
 
 def _open_local(src, path: str, state: dict):
-    from train.data.textio import iter_documents
 
     if not Path(path).is_file():
         raise DoelError(f"--local {src.name}={path}: no such file")
@@ -100,7 +102,6 @@ def fetch_source(src, target: int, root: Path, data, local=None, log=print, on_c
     """Stream `src` into root/NAME until `target` training characters (or its end); return the
     progress marker. Resumes from root/NAME/progress.json; `on_chunk(i)` runs after each
     committed chunk (tests interrupt there)."""
-    from tqdm import tqdm
 
     folder, held = root / src.name, root / f"{src.name}-heldout"
     spec = resolved(src) | {"local": str(local) if local else None}
@@ -230,7 +231,6 @@ def standins(recipe, folder: Path, given: dict) -> dict[str, str]:
     built-in sample in the source's language, shared out by the sources' shares (no paragraph
     twice, so deduplication and the overlap check see what real data gives them), written as
     .jsonl, .parquet and .txt in turn with the source's text field."""
-    from train.data.textio import iter_documents
 
     todo = [s for s in recipe.sources if s.name not in given]
     out = dict(given)

@@ -20,6 +20,8 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from train.common import DoelError, atomic_write_json
 from train.recipe.budget import (
     Need,
@@ -29,7 +31,9 @@ from train.recipe.budget import (
     probe,
     require_answer,
 )
+from train.recipe.fetch import corpus
 from train.recipe.order import DEPENDS, STAGES
+from train.recipe.spec import load_recipe, make_plan, resolve_recipe
 from train.recipe.stages import STAGE_FUNCTIONS, gpu_slice
 
 
@@ -119,7 +123,6 @@ class RecipeRun:
         check_stage("the whole recipe", Need(disk, 0, f"stages {todo}"), free, ram, plan.out)
 
     def _check_devices(self) -> None:
-        import torch
 
         plan = self.plan
         if plan.dry_run or plan.train_cfg.device == "cpu":
@@ -157,7 +160,6 @@ class RecipeRun:
             )
 
     def corpus(self) -> dict:
-        from train.recipe.fetch import corpus
 
         sources = self.plan.recipe.sources
         progress = {s.name: _read(self.data / s.name / "progress.json") for s in sources}
@@ -184,7 +186,6 @@ def run_recipe(plan, until: str = "summary", log=print, **kw) -> dict:
 
 
 def main(args) -> None:
-    from train.recipe.spec import load_recipe, make_plan, resolve_recipe
 
     sets = list(args.set)
     if args.price_per_hour is not None:
@@ -213,6 +214,5 @@ def main(args) -> None:
 
 
 def _visible_gpus() -> int:
-    import torch
 
     return max(1, torch.cuda.device_count())

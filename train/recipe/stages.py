@@ -6,17 +6,35 @@ slice: a fixed-length run of the real configuration on synthetic tokens.
 
 from __future__ import annotations
 
+import datetime
+import json
+import math
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from train.checkpoint import latest_checkpoint
+from train.checks.suite import fit_subset, run_suite, select
 from train.common import DoelError, atomic_write_json
+from train.data.fertility import fertility, format_report, load_any
+from train.data.loader import TokenLoader
+from train.data.prepare import parse_weights, prepare
+from train.data.textio import iter_source, resolve_sources
+from train.data.tokenizer import train_tokenizer
+from train.dist import resolve_device
+from train.evals.heldout import evaluate_checkpoint, format_eval
+from train.fit import fit
+from train.loop import batches_on
+from train.metrics import format_duration
 from train.recipe.budget import confirm, format_projection, measure_steps, projection
+from train.recipe.fetch import fetch_all, standins
+from train.recipe.summary import write_card, write_summary
 
 
 def data(r) -> None:
-    from train.recipe.fetch import fetch_all, standins
 
     local = r.plan.local
     if r.plan.dry_run:
@@ -25,10 +43,6 @@ def data(r) -> None:
 
 
 def tokenizer(r) -> None:
-    from train.data.fertility import fertility, format_report, load_any
-    from train.data.prepare import parse_weights
-    from train.data.textio import iter_source, resolve_sources
-    from train.data.tokenizer import train_tokenizer
 
     c = r.corpus()
     sources = resolve_sources(c["train"])
@@ -43,7 +57,6 @@ def tokenizer(r) -> None:
 
 
 def shards(r) -> None:
-    from train.data.prepare import prepare
 
     c = r.corpus()
     prepare(
@@ -53,7 +66,6 @@ def shards(r) -> None:
 
 
 def verify(r) -> None:
-    from train.checks.suite import fit_subset, run_suite, select
 
     fit_runs = fit_subset(distributed=r.plan.gpus > 1)  # what fit runs before step 1
     names = [n for n in select("full") if n not in fit_runs]
@@ -73,11 +85,6 @@ def verify(r) -> None:
 
 
 def train(r) -> None:
-    from train.checkpoint import latest_checkpoint
-    from train.data.loader import TokenLoader
-    from train.dist import resolve_device
-    from train.loop import batches_on
-    from train.metrics import format_duration
 
     plan, cfg = r.plan, r.plan.train_cfg
     started = r.stages / "train.started.json"
@@ -109,8 +116,6 @@ def train(r) -> None:
 def _launch(r) -> None:
     """One device: `fit` in this process. Several: `fit` under torchrun, a child process."""
     if r.plan.gpus == 1:
-        from train.fit import fit
-
         fit(r.plan.train_cfg, r.shards, r.run, tokenizer=r.tok_path, log=r.log)
         return
     cmd = torchrun_command(r.plan, r.shards, r.run, r.tok_path)
@@ -124,8 +129,6 @@ def _launch(r) -> None:
 
 
 def evaluation(r) -> None:
-    from train.evals.heldout import evaluate_checkpoint, format_eval
-    from train.recipe.summary import write_card
 
     spec, cfg = r.plan.recipe.eval, r.plan.train_cfg
     result = evaluate_checkpoint(
@@ -172,7 +175,6 @@ def export(r) -> None:
 
 
 def _device_name(cfg) -> str:
-    from train.dist import resolve_device
 
     return resolve_device(cfg.device).type
 
@@ -207,7 +209,6 @@ def torchrun_command(plan, shards: Path, run: Path, tok_path: Path) -> list[str]
 
 
 def summary(r) -> None:
-    from train.recipe.summary import write_summary
 
     write_summary(r)
 
@@ -225,7 +226,6 @@ STAGE_FUNCTIONS = {
 
 
 def _read_json(path: Path) -> dict | None:
-    import json
 
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
@@ -234,11 +234,6 @@ def gpu_slice(cfg, preset: str, token_budget: int, seconds: float, out: Path, lo
     """A fixed-length run of the real configuration on synthetic tokens (throughput does not
     depend on their values): tokens/s, MFU, memory, and the projected time and cost of the
     token budget, written to out/recipe_slice_<device>_<date>.{json,md}."""
-    import datetime
-    import json
-    import math
-
-    import torch
 
     if not torch.cuda.is_available():
         raise DoelError(
