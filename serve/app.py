@@ -25,6 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.guard import AllowedHosts, Guard
 from serve.metrics import CountRequests, Metrics
 from serve.protocol import (
+    CONTEXT_LENGTH,
+    MAX_ERRORS_SHOWN,
     Choice,
     Completion,
     CompletionRequest,
@@ -69,11 +71,16 @@ def error(status: int, message: str, kind: str, param: str | None = None, header
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for e in exc.errors():
+    """The first few problems, each cut to 200 characters (a field's name can be long), and
+    how many more: a client learns what to fix without a megabyte of errors."""
+    errors, parts, param = exc.errors(), [], None
+    for e in errors[:MAX_ERRORS_SHOWN]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+        param = param or (loc[0][:200] if loc else None)
+        part = f"{'.'.join(loc) or 'body'}: {e.get('msg')}"
+        parts.append(part if len(part) <= 200 else part[:199] + "…")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        parts.append(f"and {len(errors) - MAX_ERRORS_SHOWN:,} more problems")
     return "; ".join(parts) or "invalid request", param
 
 
@@ -241,12 +248,31 @@ def add_routes(app: FastAPI) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):
         svc = service(request, req.model)
-        ids = svc.encode(req.prompt, req.add_special_tokens)
+        ids = await svc.in_thread(svc.encode, req.prompt, req.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=svc.context_length)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(req: DetokenizeRequest, request: Request):
-        return DetokenizeResponse(prompt=service(request, req.model).decode(req.tokens))
+        svc = service(request, req.model)
+        return DetokenizeResponse(prompt=await svc.in_thread(svc.decode, req.tokens))
+
+
+class ModelContext:
+    """ASGI middleware: token-id lists in a request are bounded by the loaded model's context
+    (protocol.CONTEXT_LENGTH), which the body's validation reads."""
+
+    def __init__(self, app, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        svc = getattr(self.state, "service", None)
+        if svc is None:
+            return await self.app(scope, receive, send)
+        token = CONTEXT_LENGTH.set(svc.context_length)
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            CONTEXT_LENGTH.reset(token)
 
 
 def create_app(settings: Settings, loader: Callable[[Settings], Service] | None = None) -> FastAPI:
@@ -260,6 +286,7 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
     app.state.metrics = Metrics()
     install_errors(app)
     add_routes(app)
+    app.add_middleware(ModelContext, state=app.state)  # innermost: only the routes read it
     # The last added is the outermost: CountRequests → AllowedHosts → CORS → Guard → routes.
     # A Host not ours is refused before anything else. CORS outside the key check answers a
     # browser's preflight (which carries no key) and puts its headers on a 401, so that a page

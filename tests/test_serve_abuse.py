@@ -5,7 +5,11 @@ can run for seconds (about 2,000 tokens a second here)."""
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+import time
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -14,6 +18,8 @@ from live_server import live_server
 pytestmark = pytest.mark.slow
 
 CONTEXT = 4096
+MB = 1 << 20  # the server's default body limit
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "নদীর ধারে একটি ছোট গ্রাম"
 
 
@@ -78,3 +84,62 @@ def test_stop_strings_at_the_cap_over_2000_tokens_and_one_over_it(http):
     assert err["message"] == (
         "stop: a stop string is 257 characters, over the limit of 256; shorten it"
     )
+
+
+def _bad_bodies() -> dict[str, tuple[str, bytes]]:
+    """1 MB requests: many invalid items, many unknown fields, a text prompt far over the
+    context, too many token ids; and one that is served, a 1 MB text to tokenize."""
+    bn = (ROOT / "train" / "sample" / "bn.txt").read_text(encoding="utf-8")
+    text = (bn * (MB // len(bn))).encode()[: MB - 20_000].decode(errors="ignore")
+    fields = ",".join(f'"junk{i}": 0' for i in range(70_000))
+
+    def utf8(obj) -> bytes:
+        return json.dumps(obj, ensure_ascii=False).encode()
+
+    return {
+        "invalid items": ("/v1/completions", b'{"prompt": [' + b'"a",' * 249_999 + b'"a"]}'),
+        "unknown fields": ("/v1/completions", b'{"prompt": "x", ' + fields.encode() + b"}"),
+        "text over the context": ("/v1/completions", utf8({"prompt": text})),
+        "ids over the context": ("/detokenize", b'{"tokens": [' + b"-1," * 330_000 + b"1]}"),
+        "text to tokenize": ("/tokenize", utf8({"prompt": text})),
+    }
+
+
+def _health_polls(url: str, stop: threading.Event, out: list[tuple[float, float]]) -> None:
+    with httpx2.Client(base_url=url, trust_env=False, timeout=10) as c:
+        while not stop.is_set():
+            t = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            out.append((t, time.perf_counter()))
+            time.sleep(0.002)
+
+
+@pytest.mark.parametrize("kind", list(_bad_bodies()))
+def test_health_answers_within_100_ms_while_a_1_mb_request_is_refused(server, http, kind):
+    """Issue 15: a 250,000-item body took 5.9 s to refuse (24 MB of errors), a 1 MB prompt was
+    tokenized for seconds before being refused, and every stream froze meanwhile. The refusal
+    is now short and quick, and the event loop stays free: /health, asked every 2 ms while the
+    request is in flight, answers each time within 100 ms."""
+    path, body = _bad_bodies()[kind]
+    assert MB * 0.9 < len(body) <= MB
+    polls, stop = [], threading.Event()
+    poller = threading.Thread(target=_health_polls, args=(server.url, stop, polls))
+    poller.start()
+    time.sleep(0.02)
+    sent = time.perf_counter()
+    try:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    finally:
+        answered = time.perf_counter()
+        stop.set()
+        poller.join()
+    # Polls in flight while the request was. There may be none when it was quick, and then
+    # it was answered within 100 ms, which bounds how long it can have held the loop.
+    during = [end - start for start, end in polls if end > sent and start < answered]
+    assert during or answered - sent < 0.1, answered - sent
+    assert max(during, default=0.0) < 0.1, (answered - sent, sorted(during)[-5:])
+    if kind == "text to tokenize":
+        assert r.status_code == 200 and r.json()["count"] > 100_000
+    else:
+        assert r.status_code == 400 and len(r.content) < 2000, r.content[:2000]
+        assert r.json()["error"]["message"]

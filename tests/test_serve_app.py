@@ -163,6 +163,53 @@ def test_bad_requests_are_4xx_with_a_message(client, body, status, message):
     assert message in r.json()["error"]["message"]
 
 
+def test_a_refusal_lists_five_problems_and_counts_the_rest(client):
+    r = client.post("/v1/completions", json={"prompt": ["a"] * 20})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert msg.count("; ") == 5 and msg.endswith("; and 16 more problems"), msg
+
+
+@pytest.mark.parametrize(
+    "route, body, param, message",
+    [
+        ("/v1/completions", {"prompt": [1] * 95, "max_tokens": 1}, None, None),
+        ("/v1/completions", {"prompt": [1] * 97}, "prompt", "97 token ids, more than the model's"),
+        ("/detokenize", {"tokens": ["x"] * 500}, "tokens", "500 token ids, more than the model's"),
+        (
+            "/tokenize",
+            {"prompt": "x", **{f"j{i}": 0 for i in range(9)}},
+            None,
+            "body: 9 unknown fields ('j0', 'j1', 'j2', 'j3', 'j4', ...); remove them",
+        ),
+    ],
+)
+def test_token_id_lists_are_bounded_by_the_context_and_unknown_fields_counted(
+    client, route, body, param, message
+):
+    """One error for a long list or many unknown fields, found before looking at each."""
+    r = client.post(route, json=body)
+    if message is None:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert message in r.json()["error"]["message"] and r.text.count("; ") == 1
+
+
+def test_a_text_prompt_that_cannot_fit_is_refused_before_it_is_encoded(client, bundle):
+    svc = client.app.state.service
+    encoded = []
+    encode = svc.encode
+    svc.encode = lambda *a: encoded.append(a) or encode(*a)
+    try:
+        r = client.post("/v1/completions", json={"prompt": "নদী " * 2000, "max_tokens": 1})
+    finally:
+        svc.encode = encode
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and not encoded
+    assert "the prompt (8,000 characters) is at least" in msg and "context is 96 tokens" in msg
+
+
 def test_a_prompt_longer_than_the_context_says_both_numbers(client, tok):
     n = len(tok.encode("নদী " * 200).ids)
     r = client.post("/v1/completions", json={"prompt": "নদী " * 200, "max_tokens": 1})
