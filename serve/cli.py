@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("bundle", help="a folder written by doel-export")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="(default 8000)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: per core)")
     p.add_argument(
         "--api-key-file",
@@ -42,10 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="the key itself (prefer --api-key-file)")
     p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
     p.add_argument(
-        "--slots", type=int, default=4, help="requests decoded together (each holds a KV cache)"
+        "--slots",
+        type=int,
+        default=4,
+        help="requests decoded together, each holding a KV cache (default 4)",
     )
-    p.add_argument("--max-queue", type=int, default=16, help="waiting requests before 429")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument(
+        "--max-queue", type=int, default=16, help="waiting requests before 429 (default 16)"
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="request body size; more is 413 (default 1 MiB)",
+    )
     p.add_argument(
         "--cors-origin", action="append", default=[], help="allow this browser origin (repeat)"
     )

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from test_serve_engine import tiny_bundle
 
-from serve.cli import main
+from serve.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,6 +89,23 @@ def test_a_non_loopback_address_without_a_key_is_warned_about(bundle, monkeypatc
     ):
         main([str(bundle), *quiet])
         assert "without an API key" not in capsys.readouterr().err
+
+
+def test_help_shows_every_limit_with_its_default():
+    text = " ".join(build_parser().format_help().split())
+    for flag, default in [
+        ("--timeout-read S", "(default 30)"),
+        ("--timeout-keep-alive S", "(default 5)"),
+        ("--max-connections N", "(default 512)"),
+        ("--max-headers N", "(default 256)"),
+        ("--max-body-bytes MAX_BODY_BYTES", "(default 1 MiB)"),
+        ("--max-queue MAX_QUEUE", "(default 16)"),
+        ("--slots SLOTS", "(default 4)"),
+    ]:
+        after = text.split(f"{flag} ", 1)[1]
+        assert after.split(" --", 1)[0].endswith(default), (flag, after[:200])
+    for flag in ("--api-key-file PATH", "--allowed-host NAME", "--docs", "--cors-origin"):
+        assert flag in text
 
 
 def _free_port() -> int:
