@@ -13,9 +13,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,7 @@ from serve.protocol import (
 from serve.service import RequestError, Service
 
 log = logging.getLogger("doel.serve")
+T = TypeVar("T")
 ERRORS = {
     400: {"model": ErrorResponse},
     404: {"model": ErrorResponse},
@@ -195,6 +197,32 @@ async def _first(pieces):
     return again()
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone. The body is read by then, so the next message the
+    server has for this request is `http.disconnect` (sent when the response is complete too)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`await work`, unless the client disconnects first: then `work` is cancelled, which
+    closes the service's generator and so takes the request out of the queue or its slot at
+    once (a non-streamed request used to run to max_tokens for nobody), and the answer is a
+    499 that no one reads but /metrics counts."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client left, or this handler is being cancelled
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        raise RequestError(499, "the client closed the connection", kind="client_closed")
+    return task.result()
+
+
 async def _whole(svc: Service, pieces) -> Completion:
     """A non-streamed completion: all pieces joined, usage from the last."""
     text, last = [], None
@@ -240,10 +268,12 @@ def add_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", response_model=Completion, responses=ERRORS)
     async def completions(req: CompletionRequest, request: Request):
         svc = service(request, req.model)
-        pieces = await _first(svc.complete(req))
-        if req.stream:
-            return StreamingResponse(_stream(svc, req, pieces), media_type="text/event-stream")
-        return await _whole(svc, pieces)
+        if not req.stream:
+            return await _unless_gone(request, _whole(svc, svc.complete(req)))
+        # Until the first piece (in the queue, then the prompt going in), nothing watches the
+        # connection but this; from then on the streaming response does.
+        pieces = await _unless_gone(request, _first(svc.complete(req)))
+        return StreamingResponse(_stream(svc, req, pieces), media_type="text/event-stream")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):

@@ -2,7 +2,8 @@
 
 Requests go to the scheduler (serve/scheduler.py), which batches the decode steps of all running
 sequences; a request beyond `max_queue` waiting is refused with 429 instead of queueing without
-end, and a client that disconnects (its stream closed) frees its slot at the next step.
+end, and a request whose client disconnects (its generator closed: the app watches the
+connection, queued or running, streamed or not) frees its place at once.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -143,3 +144,81 @@ def test_health_answers_within_100_ms_while_a_1_mb_request_is_refused(server, ht
     else:
         assert r.status_code == 400 and len(r.content) < 2000, r.content[:2000]
         assert r.json()["error"]["message"]
+
+
+def _open(server, body: dict) -> socket.socket:
+    """A completion request sent on a raw socket, its answer left unread: a client that can
+    leave at a moment the test chooses."""
+    port = int(server.url.rsplit(":", 1)[1])
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(head.encode() + data)
+    return s
+
+
+def _until(http: httpx2.Client, running: int, waiting: int, timeout: float) -> float:
+    """Seconds until /metrics shows these gauges; fails after `timeout`."""
+    start = time.perf_counter()
+    while True:
+        now = (metric(http, "doel_requests_running"), metric(http, "doel_queue_depth"))
+        elapsed = time.perf_counter() - start
+        if now == (running, waiting):
+            return elapsed
+        assert elapsed < timeout, f"running, waiting = {now} after {elapsed:.2f} s"
+        time.sleep(0.01)
+
+
+LONG = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 0}  # about 2 s alone
+
+
+def test_requests_whose_clients_left_free_their_slots_at_once(server, http):
+    """Issue 15: a non-streamed request ran to max_tokens after its client left. Two running
+    and two queued (2 slots, a queue of 2), 4,000 tokens each: once the clients close their
+    sockets the slots and the queue are empty within a second, and no token is made after."""
+    gone = 'doel_requests_total{route="/v1/completions",status="499"}'
+    made, left = metric(http, "doel_generation_tokens_total"), metric(http, gone)
+    socks = [_open(server, LONG) for _ in range(4)]
+    try:
+        _until(http, running=2, waiting=2, timeout=10)
+    finally:
+        for s in socks:
+            s.close()
+    assert _until(http, running=0, waiting=0, timeout=1.0) < 1.0
+    after = metric(http, "doel_generation_tokens_total")
+    time.sleep(0.5)
+    assert metric(http, "doel_generation_tokens_total") == after
+    assert after - made < 4000  # the running two were cut short, the queued two never began
+    assert metric(http, gone) - left == 4  # counted as "client closed request"
+
+
+def test_a_queued_stream_whose_client_left_is_dropped_before_its_prompt_is_read(server, http):
+    """Issue 15: queued streaming requests whose clients had left still had their prompts
+    prefilled, holding the queue full (others got 429). With both slots busy, two streams
+    queue; their clients leave; the queue empties at once though the slots stay busy, and a
+    newcomer is queued rather than refused, then served."""
+    runners = [_open(server, LONG) for _ in range(2)]
+    try:
+        _until(http, running=2, waiting=0, timeout=10)
+        streams = [_open(server, {**LONG, "stream": True}) for _ in range(2)]
+        _until(http, running=2, waiting=2, timeout=10)
+        for s in streams:
+            s.close()
+        assert _until(http, running=2, waiting=0, timeout=1.0) < 1.0
+        newcomer = _open(server, {"prompt": PROMPT, "max_tokens": 3, "stream": True})
+        _until(http, running=2, waiting=1, timeout=5)
+    finally:
+        for s in runners:
+            s.close()
+    with newcomer:
+        newcomer.settimeout(10)
+        answer = b""
+        while not answer.endswith(b"\r\n0\r\n\r\n"):  # the last chunk
+            chunk = newcomer.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in answer
+    _until(http, running=0, waiting=0, timeout=1.0)
