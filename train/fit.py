@@ -9,6 +9,7 @@ continues from the last checkpoint; `fresh=True` starts over.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from train.build import Run, build_run, check_vocab
 from train.checkpoint import latest_checkpoint
 from train.checks.suite import fit_subset, verify_before_training
-from train.common import DoelError, atomic_write_json
+from train.common import DoelError, atomic_write_json, sha256_file
 from train.config import resolved
 from train.data.loader import read_meta
 from train.dist import (
@@ -65,6 +66,27 @@ def gradient_gate(run: Run, log) -> None:
 def _prepare_run_dir(out, cfg, fresh: bool, info: DistInfo) -> Path | None:
     out = Path(out)
     if info.is_main:
+VERIFIED = "verify/passed.json"  # what the checks before step 1 passed on
+
+
+def _verify_key(cfg, data_dir, info: DistInfo) -> dict:
+    """What the checks before step 1 depend on: the resolved config, the shards' meta.json
+    (tokenizer and data hashes), the world size and torch. Equal on resume: not rerun."""
+    return {
+        "config": resolved(cfg),
+        "meta_sha256": sha256_file(Path(data_dir) / "meta.json"),
+        "world_size": info.world_size,
+        "torch": torch.__version__,
+    }
+
+
+def _verified_before(out: Path, cfg, data_dir, info: DistInfo) -> bool:
+    try:
+        return json.loads((out / VERIFIED).read_text()) == _verify_key(cfg, data_dir, info)
+    except (OSError, ValueError):
+        return False
+
+
         if fresh:
             for name in ("checkpoints", "final", "metrics.jsonl"):
                 path = out / name
@@ -122,6 +144,14 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
     else:  # the fast subset, gradient flow included, on the run's own objects
         verify_before_training(
             cfg,
+    elif (
+        resume_from is not None and not info.enabled and _verified_before(out, cfg, data_dir, info)
+    ):
+        log(
+            f"verification: passed before step 1 of this unchanged run ({out / VERIFIED}); not "
+            "repeated on resume, the gradient-flow gate runs"
+        )
+        gradient_gate(run, log)
             run.wrapped,
             run.compiled,
             run.optimizer,
@@ -135,6 +165,8 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
     metrics = (
         MetricsLog(out / "metrics.jsonl", resume_step=run.step if resume_from else None)
         if info.is_main
+        if info.is_main:
+            atomic_write_json(out / VERIFIED, _verify_key(cfg, data_dir, info))
         else None
     )
     loop = RunLoop(

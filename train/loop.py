@@ -101,6 +101,26 @@ class RunLoop:
 
     def _check_finite(self) -> None:
         bad = int(self.bad_step)
+        self._why_stopped(step, start_step, t_train)
+
+    def _why_stopped(self, step: int, start_step: int, t_train: float) -> None:
+        """One line that says when and why training stopped: a run that ends early by its
+        time limit, or has nothing left to do, must not look like a finished one."""
+        cfg = self.cfg
+        if start_step >= cfg.steps:
+            self.log(
+                f"nothing to train: this run finished all {cfg.steps} steps before; the model "
+                "is unchanged (--fresh starts over)"
+            )
+        elif step < cfg.steps:
+            self.log(
+                f"stopped early at step {step} of {cfg.steps}: time_limit={cfg.time_limit:g} s "
+                f"of training reached ({format_duration(t_train)} in this attempt); the model "
+                "is saved as it is now. Run the same command again to train the remaining "
+                f"{cfg.steps - step} steps, or raise time_limit"
+            )
+        else:
+            self.log(f"finished: {cfg.steps} steps ({format_duration(t_train)} in this attempt)")
         if bad >= 0:
             keep = (
                 f"the last good checkpoint is {self.last_ckpt}"
