@@ -1,5 +1,6 @@
-"""Shared fixtures: the built-in sample corpus and a small tokenizer trained on it in-process,
-so every test is hermetic (no download, no ../shared)."""
+"""Shared session fixtures, built once and reused by every module: the built-in sample corpus, a
+small tokenizer trained on it in-process, token shards of the sample, the tiny training and
+model configs, and a tiny export bundle. Every test is hermetic (no download, no ../shared)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from train.textio import resolve_sources
-from train.tokenizer import TokenizerConfig, train_tokenizer
+from train.config import load_config
+from train.data.prepare import PrepareConfig, prepare
+from train.data.textio import resolve_sources
+from train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
+from train.model import ModelConfig
+from train.trainer import TrainConfig
 
-SAMPLE = Path(__file__).resolve().parents[1] / "train" / "sample"
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "train" / "sample"
+TINY = ROOT / "configs" / "tiny.toml"
+BUNDLE_CONTEXT = 96  # positions of the tiny bundle's model
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +35,67 @@ def tokenizer_path(tmp_path_factory, sample_paths) -> Path:
 
 @pytest.fixture(scope="session")
 def tok(tokenizer_path):
-    from train.tokenizer import load_tokenizer
-
     return load_tokenizer(tokenizer_path)
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory, tokenizer_path, sample_paths) -> Path:
+    """The sample as token shards with a 10 % validation split (read-only for the tests)."""
+    out = tmp_path_factory.mktemp("shards")
+    prepare(tokenizer_path, sample_paths, out, PrepareConfig(val_fraction=0.1), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """configs/tiny.toml with KEY=VALUE overrides: tiny_config("lr=1e-3")."""
+
+    def make(*sets: str) -> TrainConfig:
+        return load_config(TrainConfig, TINY, list(sets))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_config() -> ModelConfig:
+    """A random 2-layer Llama on the session tokenizer's vocabulary (the tiny bundle's)."""
+    return ModelConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=BUNDLE_CONTEXT,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory, tokenizer_path, tiny_model_config) -> Path:
+    """`tiny_model_config`'s random model exported at fp32, once per session (in the folder
+    test_serve_engine.py's builder uses, so the serve modules not yet on this fixture reuse
+    it rather than build a second)."""
+    out = tmp_path_factory.getbasetemp() / "serve-bundle"
+    if (out / "manifest.json").is_file():
+        return out
+    pytest.importorskip("onnxruntime_genai")
+    torch = pytest.importorskip("torch")
+    from export.bundle import ExportOptions, export_checkpoint  # the export extra
+    from train.hf import save_model
+    from train.model import Llama
+
+    torch.manual_seed(0)
+    ckpt = save_model(Llama(tiny_model_config), out.parent / "serve-ckpt", tokenizer=tokenizer_path)
+    export_checkpoint(ckpt, out, ExportOptions(quant="fp32", eval_tokens=64, log=lambda _m: None))
+    return out
+
+
+# Fixtures that build an export bundle (here and in test modules): a test using one is slow.
+BUNDLE_FIXTURES = {"tiny_bundle", "bundle", "fp32_bundle", "ckpt", "dry_run", "serve_spec"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if BUNDLE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # spawns the benchmark script
 def test_gpu_benchmark_script_reports_mfu_and_the_gate(tmp_path):
     cmd = [
         sys.executable,
@@ -60,10 +61,8 @@ QUICK = {
 
 
 @pytest.fixture(scope="module")
-def serve_spec(tmp_path_factory, tokenizer_path):
-    from test_serve_engine import tiny_bundle
-
-    bundle = tiny_bundle(tmp_path_factory, tokenizer_path)
+def serve_spec(tmp_path_factory, tiny_bundle):
+    bundle = tiny_bundle
     cfg = json.loads((bundle.parent / "serve-ckpt" / "config.json").read_text())
     spec = tmp_path_factory.mktemp("bench-serve") / "spec.json"
     spec.write_text(json.dumps(_serve_bench().spec_for(QUICK, cfg, 2048)))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here runs the command in a fresh process
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -19,20 +19,13 @@ from safetensors.torch import load_file
 
 from train.checkpoint import latest_checkpoint
 from train.data.loader import TokenLoader
-from train.data.prepare import PrepareConfig, prepare
 from train.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # every test here spawns torchrun and its ranks
 ROOT = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 # A constant schedule, so that a run's step count does not change its first steps' lr.
 FLAT = ["log_every=1", "schedule=constant", "warmup_steps=0", "eval_every=0"]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, tokenizer_path, sample_paths) -> Path:
-    out = tmp_path_factory.mktemp("shards")
-    prepare(tokenizer_path, sample_paths, out, PrepareConfig(val_fraction=0.1), progress=False)
-    return out
 
 
 STEPS = 36  # "a few dozen": float drift between world sizes has room to show

@@ -17,21 +17,14 @@ from safetensors.torch import load_file
 
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.config import load_config
-from train.data.prepare import PrepareConfig, prepare
 from train.fit import fit
 from train.loop import NonFiniteLossError
 from train.metrics import read_metrics
 from train.plot import plot_run
 from train.trainer import TrainConfig
 
+pytestmark = pytest.mark.slow  # every test here trains a run (tens of seconds on 2 cores)
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, tokenizer_path, sample_paths) -> Path:
-    out = tmp_path_factory.mktemp("shards")
-    prepare(tokenizer_path, sample_paths, out, PrepareConfig(val_fraction=0.1), progress=False)
-    return out
 
 
 def tiny(*sets) -> TrainConfig:
@@ -130,6 +123,7 @@ def _fit_cmd(shards, out, *sets):
     return args
 
 
+@pytest.mark.slow  # spawns the training processes
 def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_weights(tmp_path, shards):
     env = os.environ | {"OMP_NUM_THREADS": "2"}
     subprocess.run(

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_serve_engine import tiny_bundle
-
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
@@ -28,8 +26,8 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in banned)))
 """
 
 
-def test_serving_imports_no_torch_nor_other_stages(tmp_path_factory, tokenizer_path):
-    bundle = tiny_bundle(tmp_path_factory, tokenizer_path)
+def test_serving_imports_no_torch_nor_other_stages(tiny_bundle):
+    bundle = tiny_bundle
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(bundle)],
         cwd=ROOT,

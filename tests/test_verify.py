@@ -24,15 +24,9 @@ from train.data.tokenizer import TokenizerConfig, train_tokenizer
 from train.model import IGNORE_INDEX, Llama
 from train.trainer import TrainConfig, build_optimizer, lr_at, train_step
 
+pytestmark = pytest.mark.slow  # every test here runs the suite or trains (seconds to minutes)
 ROOT = Path(__file__).resolve().parents[1]
 ALL = list(CHECKS)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, tokenizer_path, sample_paths) -> Path:
-    out = tmp_path_factory.mktemp("verify-shards")
-    prepare(tokenizer_path, sample_paths, out, PrepareConfig(val_fraction=0.1), progress=False)
-    return out
 
 
 def tiny(*sets) -> TrainConfig:
