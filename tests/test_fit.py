@@ -186,3 +186,34 @@ def test_validation_can_score_a_multiple_choice_task(tmp_path, shards):
     assert [r["step"] for r in tasks] == [2, 4]
     assert all(r["items"] == 10 and 0 <= r["acc"] <= 1 and r["chance"] == 0.5 for r in tasks)
     assert any(line.startswith("piqa at step 4: acc") for line in lines)
+
+
+def test_every_checkpoint_carries_a_tokenizer_of_exactly_the_models_vocab_size(
+    tmp_path, shards, sample_paths
+):
+    from tokenizers import Tokenizer
+
+    from train.common import DoelError
+    from train.data.textio import resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+
+    # A model larger than the shards' tokenizer (2,048) is refused before anything is written.
+    with pytest.raises(DoelError, match=r"has 2048 tokens but model.vocab_size is 4096; .*=2048"):
+        fit(tiny("model.vocab_size=4096"), shards, tmp_path / "big", log=lambda s: None)
+    assert not (tmp_path / "big").exists()
+    # So is a tokenizer of the right size that did not make the shards.
+    other = train_tokenizer(
+        resolve_sources(sample_paths[:1]),
+        TokenizerConfig(vocab_size=2048),
+        tmp_path / "tok",
+        progress=False,
+        log=lambda s: None,
+    )
+    with pytest.raises(DoelError, match="different tokenizer"):
+        fit(tiny("steps=2"), shards, tmp_path / "other", tokenizer=other, log=lambda s: None)
+    final = fit(tiny("steps=2", "checkpoint_every=1"), shards, tmp_path / "run", log=lambda s: 0)
+    folders = [final, *list_checkpoints(tmp_path / "run")]
+    assert len(folders) == 3
+    for folder in folders:
+        size = json.loads((folder / "config.json").read_text())["vocab_size"]
+        assert Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size() == size == 2048

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +15,16 @@ from tokenizers import Regex, pre_tokenizers
 from train.common import DoelError
 from train.config import load_config
 from train.data.textio import resolve_sources
-from train.data.tokenizer import BOS, EOS, PAD, PATTERNS, SPECIAL_TOKENS, TokenizerConfig
+from train.data.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    PATTERNS,
+    SPECIAL_TOKENS,
+    TokenizerConfig,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 BENGALI = st.characters(min_codepoint=0x0980, max_codepoint=0x09FF, categories=("L", "M", "N"))
 # Any assigned character (the Unicode version of this Python), surrogates excluded.
@@ -154,7 +164,65 @@ def test_empty_corpus_is_an_error(tmp_path):
     with pytest.raises(DoelError, match="empty"):
         train_tokenizer(
             resolve_sources([str(tmp_path / "empty.txt")]),
-            TokenizerConfig(vocab_size=300),
+            TokenizerConfig(vocab_size=512),
             tmp_path / "out",
             progress=False,
         )
+
+
+@pytest.mark.parametrize("style", ["doel", "gpt2"])
+def test_a_small_corpus_gets_exactly_the_size_asked_and_encodes_as_unpadded(
+    tmp_path, sample_paths, style
+):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    lines = []
+    cfg = TokenizerConfig(vocab_size=4096, style=style)  # the sample runs out near 2,600
+    path = train_tokenizer(
+        resolve_sources(sample_paths), cfg, tmp_path, progress=False, log=lines.append
+    )
+    saved = json.loads((tmp_path / "doel_tokenizer.json").read_text())
+    learned = saved["learned_tokens"]
+    assert learned < 4096 == saved["vocab_size"]
+    assert len(lines) == 1 and "ran out of merges" in lines[0] and f"{learned:,}" in lines[0]
+    assert Tokenizer.from_file(str(path)).get_vocab_size() == 4096
+    assert len(PreTrainedTokenizerFast(tokenizer_file=str(path))) == 4096
+    auto = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(auto) == 4096 and auto.convert_ids_to_tokens(4095).startswith("<|reserved_")
+
+    # The same file without the padding encodes every text to the same ids.
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < learned]
+    data["model"]["vocab"] = {t: i for t, i in data["model"]["vocab"].items() if i < learned}
+    (tmp_path / "unpadded.json").write_text(json.dumps(data), encoding="utf-8")
+    unpadded = load_tokenizer(tmp_path / "unpadded.json")
+    padded = load_tokenizer(path)
+    assert unpadded.get_vocab_size() == learned
+    texts = [
+        "আমাদের গ্রামের নাম নদীপাড়া। The river is slow.",
+        "spelled specials: <|reserved_7|> <|reserved_4000|> <|eos|> 日本語",
+        *(d for p in sample_paths for d in Path(p).read_text(encoding="utf-8").splitlines()[:50]),
+    ]
+    for text in texts:
+        ids = padded.encode(text).ids
+        assert ids == unpadded.encode(text).ids and max(ids) < learned
+        assert padded.decode(ids) == unpadded.decode(ids)
+
+
+def test_a_size_below_the_smallest_possible_is_refused_naming_it(tmp_path, sample_paths):
+    # The doel style keeps the 204 characters of its alphabet whole: 8 + 256 + 204.
+    with pytest.raises(ValueError, match="choose at least 468"):
+        TokenizerConfig(vocab_size=300)
+    assert TokenizerConfig(vocab_size=300, style="gpt2").vocab_size == 300
+    with pytest.raises(ValueError, match="choose at least 264"):
+        TokenizerConfig(vocab_size=263, style="gpt2")
+    # A corpus's own characters beyond the alphabet raise the floor: found after counting.
+    cjk = "".join(chr(0x4E00 + i) for i in range(40))
+    (tmp_path / "cjk.txt").write_text(f"{cjk}\n{cjk}\nনদী\n", encoding="utf-8")
+    sources = resolve_sources([str(tmp_path / "cjk.txt")])
+    with pytest.raises(DoelError, match="smallest possible on this corpus: 508 .*at least 508"):
+        train_tokenizer(sources, TokenizerConfig(vocab_size=500), tmp_path / "t", progress=False)
+    assert not (tmp_path / "t" / "tokenizer.json").exists()
+    path = train_tokenizer(sources, TokenizerConfig(vocab_size=508), tmp_path / "t", log=print)
+    assert load_tokenizer(path).get_vocab_size() == 508

@@ -55,10 +55,13 @@ class Run:
 
 
 def check_vocab(meta: dict, cfg: TrainConfig) -> None:
-    if meta["tokenizer"]["vocab_size"] > cfg.model.vocab_size:
+    """The model's embedding has a row for each token of the shards' tokenizer, no more: every
+    checkpoint carries that tokenizer, and llama.cpp and the exporters require equal sizes."""
+    size = meta["tokenizer"]["vocab_size"]
+    if size != cfg.model.vocab_size:
         raise DoelError(
-            f"the shards use a vocabulary of {meta['tokenizer']['vocab_size']} tokens but "
-            f"model.vocab_size is {cfg.model.vocab_size}; raise it (--set model.vocab_size=...)"
+            f"the shards' tokenizer has {size} tokens but model.vocab_size is "
+            f"{cfg.model.vocab_size}; they must be equal: add --set model.vocab_size={size}"
         )
 
 

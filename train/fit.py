@@ -20,7 +20,7 @@ from train.checkpoint import latest_checkpoint
 from train.checks.suite import fit_subset, verify_before_training
 from train.common import DoelError, atomic_write_json, sha256_file
 from train.config import resolved
-from train.data.loader import read_meta
+from train.data.loader import check_tokenizer, read_meta
 from train.dist import (
     DistInfo,
     collective_timeout_message,
@@ -40,8 +40,11 @@ class GradientFlowError(DoelError):
 
 
 def _tokenizer_for(meta: dict, tokenizer, data_dir) -> Path | None:
+    """The tokenizer.json copied into every checkpoint: the one that made the shards (its
+    sha256 in meta.json), so its size is the model's vocab_size (check_vocab)."""
     path = Path(tokenizer) if tokenizer else Path(meta["tokenizer"]["path"])
     if path.is_file():
+        check_tokenizer(meta, path, data_dir)
         return path
     if tokenizer:
         raise DoelError(f"tokenizer not found: {tokenizer}")

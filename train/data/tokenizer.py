@@ -86,14 +86,15 @@ class TokenizerConfig:
     text_field: str = "text"
 
     def __post_init__(self):
-        floor = N_BYTES + len(SPECIAL_TOKENS)
-        if self.vocab_size < floor:
-            raise ValueError(
-                f"vocab_size={self.vocab_size} is smaller than the byte alphabet plus special "
-                f"tokens ({floor}); choose at least {floor}, typically 32768"
-            )
         if self.style not in STYLES:
             raise ValueError(f"style={self.style!r}: choose one of {list(STYLES)}")
+        floor = smallest_vocab(self.style, self.limit_alphabet)
+        if self.vocab_size < floor:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} is smaller than the smallest possible for style "
+                f"{self.style!r}: {floor} ({_floor_parts(self.style, floor)}); choose at least "
+                f"{floor}, typically 32768"
+            )
         for name in (
             "min_frequency",
             "max_token_length",
@@ -103,6 +104,52 @@ class TokenizerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def smallest_vocab(style: str, limit_alphabet: int = 1000) -> int:
+    """The vocabulary before any merge, on any corpus: the special tokens, the 256 bytes (byte
+    tokens, or the byte-level alphabet), and in the character styles every ALPHABET character
+    (the trainer keeps them whole); a corpus's other characters can add more, up to
+    limit_alphabet characters in all."""
+    chars = 0 if STYLES[style][1] else min(len(set(ALPHABET)), limit_alphabet)
+    return len(SPECIAL_TOKENS) + N_BYTES + chars
+
+
+def _floor_parts(style: str, floor: int) -> str:
+    chars = floor - len(SPECIAL_TOKENS) - N_BYTES
+    kept = f", {chars} characters kept whole" if chars else ""
+    return f"{len(SPECIAL_TOKENS)} special, {N_BYTES} byte tokens{kept}"
+
+
+def pad_vocabulary(data: dict, size: int) -> list[str]:
+    """Fill a tokenizer.json (as a dict) up to `size` ids with unused special tokens
+    <|reserved_N|>, numbered on from the N_RESERVED reserved at the start. Like those, each is in
+    the model's vocabulary and an added special token, so the file keeps its ids in every loader
+    (tokenizers, transformers, llama.cpp). No merge builds them and doel encodes text with
+    special tokens matched as text, so encoding is unchanged. Returns the tokens added."""
+    vocab = data["model"]["vocab"]
+    next_id = 1 + max([*vocab.values(), *(a["id"] for a in data["added_tokens"])])
+    added, k = [], N_RESERVED
+    while next_id < size:
+        token = f"<|reserved_{k}|>"
+        k += 1
+        if token in vocab:
+            continue
+        vocab[token] = next_id
+        data["added_tokens"].append(
+            {
+                "id": next_id,
+                "content": token,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+        added.append(token)
+        next_id += 1
+    return added
 
 
 def build_tokenizer(style: str = "doel"):
@@ -187,9 +234,13 @@ def train_tokenizer(
     out_dir: str | Path,
     weights: dict[str, float] | None = None,
     progress: bool = True,
+    log=print,
 ) -> Path:
     """Train on the sources and write tokenizer.json (+ the Hugging Face side files and the
-    resolved config) to out_dir. Returns the tokenizer.json path."""
+    resolved config) to out_dir. Returns the tokenizer.json path. The vocabulary has exactly
+    cfg.vocab_size tokens, the size the model's embedding is given: when the corpus runs out of
+    merges first, unused reserved tokens fill it (logged in one line); a size below what the
+    corpus's characters need is refused."""
 
     tok = build_tokenizer(cfg.style)
     byte_level = STYLES[cfg.style][1]
@@ -225,12 +276,28 @@ def train_tokenizer(
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
     )
+    learned = tok.get_vocab_size()
+    if learned > cfg.vocab_size:  # the corpus's characters alone are more than asked
+        raise DoelError(
+            f"vocab_size={cfg.vocab_size} is smaller than the smallest possible on this corpus: "
+            f"{learned} ({_floor_parts(cfg.style, learned)}); choose at least {learned}, or "
+            "lower limit_alphabet to spell rare characters with byte tokens"
+        )
     data = json.loads(tok.to_str())
     # The byte tokens were passed as special only to reserve their ids; as added tokens they
     # would be matched in text ("<0x41>") and skipped by decode, so they stay model-only.
     data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] not in BYTE_TOKENS]
+    padding = pad_vocabulary(data, cfg.vocab_size)
+    if padding:
+        log(
+            f"the corpus ran out of merges at {learned:,} tokens (min_frequency="
+            f"{cfg.min_frequency}): {len(padding):,} unused reserved tokens ({padding[0]} to "
+            f"{padding[-1]}) fill the vocabulary to the {cfg.vocab_size:,} asked"
+        )
     text = json.dumps(data, ensure_ascii=False, indent=1)
-    Tokenizer.from_str(text)  # refuse to write a file that does not load
+    written = Tokenizer.from_str(text)  # refuse to write a file that does not load
+    if written.get_vocab_size() != cfg.vocab_size:
+        raise AssertionError(f"{written.get_vocab_size()} tokens written, {cfg.vocab_size} asked")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "tokenizer.json"
@@ -242,7 +309,8 @@ def train_tokenizer(
             "config": resolved(cfg),
             "weights": weights,
             "sources": used,
-            "vocab_size": tok.get_vocab_size(),
+            "vocab_size": cfg.vocab_size,
+            "learned_tokens": learned,  # the rest are unused reserved tokens
             "seconds": round(time.time() - t0, 2),
         },
     )
