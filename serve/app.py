@@ -2,7 +2,8 @@
 
 The model loads in `lifespan`, in a worker thread, so the port answers at once: `/health` says
 503 while loading (as llama.cpp's server does) and 200 when ready. Every refusal is a 4xx with
-an OpenAI-style error body that says what is wrong; nothing a client sends gives a 5xx.
+an OpenAI-style error body that says what is wrong; nothing a client sends gives a 5xx. A bug's
+exception is answered with an OpenAI-style 500, counted in /metrics.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class Settings:
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
+    # A message can quote what the client sent (a field's name), lone surrogates included,
+    # which would not encode: they are written as escapes.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    param = param and param.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -99,6 +104,13 @@ def install_errors(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req, exc: StarletteHTTPException):
         return error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _failed(_req, exc: Exception):
+        # A bug, not the client's doing. Starlette logs the traceback after this answer, and
+        # CountRequests counts it among the 500s.
+        why = f"internal error ({type(exc).__name__}); the server's log has the details"
+        return error(500, why, "server_error")
 
 
 def service(request: Request, model: str | None = None) -> Service:

@@ -129,9 +129,19 @@ class CountRequests:
             return await self.app(scope, receive, send)
         route = scope["path"] if scope["path"] in ROUTES else "other"
 
+        started = False
+
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.requests[(route, message["status"])] += 1
             await send(message)
 
-        return await self.app(scope, receive, counting_send)
+        try:
+            return await self.app(scope, receive, counting_send)
+        except Exception:
+            # Unhandled: the server's error middleware, outside this one, answers it with 500.
+            if not started:
+                self.metrics.requests[(route, 500)] += 1
+            raise

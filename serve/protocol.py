@@ -36,6 +36,23 @@ def within_context(ids):
     return ids
 
 
+def unicode_text(value):
+    """Text (or a list of texts) that is Unicode: JSON's \\ud800 escape without its pair parses
+    into a lone surrogate, which no tokenizer or UTF-8 encoder takes."""
+    for text in [value] if isinstance(value, str) else value or []:
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PydanticCustomError(
+                "unicode",
+                "a lone surrogate {code} at character {at} is not Unicode text; send valid UTF-8",
+                {"code": text[e.start].encode("unicode_escape").decode(), "at": e.start},
+            ) from None
+    return value
+
+
 class Request(BaseModel):
     # An unknown field is refused by name rather than silently ignored (a typo in `top_p`
     # would otherwise sample with the default). Strict: "8" and true are not numbers, nor 1 a
@@ -46,8 +63,9 @@ class Request(BaseModel):
     @classmethod
     def _few_unknown_fields(cls, data):
         # Many unknown fields are one error here rather than one each from `extra="forbid"`.
-        if isinstance(data, dict) and len(data) > len(cls.model_fields) + MAX_ERRORS_SHOWN:
-            unknown = [k for k in data if k not in cls.model_fields]
+        fields = cls.model_fields  # a property: read once, not for each key
+        if isinstance(data, dict) and len(data) > len(fields) + MAX_ERRORS_SHOWN:
+            unknown = [k for k in data if k not in fields]
             names = ", ".join(repr(k[:40]) for k in unknown[:MAX_ERRORS_SHOWN])
             raise PydanticCustomError(
                 "extra_forbidden",
@@ -85,6 +103,7 @@ class CompletionRequest(Request):
     user: str | None = None
 
     _prompt_within_context = field_validator("prompt", mode="before")(within_context)
+    _unicode = field_validator("prompt", "stop")(unicode_text)
 
     @field_validator("stop")
     @classmethod
@@ -123,6 +142,8 @@ class TokenizeRequest(Request):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+
+    _unicode = field_validator("prompt")(unicode_text)
 
 
 class DetokenizeRequest(Request):

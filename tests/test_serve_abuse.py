@@ -222,3 +222,31 @@ def test_a_queued_stream_whose_client_left_is_dropped_before_its_prompt_is_read(
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in answer
     _until(http, running=0, waiting=0, timeout=1.0)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", rb'{"prompt": "a\ud800b", "max_tokens": 3}', "prompt"),
+        ("/v1/completions", rb'{"prompt": "ab", "stream": true, "stop": "\udfff"}', "stop"),
+        ("/v1/completions", rb'{"prompt": "ab", "stop": ["x", "a\ud800b"]}', "stop"),
+        ("/tokenize", rb'{"prompt": "a\ud800b"}', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_not_a_500(http, path, body, param):
+    """Issue 15: JSON's "\\ud800" escape without its pair parses into a lone surrogate, which
+    is not Unicode text; the tokenizer failed on it with a 500 (plain text, a traceback)."""
+    before = _count_5xx(http, path)
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param, r.text
+    assert err["type"] == "invalid_request_error" and "lone surrogate" in err["message"]
+    assert _count_5xx(http, path) == before == 0
+
+
+def _count_5xx(http: httpx2.Client, path: str) -> int:
+    text = http.get("/metrics").text
+    found = re.findall(
+        rf'^doel_requests_total\{{route="{path}",status="5\d\d"\}} (\d+)$', text, re.M
+    )
+    return sum(map(int, found))

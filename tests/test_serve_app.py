@@ -280,3 +280,21 @@ def test_a_stop_string_over_256_characters_is_refused_by_name(client):
     for stop in ("b" * 256, "hello", ["a", "b" * 256]):  # a string stop is not a list of 4
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stop": stop})
         assert r.status_code == 200, r.text
+
+
+def test_an_unexpected_error_is_an_openai_shaped_500_and_counted(bundle):
+    def broken(*_a):
+        raise ZeroDivisionError("a bug")
+
+    app = create_app(Settings(bundle=str(bundle), threads=1))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        ready(c).app.state.service.encode = broken
+        r = c.post("/tokenize", json={"prompt": "নদী"})
+        assert r.status_code == 500, r.text
+        assert r.json()["error"] == {
+            "message": "internal error (ZeroDivisionError); the server's log has the details",
+            "type": "server_error",
+            "param": None,
+            "code": 500,
+        }
+        assert _metric(c, 'doel_requests_total{route="/tokenize",status="500"}') == 1
