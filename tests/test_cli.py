@@ -188,3 +188,88 @@ def test_fit_check_gradients_eval_plot_commands(tmp_path, tokenizer_path, sample
         check=False,
     )
     assert missing.returncode != 0 and "presets" in missing.stderr
+
+
+def one_line_error(proc, *names) -> str:
+    """The command failed with one line on stderr, no traceback, naming each of `names`."""
+    err = proc.stderr.strip()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert all(str(n) in err for n in names), err
+    return err
+
+
+def test_damaged_files_are_one_line_errors_naming_them(tmp_path, tokenizer_path, sample_paths):
+    import torch
+
+    from train.hf import save_model
+    from train.model import Llama, ModelConfig
+
+    cut = tmp_path / "tokenizer.json"
+    cut.write_bytes(tokenizer_path.read_bytes()[:5000])
+    one_line_error(
+        run("fertility", "--tokenizer", str(cut), "--text", *sample_paths, check=False), cut
+    )
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=2048,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    folder = save_model(Llama(cfg), tmp_path / "model", tokenizer=tokenizer_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # a copy cut short
+    err = one_line_error(run("eval", str(folder), "--text", *sample_paths, check=False), weights)
+    assert "truncated or damaged" in err
+
+
+def test_a_bad_config_value_fails_before_torch_is_imported(tmp_path, shards):
+    report = "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules)); "
+    for command in ("fit", "check-gradients", "verify"):
+        args = [command, "--config", "tiny", "--data", str(shards), "--set", "lr=abc"]
+        args += ["--out", str(tmp_path / command)] if command != "check-gradients" else []
+        proc = run(*args, check=False, pre=report)
+        one_line_error(proc, "--set lr", "'abc'")
+        assert proc.stdout.strip() == "False"  # validated without importing torch
+
+
+def test_ctrl_c_during_fit_is_one_line_and_a_damaged_checkpoint_is_named(tmp_path, shards):
+    import signal
+
+    run_dir = tmp_path / "run"
+    args = ["fit", "--config", "tiny", "--data", str(shards), "--out", str(run_dir)]
+    args += ["--set", "steps=100000", "--set", "checkpoint_every=2", "--skip-verify"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        end = time.monotonic() + 180
+        while not list(run_dir.glob("checkpoints/step-*")):
+            assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    last = sorted(run_dir.glob("checkpoints/step-*"))[-1]
+    line = err.strip()
+    assert re.fullmatch(
+        rf"interrupted at step (\d+); the last checkpoint is {re.escape(str(last))}; run the "
+        "same command to resume from it",
+        line,
+    ), line
+    assert int(re.match(r"interrupted at step (\d+)", line).group(1)) >= int(last.name[5:])
+    # The same command on a checkpoint damaged since: one line naming the file and the way on.
+    optimizer = last / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[:-100])
+    err = one_line_error(run(*args, check=False), optimizer, f"delete {last}")
+    assert "truncated or damaged" in err

@@ -89,3 +89,24 @@ def test_wordpiece_unknowns_count_as_fallback(tmp_path):
     r = fertility(load_any(tmp_path / "vocab.txt"), ["আমি ভাত খাই"])
     assert r["bengali"]["tokens"] == 3
     assert r["bengali"]["byte_fallback_rate"] == pytest.approx(1 / 3)
+
+
+def test_a_damaged_tokenizer_file_of_any_format_is_one_line_naming_it(tmp_path, tokenizer_path):
+    from train.common import DoelError
+
+    full = tokenizer_path.read_bytes()
+    ranks = b"".join(base64.b64encode(bytes([b])) + b" %d\n" % b for b in range(256))
+    damaged = {
+        "tokenizer.json": full[: len(full) // 2],  # a copy cut short
+        "broken.json": b'{"model": {"type": "BPE", "vocab": 3}}',  # JSON, not a tokenizer
+        "tekken.json": b'{"vocab": [{"rank": 0}], "config": {"pattern": "."}}',
+        "cut.tiktoken": ranks[:-3] + b"\nQQ",  # a last line without its rank
+        "vocab.txt": b"[UNK]\n\xff\xfe\n",  # not UTF-8
+    }
+    for name, data in damaged.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DoelError) as e:
+            load_any(tmp_path / name)
+        msg = str(e.value)
+        assert msg.startswith(f"{tmp_path / name}: cannot be read as a"), msg
+        assert "truncated or damaged" in msg and "\n" not in msg

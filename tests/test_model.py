@@ -129,3 +129,43 @@ def test_dotted_overrides_reach_the_model_table():
         load_config(TrainConfig, CONFIGS / "tiny.toml", ["model.hidden_sise=128"])
     with pytest.raises(DoelError, match="num_key_value_heads"):
         load_config(TrainConfig, CONFIGS / "tiny.toml", ["model.num_key_value_heads=3"])
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda b: b[: len(b) // 2], "tensors need"),  # cut mid-tensor (a partial copy)
+        (lambda b: b[:100], "header claims"),  # cut inside the header
+        (lambda b: b[:5], "shorter than a safetensors header"),
+        (lambda b: b + b"\0" * 64, "tensors need"),  # bytes no tensor covers
+        (lambda b: b[:8] + b"{not json" + b[17:], "not safetensors JSON"),
+    ],
+)
+def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, damage, reason):
+    from train.hf import read_safetensors, safetensors_problem
+
+    save_model(Llama(tiny_config()), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    assert safetensors_problem(weights) is None
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(DoelError, match=reason) as e:
+        load_model(tmp_path)
+    assert str(e.value).startswith(f"{weights} is truncated or damaged (") and "\n" not in str(e)
+    with pytest.raises(DoelError, match="delete it"):
+        read_safetensors(weights, hint="delete it")
+
+
+def test_an_unreadable_config_is_refused_naming_it(tmp_path, monkeypatch):
+    import errno
+
+    save_model(Llama(tiny_config()), tmp_path)
+    (tmp_path / "config.json").write_bytes(b'{"vocab_size": 3')  # truncated
+    with pytest.raises(DoelError, match="config.json"):
+        load_model(tmp_path)
+
+    def failing_read(self, *args, **kwargs):  # a disk error, or a file on a lost mount
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(Path, "read_text", failing_read)
+    with pytest.raises(DoelError, match=r"config.json: cannot be read \(Input/output error\)"):
+        load_model(tmp_path)

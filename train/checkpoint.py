@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dcp_state
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from train.common import DoelError, atomic_write_json
 from train.dist import full_model_state, full_state, is_sharded, load_full_state
 from train.gradflow import unwrap
-from train.hf import WEIGHTS, load_model, read_config, save_model
+from train.hf import WEIGHTS, load_model, read_config, read_safetensors, save_model
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 SHARDED = "sharded"  # the DCP shards of an FSDP run's model and optimizer
@@ -192,6 +192,10 @@ def latest_checkpoint(run_dir) -> Path | None:
     return found[-1] if found else None
 
 
+def _damaged_hint(folder: Path) -> str:
+    return f"delete {folder} and run again to resume from the checkpoint before it, if any"
+
+
 def load_checkpoint(folder, model=None, optimizer=None, device="cpu"):
     """Load a checkpoint into `model` (built from its config.json if None) and `optimizer`,
     plain or wrapped by DDP/FSDP at any world size; restore the RNG state. Returns
@@ -200,7 +204,10 @@ def load_checkpoint(folder, model=None, optimizer=None, device="cpu"):
     state_path = folder / "trainer_state.json"
     if not state_path.is_file():
         raise DoelError(f"{folder} is not a training checkpoint (no trainer_state.json)")
-    state = json.loads(state_path.read_text(encoding="utf-8"))
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DoelError(f"{state_path} cannot be read ({e}); {_damaged_hint(folder)}") from None
     if model is None:
         model = load_model(folder, device=device)
     inner = unwrap(model)
@@ -210,13 +217,13 @@ def load_checkpoint(folder, model=None, optimizer=None, device="cpu"):
             "the same [model] settings or start afresh"
         )
     if optimizer is None:  # the model alone: the HF-layout weights, whatever the layout
-        model_sd = load_file(str(folder / WEIGHTS))
+        model_sd = read_safetensors(folder / WEIGHTS, hint=_damaged_hint(folder))
         for kept, dropped in inner.tied_parameters:
             model_sd[dropped] = model_sd[kept]
         inner.load_state_dict(model_sd, strict=False)
     else:
         _load_training_state(folder, model, optimizer, state)
-    set_rng_state(load_file(str(folder / "rng.safetensors")))
+    set_rng_state(read_safetensors(folder / "rng.safetensors", hint=_damaged_hint(folder)))
     return model, state
 
 
@@ -233,8 +240,11 @@ def _load_training_state(folder: Path, model, optimizer, state: dict) -> None:
             f"{folder}: neither optimizer.safetensors nor {SHARDED}/ is there; the checkpoint "
             "is incomplete: delete it to resume from the one before"
         )
-    model_sd = load_file(str(folder / WEIGHTS))
+    hint = _damaged_hint(folder)
+    model_sd = read_safetensors(folder / WEIGHTS, hint=hint)
     for kept, dropped in unwrap(model).tied_parameters:
         model_sd[dropped] = model_sd[kept]
-    optim_sd = unflatten_optimizer(load_file(str(folder / "optimizer.safetensors")), rest)
+    optim_sd = unflatten_optimizer(
+        read_safetensors(folder / "optimizer.safetensors", hint=hint), rest
+    )
     load_full_state(model, optimizer, model_sd, optim_sd)

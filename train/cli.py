@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from train.common import DoelError, Interrupted  # standard library only
+
 EXTRA_HINT = "pip install 'doel[train]'"
 
 
@@ -65,8 +67,9 @@ def _cmd_prepare(args) -> None:
 
 
 def train_config(args):
+    """The run's TrainConfig from --config and --set, validated before torch is imported."""
     from train.config import load_config, resolve_config
-    from train.trainer import TrainConfig
+    from train.settings import TrainConfig
 
     sets = list(args.set)
     for flag, key in (("steps", "steps"), ("checkpoint_every", "checkpoint_every")):
@@ -76,10 +79,11 @@ def train_config(args):
 
 
 def _cmd_fit(args) -> None:
+    cfg = train_config(args)  # a bad value fails here, before torch loads
     from train.fit import fit
 
     fit(
-        train_config(args),
+        cfg,
         args.data,
         args.out,
         tokenizer=args.tokenizer,
@@ -89,14 +93,16 @@ def _cmd_fit(args) -> None:
 
 
 def _cmd_check_gradients(args) -> None:
+    cfg = train_config(args)
     from train.build import build_run
     from train.fit import gradient_gate
 
     # The eager model, as before any compilation: the gate alone, quickly.
-    gradient_gate(build_run(train_config(args), args.data, compile=False), print)
+    gradient_gate(build_run(cfg, args.data, compile=False), print)
 
 
 def _cmd_verify(args) -> None:
+    cfg = train_config(args)
     from train.checks.base import VerifyConfig
     from train.checks.suite import run_suite
     from train.config import load_config
@@ -104,7 +110,7 @@ def _cmd_verify(args) -> None:
     vcfg = load_config(VerifyConfig, None, args.check)
     subset = "full" if args.full else "fast"
     report = run_suite(
-        train_config(args),
+        cfg,
         args.data,
         subset,
         args.out,
@@ -287,10 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        from train.common import DoelError
-
         args.func(args)
     except ModuleNotFoundError as e:
         sys.exit(f"doel-train needs the {e.name!r} package, part of the train extra: {EXTRA_HINT}")
+    except Interrupted as e:  # Ctrl-C where the command says what was kept (fit)
+        print(e, file=sys.stderr)
+        sys.exit(130)
     except DoelError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -14,6 +14,11 @@ class DoelError(Exception):
     without a traceback."""
 
 
+class Interrupted(DoelError):
+    """Ctrl-C stopped the work; the message says what was kept and how to go on. The CLI
+    prints it without a traceback and exits 130 (128 + SIGINT), as a shell reports it."""
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

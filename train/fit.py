@@ -18,7 +18,7 @@ import torch
 from train.build import Run, build_run, check_vocab
 from train.checkpoint import latest_checkpoint
 from train.checks.suite import fit_subset, verify_before_training
-from train.common import DoelError, atomic_write_json, sha256_file
+from train.common import DoelError, Interrupted, atomic_write_json, sha256_file
 from train.config import resolved
 from train.data.loader import check_tokenizer, read_meta
 from train.dist import (
@@ -66,9 +66,6 @@ def gradient_gate(run: Run, log) -> None:
         raise GradientFlowError("refusing to train: the gradient-flow gate failed (above)")
 
 
-def _prepare_run_dir(out, cfg, fresh: bool, info: DistInfo) -> Path | None:
-    out = Path(out)
-    if info.is_main:
 VERIFIED = "verify/passed.json"  # what the checks before step 1 passed on
 
 
@@ -90,6 +87,16 @@ def _verified_before(out: Path, cfg, data_dir, info: DistInfo) -> bool:
         return False
 
 
+def _resume_note(out: Path) -> str:
+    last = latest_checkpoint(out)
+    if last is None:
+        return "no checkpoint was written yet; run the same command to start again"
+    return f"the last checkpoint is {last}; run the same command to resume from it"
+
+
+def _prepare_run_dir(out, cfg, fresh: bool, info: DistInfo) -> Path | None:
+    out = Path(out)
+    if info.is_main:
         if fresh:
             for name in ("checkpoints", "final", "metrics.jsonl"):
                 path = out / name
@@ -121,6 +128,8 @@ def fit(
         return _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, skip_verify)
     except DoelError:
         raise
+    except KeyboardInterrupt:  # before step 1 (checks, compilation) or saving the final model
+        raise Interrupted(f"interrupted; {_resume_note(out)}") from None
     except (RuntimeError, torch.distributed.DistError) as e:
         text = str(e).lower()
         if info.enabled and ("timed out" in text or "timeout" in text):
@@ -144,9 +153,6 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
             "it catches would go unnoticed; only the gradient-flow gate runs"
         )
         gradient_gate(run, log)  # on the exact (wrapped, compiled) model
-    else:  # the fast subset, gradient flow included, on the run's own objects
-        verify_before_training(
-            cfg,
     elif (
         resume_from is not None and not info.enabled and _verified_before(out, cfg, data_dir, info)
     ):
@@ -155,6 +161,9 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
             "repeated on resume, the gradient-flow gate runs"
         )
         gradient_gate(run, log)
+    else:  # the fast subset, gradient flow included, on the run's own objects
+        verify_before_training(
+            cfg,
             run.wrapped,
             run.compiled,
             run.optimizer,
@@ -165,11 +174,11 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
             out_dir=out / "verify" if info.is_main else None,
             names=fit_subset(info.enabled),
         )
+        if info.is_main:
+            atomic_write_json(out / VERIFIED, _verify_key(cfg, data_dir, info))
     metrics = (
         MetricsLog(out / "metrics.jsonl", resume_step=run.step if resume_from else None)
         if info.is_main
-        if info.is_main:
-            atomic_write_json(out / VERIFIED, _verify_key(cfg, data_dir, info))
         else None
     )
     loop = RunLoop(
@@ -177,6 +186,9 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
     )
     try:
         loop.loop(run.step, run.tokens_seen, meta)
+    except KeyboardInterrupt:  # Ctrl-C: checkpoints are atomic, so the last one is whole
+        step = getattr(loop, "step", run.step)
+        raise Interrupted(f"interrupted at step {step}; {_resume_note(out)}") from None
     finally:
         if metrics:
             metrics.close()

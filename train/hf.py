@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from train.common import DoelError, atomic_write_json
@@ -69,13 +70,52 @@ def save_model(
     return folder
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a .safetensors file's framing, or None: 8 bytes giving the length of
+    a JSON header, then exactly the bytes the header's tensor offsets cover. Checked before
+    loading so that a truncated copy is named with its sizes rather than failing in the
+    library with an error that names no file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than a safetensors header"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return f"its header claims {n:,} bytes but the file has {size:,} in all"
+        try:
+            header = json.loads(f.read(n))
+            ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its header is not safetensors JSON"
+    need = 8 + n + max(ends, default=0)
+    if need != size:
+        return f"its tensors need {need:,} bytes but the file has {size:,}"
+    return None
+
+
+def read_safetensors(path: str | Path, device="cpu", hint: str = "") -> dict[str, torch.Tensor]:
+    """`load_file`, with a truncated or damaged file refused in one line that names it (and
+    says `hint`, what to do, when given)."""
+    path = Path(path)
+    try:
+        problem = safetensors_problem(path)
+        if problem is None:
+            return load_file(str(path), device=str(device))
+    except (OSError, SafetensorError) as e:
+        problem = " ".join(str(e).split())[:200]
+    raise DoelError(f"{path} is truncated or damaged ({problem}); {hint or 'copy it again'}")
+
+
 def read_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise DoelError(f"{folder}: no config.json; expected a model folder in Hugging Face layout")
     try:
         return ModelConfig.from_hf(json.loads(path.read_text(encoding="utf-8")))
-    except ValueError as e:
+    except OSError as e:
+        raise DoelError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, TypeError, AttributeError) as e:  # not JSON, UTF-8 or a Llama config
         raise DoelError(f"{path}: {e}") from None
 
 
@@ -88,7 +128,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu") -> Llama:
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise DoelError(f"{folder}: no {WEIGHTS} (sharded or .bin checkpoints are not supported)")
-    sd = load_file(str(weights), device=str(device))
+    sd = read_safetensors(weights, device)
     with torch.device(device):
         model = Llama(cfg)
     expected = set(model.state_dict()) - {b for _, b in model.tied_parameters}

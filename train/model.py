@@ -1,4 +1,5 @@
-"""The Llama architecture, top-down: config → RMSNorm → rotary → attention → MLP → block → model.
+"""The Llama architecture, top-down: RMSNorm → rotary → attention → MLP → block → model (its
+config, `ModelConfig`, is in train/settings.py, importable without torch).
 
 Module and parameter names mirror Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn.
 q_proj.weight`, ...), and the rotary embedding uses the same half-split convention, so a
@@ -11,108 +12,14 @@ Shapes: B batch, T time, C hidden size, H query heads, K key/value heads, D head
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.settings import ModelConfig
+
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (as in F.cross_entropy)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Llama hyper-parameters, named as in `transformers.LlamaConfig`."""
-
-    vocab_size: int = 32768
-    hidden_size: int = 1024
-    intermediate_size: int = 2816
-    num_hidden_layers: int = 24
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    bos_token_id: int = 0
-    eos_token_id: int = 1
-    pad_token_id: int = 2
-
-    def __post_init__(self):
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        ):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(
-                    f"model.{name} must be a positive integer, got {getattr(self, name)!r}"
-                )
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"model.hidden_size ({self.hidden_size}) must be divisible by "
-                f"model.num_attention_heads ({self.num_attention_heads})"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"model.num_key_value_heads ({self.num_key_value_heads}) (grouped-query attention)"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"model head dim {self.head_dim} must be even for rotary embeddings")
-        if not (self.rope_theta > 0 and self.rms_norm_eps > 0 and self.initializer_range > 0):
-            raise ValueError(
-                "model.rope_theta, model.rms_norm_eps, model.initializer_range must be > 0"
-            )
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ValueError(f"model.{name} must lie in [0, vocab_size)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def to_hf(self) -> dict:
-        """The `config.json` that `transformers.LlamaConfig` reads."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            **asdict(self),
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "mlp_bias": False,
-            "pretraining_tp": 1,
-            "rope_scaling": None,
-            "use_cache": True,
-            "torch_dtype": "float32",
-        }
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> ModelConfig:
-        """Read a Llama `config.json`; refuse settings this model does not implement."""
-        if cfg.get("model_type", "llama") != "llama":
-            raise ValueError(f"config.json has model_type {cfg.get('model_type')!r}, not 'llama'")
-        unsupported = {
-            "hidden_act": ("silu", None),
-            "attention_bias": (False, None),
-            "mlp_bias": (False, None),
-            "rope_scaling": (None,),
-        }
-        for key, allowed in unsupported.items():
-            if cfg.get(key) not in allowed:
-                raise ValueError(f"config.json {key}={cfg.get(key)!r} is not supported by doel")
-        fields = {k: cfg[k] for k in cls.__dataclass_fields__ if cfg.get(k) is not None}
-        made = cls(**fields)
-        if cfg.get("head_dim", made.head_dim) != made.head_dim:
-            raise ValueError("config.json head_dim must equal hidden_size / num_attention_heads")
-        return made
 
 
 class RMSNorm(nn.Module):

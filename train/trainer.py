@@ -1,5 +1,6 @@
-"""The trainer's parts as small functions: config, learning-rate schedule, optimizer, one
-training step, validation loss. `train/fit.py` strings them into a run.
+"""The trainer's parts as small functions: learning-rate schedule, optimizer, one training
+step, validation loss (the config, `TrainConfig`, is in train/settings.py). `train/fit.py`
+strings them into a run.
 
 Gradient accumulation normalises by tokens, not by micro-batches: the loss of a step is the sum
 of every micro-batch's token losses divided by the step's total target tokens, so k micro-
@@ -11,95 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from train.dist import all_reduce_sum
-from train.model import IGNORE_INDEX, ModelConfig
-
-SCHEDULES = ("cosine", "wsd", "constant")
-STRATEGIES = ("ddp", "fsdp")  # data parallelism under torchrun (train/dist.py)
-DTYPES = ("auto", "float32", "bfloat16")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """One run's settings. TOML: top-level keys below plus a `[model]` table."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    seq_len: int = 512
-    batch_size: int = 8  # rows per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
-    steps: int = 1000
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
-    warmup_steps: int = 100
-    schedule: str = "cosine"
-    decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    dtype: str = "auto"  # autocast dtype; auto: bf16 on CUDA, and on CPUs whose bf16 is fast
-    compile: bool = False
-    device: str = "auto"
-    strategy: str = "ddp"  # under torchrun: ddp, or fsdp (FSDP2 per block)
-    activation_checkpointing: bool = False
-    dist_timeout: float = 600.0  # seconds a collective may wait before the job stops
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 100  # 0 disables periodic validation
-    eval_batches: int = 8
-    eval_task: str = ""  # optional NAME=PATH of a multiple-choice task scored at each validation
-    eval_task_limit: int = 200  # the fixed first items of that task
-    checkpoint_every: int = 200  # 0: only the final model
-    keep_checkpoints: int = 3
-    hourly_price: float = 3.0  # dollars per GPU-hour, for the cost estimate
-    time_limit: float = 0.0  # seconds of training before stopping early; 0: none
-
-    def __post_init__(self):
-        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "eval_batches")
-        for name in positive:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "keep_checkpoints"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if self.seq_len > self.model.max_position_embeddings:
-            raise ValueError(
-                f"seq_len ({self.seq_len}) exceeds model.max_position_embeddings "
-                f"({self.model.max_position_embeddings})"
-            )
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        if not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"decay_fraction must lie in (0, 1], got {self.decay_fraction}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.eval_task and "=" not in self.eval_task:
-            raise ValueError(
-                f"eval_task must be NAME=PATH, e.g. hellaswag=val.jsonl, got {self.eval_task!r}"
-            )
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0):
-            raise ValueError("beta1 and beta2 must lie in [0, 1), eps must be > 0")
-        if self.weight_decay < 0 or self.grad_clip < 0 or self.time_limit < 0:
-            raise ValueError("weight_decay, grad_clip and time_limit must be >= 0")
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Per process; a data-parallel step trains world_size times as many."""
-        return self.batch_size * self.grad_accum * self.seq_len
+from train.model import IGNORE_INDEX
+from train.settings import TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -166,10 +166,32 @@ def format_report(name: str, report: dict[str, dict]) -> str:
 
 def load_any(path: str | Path, pattern: str | None = None) -> AnyTokenizer:
     """tokenizer.json (ours or any Hugging Face one), a Mistral tekken .json, a .tiktoken file,
-    a SentencePiece model, or a WordPiece vocab.txt."""
+    a SentencePiece model, or a WordPiece vocab.txt. A file its format's reader refuses
+    (truncated, damaged) is a DoelError naming it."""
     p = Path(path)
     if not p.is_file():
         raise DoelError(f"tokenizer file not found: {p}")
+    try:
+        return _load_by_format(p, pattern)
+    except DoelError:
+        raise
+    except Exception as e:  # noqa: BLE001 (json, base64, UTF-8, the Rust side's bare Exception)
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise DoelError(
+            f"{p}: cannot be read as a {_format_name(p)} ({reason}); the file may be truncated "
+            "or damaged: copy or write it again"
+        ) from None
+
+
+def _format_name(p: Path) -> str:
+    if p.suffix == ".json":
+        return "tokenizer.json or tekken file"
+    if p.suffix == ".tiktoken":
+        return ".tiktoken file"
+    return "WordPiece vocab.txt" if p.name.endswith(".txt") else "SentencePiece model"
+
+
+def _load_by_format(p: Path, pattern: str | None) -> AnyTokenizer:
     if p.suffix == ".json":
         head = json.loads(p.read_text(encoding="utf-8"))
         if "model" in head:
