@@ -5,12 +5,15 @@ mix, cost, eval)."""
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 import torch
 
 from train.evals.modelcard import SAMPLE, stored_parameters, write_model_card
 from train.hf import save_model
+from train.metrics import read_metrics
 from train.model import Llama, ModelConfig
 
 
@@ -108,3 +111,123 @@ def test_transformers_still_loads_the_folder(folder):
     write_model_card(folder)
     model = transformers.LlamaForCausalLM.from_pretrained(folder)
     assert model.num_parameters() == stored_parameters(folder)
+
+
+class FakeClock:
+    """train.loop's clock: every reading is one second after the one before, so each training
+    step takes exactly one second whatever the machine's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    time = staticmethod(time.time)
+
+
+def test_a_resumed_run_card_sums_every_attempt_and_eval_fills_it_in(
+    tmp_path, shards, tiny_config, sample_paths, monkeypatch
+):
+    """The demo's path: fit, killed at step 6 (checkpoint at 4), fit again, then evaluate."""
+    import train.loop
+    from train.evals.heldout import evaluate_checkpoint, format_eval
+    from train.fit import fit
+
+    monkeypatch.setattr(train.loop, "time", FakeClock())
+    cfg = tiny_config("steps=8", "checkpoint_every=4", "eval_every=0", "log_every=1")
+
+    class Killed(Exception):
+        pass
+
+    def killer(line):  # dies logging step 6, before its metrics row: 5 s were recorded
+        if line.startswith("step      6/"):
+            raise Killed
+
+    run = tmp_path / "run"
+    with pytest.raises(Killed):  # the checks before step 1 are not what this test is about
+        fit(cfg, shards, run, log=killer, skip_verify=True)
+    final = fit(cfg, shards, run, log=lambda s: None, skip_verify=True)  # resumes: 4 s more
+    text = (final / "README.md").read_text(encoding="utf-8")
+    assert "| time | 0m09s over 2 attempts (resumed runs) |" in text
+    assert "| steps | 8 |" in text and "Not evaluated yet" in text
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r for r in rows if r["kind"] == "resume"] == [
+        {"kind": "resume", "step": 4, "attempt": 2, "seconds": 5.0}
+    ]
+    assert [r["seconds"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 6, 7, 8, 9]
+
+    result = evaluate_checkpoint(final, sample_paths, max_chars=500, prompts=["The"])
+    assert result["model_card"] == str(final / "README.md")
+    assert "model card updated" in format_eval(result)
+    text = (final / "README.md").read_text(encoding="utf-8")
+    assert "Not evaluated yet" not in text
+    for lang in ("bn", "en"):
+        bpc = result["languages"][lang]["model"]["bits_per_char"]
+        assert f"| {lang} | {result['languages'][lang]['model']['chars']:,} | {bpc:.3f} |" in text
+    # Everything the run wrote is still there: only the evaluation changed.
+    assert "| time | 0m09s over 2 attempts (resumed runs) |" in text and "| steps | 8 |" in text
+    assert "| bengali |" in text and "| hardware | 1 × CPU |" in text
+
+
+def test_eval_leaves_a_folder_without_a_doel_card_alone(folder, sample_paths):
+    from train.evals.heldout import evaluate_checkpoint
+
+    result = evaluate_checkpoint(folder, sample_paths, max_chars=200, prompts=["The"])
+    assert result["model_card"] is None and not (folder / "README.md").exists()
+
+
+def test_cost_counts_every_device(folder):
+    text = write_model_card(
+        folder, seconds=7200, attempts=3, devices=2, hourly_price=2.5, hardware="2 × H100"
+    ).read_text(encoding="utf-8")
+    assert "| time | 2h00m over 3 attempts (resumed runs) |" in text
+    assert "$10.00 (at $2.5/hour × 2 devices)" in text
+
+
+def test_the_usage_example_loads_from_where_the_card_was_written(folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the command that wrote the card ran
+    text = write_model_card(folder).read_text(encoding="utf-8")
+    code = text.split("```python\n")[1].split("```")[0]
+    assert 'from_pretrained("run/final")' in code
+    pytest.importorskip("transformers")
+    scope = {}
+    exec(code, scope)  # the card's own example, run where its reader stands
+    assert scope["model"].num_parameters() == stored_parameters(folder)
+    assert scope["tok"]("আমাদের গ্রাম")["input_ids"]
+
+
+def test_no_nan_in_the_card(folder):
+    meta = {
+        "sources": {
+            "train-bn": {"train_characters": 3000, "train_tokens": 700},
+            "heldout-bn": {"train_characters": 0, "train_tokens": 0, "val_characters": 900},
+        }
+    }
+    nan = float("nan")
+    empty = {"chars": 0, "bits_per_char": nan}
+    result = {
+        "languages": {
+            "bn": {
+                "model": empty,
+                "twin": {"bits_per_char": nan},
+                "compressors": {"xz -9e": nan, "bzip2 -9": nan},
+            }
+        },
+        "tasks": {
+            "piqa": {"items": 1, "acc": 1.0, "acc_stderr": nan, "acc_norm": 0.0,
+                     "acc_norm_stderr": nan, "chance": 0.5, "majority": 1.0},
+            "copa": {"items": 0, "acc": nan, "acc_stderr": nan, "acc_norm": nan,
+                     "acc_norm_stderr": nan, "chance": nan, "majority": nan},
+        },
+    }  # fmt: skip
+    text = write_model_card(folder, meta=meta, eval_result=result).read_text(encoding="utf-8")
+    assert not re.search(r"\bnan\b", text, re.IGNORECASE)
+    assert "| train-bn |" in text and "| heldout-bn |" not in text
+    assert "Validation only (not trained on): heldout-bn." in text
+    assert "| bn | 0 | n/a | n/a | n/a | n/a |" in text
+    assert "| piqa | 1 | 1.000 | 0.000 | 0.500 | 1.000 |" in text
+    assert "| copa | 0 | n/a | n/a | n/a | n/a |" in text
+    (entry,) = front_matter(text)["model-index"]
+    assert [r["dataset"]["type"] for r in entry["results"]] == ["piqa"]

@@ -60,7 +60,10 @@ class RunLoop:
         cfg = self.cfg
         t_train, t_mark, step_mark, start_step = 0.0, time.perf_counter(), step, step
         projected, self.meta = False, meta
-        self.step, self.tokens_seen, self.seconds = step, tokens_seen, 0.0
+        # Earlier attempts' training time (metrics.jsonl keeps it across resumes): the card's
+        # time and cost are those of every attempt, not of the last one.
+        earlier = self.metrics.earlier_seconds if self.metrics else 0.0
+        self.step, self.tokens_seen, self.seconds = step, tokens_seen, earlier
         while step < cfg.steps:
             heartbeat(self.info, step + 1)
             t0 = time.perf_counter()
@@ -75,7 +78,7 @@ class RunLoop:
             if self.step_hook is not None:
                 self.step_hook(step)
             t_train += time.perf_counter() - t0
-            self.step, self.tokens_seen, self.seconds = step, tokens_seen, t_train
+            self.step, self.tokens_seen, self.seconds = step, tokens_seen, earlier + t_train
             last = step == cfg.steps or (cfg.time_limit and t_train >= cfg.time_limit)
             if step % cfg.log_every == 0 or last:
                 self._check_finite()
@@ -98,9 +101,6 @@ class RunLoop:
                 t_mark, step_mark = time.perf_counter(), step
             if last:
                 break
-
-    def _check_finite(self) -> None:
-        bad = int(self.bad_step)
         self._why_stopped(step, start_step, t_train)
 
     def _why_stopped(self, step: int, start_step: int, t_train: float) -> None:
@@ -121,6 +121,9 @@ class RunLoop:
             )
         else:
             self.log(f"finished: {cfg.steps} steps ({format_duration(t_train)} in this attempt)")
+
+    def _check_finite(self) -> None:
+        bad = int(self.bad_step)
         if bad >= 0:
             keep = (
                 f"the last good checkpoint is {self.last_ckpt}"
@@ -154,6 +157,7 @@ class RunLoop:
                 "tokens_per_s": tokens_per_s,
                 "mfu": util,
                 "tokens": int(tokens_seen),
+                "seconds": self.seconds,
                 "time": time.time(),
             }
         )
@@ -250,6 +254,8 @@ class RunLoop:
                 },
                 hardware=f"{self.info.world_size} × {dev}",
                 seconds=self.seconds,
+                attempts=self.metrics.attempt if self.metrics else 1,
+                devices=self.info.world_size,
                 hourly_price=self.cfg.hourly_price if self.device.type == "cuda" else None,
             )
         except Exception as e:  # noqa: BLE001

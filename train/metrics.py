@@ -83,13 +83,31 @@ def format_duration(seconds: float) -> str:
 
 class MetricsLog:
     """Appends one JSON object a line to RUN_DIR/metrics.jsonl (flushed each line, so a killed
-    run keeps its history; a resumed run appends after dropping rows past its checkpoint)."""
+    run keeps its history; a resumed run appends after dropping rows past its checkpoint).
+
+    Training time is paid by every attempt, the work a resume redoes included, so it is kept
+    apart from the rows a resume drops: train rows carry `seconds`, the training time of every
+    attempt so far, and a resume leaves a {"kind": "resume"} row with the total until then
+    (`earlier_seconds`) and the number of the attempt starting (`attempt`). A kill loses only
+    the time since the last logged row."""
 
     def __init__(self, path: str | Path, resume_step: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.earlier_seconds, self.attempt = 0.0, 1
         if resume_step is not None and self.path.exists():
-            keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            rows = read_metrics(self.path)
+            self.earlier_seconds = max((r.get("seconds", 0.0) for r in rows), default=0.0)
+            self.attempt = 2 + sum(r.get("kind") == "resume" for r in rows)
+            keep = [r for r in rows if r.get("step", 0) <= resume_step]
+            keep.append(
+                {
+                    "kind": "resume",
+                    "step": resume_step,
+                    "attempt": self.attempt,
+                    "seconds": self.earlier_seconds,
+                }
+            )
             self.path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
         elif resume_step is None and self.path.exists():
             self.path.unlink()

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from train.common import DoelError
 from train.data.textio import iter_documents
 from train.data.tokenizer import load_tokenizer
-from train.evals.scoring import format_tasks, run_tasks
+from train.evals.modelcard import refresh_model_card
+from train.evals.scoring import fmt_num, format_tasks, run_tasks
 from train.hf import load_model
 from train.model import IGNORE_INDEX, Llama
 
@@ -283,12 +284,14 @@ def evaluate_checkpoint(
     seed: int = 0,
     tasks: dict[str, str] | None = None,
     limit: int | None = None,
+    card: bool = True,
 ) -> dict:
     """Everything above for a model folder in Hugging Face layout (with its tokenizer.json).
     text_paths is a list of files (grouped by guessed language) or {language: files}; at most
     max_chars characters are read per language; seq_len defaults to the model's context.
     tasks: {name: file or folder} of zero-shot tasks (`train/evals/tasks.py`), the first `limit`
-    items of each."""
+    items of each. With `card`, a folder that has doel's model card gets it written again with
+    these results (its path is the result's "model_card"; a folder without one is left alone)."""
 
     model = load_model(folder, device=device).eval()
     tokenizer = load_tokenizer(folder)
@@ -309,7 +312,7 @@ def evaluate_checkpoint(
             "twin": bits_per_char(twin, tokenizer, texts, seq_len, batch_size),
             "compressors": compressor_bits_per_char(texts),
         }
-    return {
+    result = {
         "checkpoint": str(folder),
         "seq_len": seq_len,
         "vocab_size": model.config.vocab_size,
@@ -318,6 +321,8 @@ def evaluate_checkpoint(
         "tasks": run_tasks(model, tokenizer, tasks or {}, limit, batch_size),
         "continuations": continuations(model, tokenizer, prompts, max_new_tokens, seed=seed),
     }
+    path = refresh_model_card(folder, result) if card else None
+    return result | {"model_card": str(path) if path else None}
 
 
 def format_eval(result: dict) -> str:
@@ -333,10 +338,12 @@ def format_eval(result: dict) -> str:
     ]
     for lang, r in result["languages"].items():
         m, c = r["model"], r["compressors"]
+        figures = (m["nats_per_token"], m["bits_per_char"], r["twin"]["bits_per_char"])
+        figures += (c["xz -9e"], c["bzip2 -9"])
         lines.append(
-            f"| {lang} | {m['documents']:,} | {m['chars']:,} | {m['nats_per_token']:.3f} "
-            f"| {m['bits_per_char']:.3f} | {r['twin']['bits_per_char']:.3f} "
-            f"| {c['xz -9e']:.3f} | {c['bzip2 -9']:.3f} |"
+            f"| {lang} | {m['documents']:,} | {m['chars']:,} | "
+            + " | ".join(fmt_num(x, ".3f") for x in figures)
+            + " |"
         )
     if result.get("tasks"):
         lines += [
@@ -352,4 +359,6 @@ def format_eval(result: dict) -> str:
             f"greedy:  {sample['greedy']!r}",
             f"sampled: {sample['sampled']!r}",
         ]
+    if result.get("model_card"):
+        lines += ["", f"model card updated with these figures: {result['model_card']}"]
     return "\n".join(lines)

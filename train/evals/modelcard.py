@@ -5,23 +5,31 @@ characters and tokens, tokens seen, hardware, time and cost, and the evaluation.
 
 Everything is read from files the other stages write (config.json, tokenizer.json,
 train_config.json, model.safetensors' header) or passed in; a section whose input is missing
-says so instead of guessing. Fertility is measured on the built-in sample (train/sample/), so
-every card reports it on the same text.
+says so instead of guessing, and a figure that cannot be computed reads "n/a", never "nan".
+Fertility is measured on the built-in sample (train/sample/), so every card reports it on the
+same text.
+
+What was passed in is kept next to the card (model_card.json), so that `doel-train eval` can
+write the card again with its results (`refresh_model_card`) without knowing how the model was
+trained.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from pathlib import Path
 
-from train.common import atomic_write_bytes
+from train.common import atomic_write_bytes, atomic_write_json
 from train.data.fertility import fertility, load_any
 from train.data.textio import iter_documents
-from train.evals.scoring import format_tasks
+from train.evals.scoring import fmt_num, format_tasks
 from train.metrics import format_duration
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample"
+CARD_INPUTS = "model_card.json"  # what README.md was written from
 TASK_NAMES = {
     "hellaswag": "HellaSwag",
     "piqa": "PIQA",
@@ -67,6 +75,8 @@ def metadata_block(name: str, license: str, eval_result: dict | None) -> list[st
     lines += ["library_name: transformers", "pipeline_tag: text-generation", "tags:"]
     lines += ["- doel", "- llama", "- bangla", "- text-generation"]
     tasks = (eval_result or {}).get("tasks") or {}
+    # A task with no items has no accuracy: it is left out, never written as "nan".
+    tasks = {t: r for t, r in tasks.items() if math.isfinite(r["acc"])}
     if tasks:
         lines += ["model-index:", f"- name: {_yaml_str(name)}", "  results:"]
         for task, r in tasks.items():
@@ -99,6 +109,7 @@ def architecture_section(folder: Path) -> list[str]:
         ("tied embeddings", cfg.get("tie_word_embeddings")),
         ("rotary theta", cfg.get("rope_theta")),
     ]
+    rows = [(k, v) for k, v in rows if v is not None and "None" not in str(v)]
     return [
         "## Architecture",
         "",
@@ -138,9 +149,12 @@ def data_section(meta: dict | None) -> list[str]:
     """The training split's mix per source: characters and tokens, and their shares."""
     if not meta or not meta.get("sources"):
         return ["## Training data", "", "Not recorded (no shards meta.json was given)."]
-    src = meta["sources"]
-    chars = {k: s.get("train_characters", s.get("characters", 0)) for k, s in src.items()}
-    toks = {k: s.get("train_tokens", s.get("tokens", 0)) for k, s in src.items()}
+    every = meta["sources"]
+    chars = {k: s.get("train_characters", s.get("characters", 0)) for k, s in every.items()}
+    toks = {k: s.get("train_tokens", s.get("tokens", 0)) for k, s in every.items()}
+    # A source given as validation text only has no training characters: no row, one line.
+    src = [k for k in every if chars[k] or toks[k]]
+    held = [k for k in every if k not in src]
     tc, tt = max(sum(chars.values()), 1), max(sum(toks.values()), 1)
     lines = [
         "## Training data",
@@ -151,16 +165,22 @@ def data_section(meta: dict | None) -> list[str]:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for k in src:
-        cpt = chars[k] / toks[k] if toks[k] else float("nan")
+        cpt = fmt_num(chars[k] / toks[k] if toks[k] else None, ".2f")
         lines.append(
             f"| {k} | {chars[k]:,} | {chars[k] / tc:.1%} | {toks[k]:,} | {toks[k] / tt:.1%} "
-            f"| {cpt:.2f} |"
+            f"| {cpt} |"
         )
     lines.append(f"| **total** | {tc:,} | 100% | {tt:,} | 100% | {tc / tt:.2f} |")
+    if held:
+        lines += ["", f"Validation only (not trained on): {', '.join(held)}."]
     return lines
 
 
-def training_section(folder, train_state, hardware, seconds, hourly_price) -> list[str]:
+def training_section(
+    folder, train_state, hardware, seconds, hourly_price, attempts: int = 1, devices: int = 1
+) -> list[str]:
+    """Steps, tokens, the main settings, hardware, and the time and cost of every attempt (a
+    resumed run paid for each, the steps it redid included)."""
 
     cfg = (train_state or {}).get("config") or _read_json(folder / "train_config.json") or {}
     rows = []
@@ -171,16 +191,26 @@ def training_section(folder, train_state, hardware, seconds, hourly_price) -> li
         if key in cfg:
             rows.append((key, cfg[key]))
     rows.append(("hardware", hardware or "not recorded"))
-    rows.append(("time", format_duration(seconds) if seconds is not None else "not recorded"))
+    if seconds is None:
+        rows.append(("time", "not recorded"))
+    else:
+        resumed = f" over {attempts} attempts (resumed runs)" if attempts > 1 else ""
+        rows.append(("time", format_duration(seconds) + resumed))
     if seconds is not None and hourly_price:
-        cost = seconds / 3600 * hourly_price
-        rows.append(("estimated cost", f"${cost:,.2f} (at ${hourly_price:g}/hour)"))
+        cost = seconds / 3600 * hourly_price * devices
+        each = f" × {devices} devices" if devices > 1 else ""
+        rows.append(("estimated cost", f"${cost:,.2f} (at ${hourly_price:g}/hour{each})"))
     return ["## Training", "", "| | |", "|---|---:|", *(f"| {k} | {v} |" for k, v in rows)]
 
 
-def evaluation_section(eval_result: dict | None) -> list[str]:
+def evaluation_section(eval_result: dict | None, where: str = "FOLDER") -> list[str]:
     if not eval_result:
-        return ["## Evaluation", "", "Not evaluated yet (`doel-train eval FOLDER --text ...`)."]
+        return [
+            "## Evaluation",
+            "",
+            f"Not evaluated yet: `doel-train eval {where} --text FILES` measures it and writes "
+            "this card again with the results.",
+        ]
     lines = ["## Evaluation", ""]
     if eval_result.get("languages"):
         lines += [
@@ -192,10 +222,9 @@ def evaluation_section(eval_result: dict | None) -> list[str]:
         ]
         for lang, r in eval_result["languages"].items():
             m, c = r["model"], r["compressors"]
-            lines.append(
-                f"| {lang} | {m['chars']:,} | {m['bits_per_char']:.3f} "
-                f"| {r['twin']['bits_per_char']:.3f} | {c['xz -9e']:.3f} | {c['bzip2 -9']:.3f} |"
-            )
+            figures = (m["bits_per_char"], r["twin"]["bits_per_char"], c["xz -9e"], c["bzip2 -9"])
+            cells = " | ".join(fmt_num(x, ".3f") for x in figures)
+            lines.append(f"| {lang} | {m['chars']:,} | {cells} |")
         lines.append("")
     if eval_result.get("tasks"):
         lines += [
@@ -207,6 +236,31 @@ def evaluation_section(eval_result: dict | None) -> list[str]:
     return lines
 
 
+def usage_path(folder: Path) -> str:
+    """The folder as the user who ran the command reaches it: relative to the working
+    directory (`demo/run/final`), so it works pasted where the command ran and names no home
+    directory; the folder's own name where no relative path exists (another drive)."""
+    try:
+        return Path(os.path.relpath(folder.resolve(), Path.cwd().resolve())).as_posix()
+    except ValueError:
+        return folder.resolve().name
+
+
+def _card_eval(result: dict | None) -> dict | None:
+    """What the card shows of an evaluation: the figures, not the paths of the files."""
+    if not result:
+        return None
+    languages = {
+        lang: {k: r[k] for k in ("model", "twin", "compressors")}
+        for lang, r in (result.get("languages") or {}).items()
+    }
+    tasks = {
+        n: {k: v for k, v in r.items() if k != "path"}
+        for n, r in (result.get("tasks") or {}).items()
+    }
+    return {"languages": languages, "tasks": tasks}
+
+
 def write_model_card(
     folder: str | Path,
     *,
@@ -215,33 +269,64 @@ def write_model_card(
     eval_result: dict | None = None,
     hardware: str | None = None,
     seconds: float | None = None,
+    attempts: int = 1,
+    devices: int = 1,
     hourly_price: float | None = None,
     license: str = "apache-2.0",
 ) -> Path:
-    """Write FOLDER/README.md. meta: the shards' meta.json; train_state: {"step",
-    "tokens_seen", "config"} (trainer_state.json); eval_result: `evaluate_checkpoint`'s dict;
-    seconds of training at hourly_price dollars an hour give the cost."""
+    """Write FOLDER/README.md, and FOLDER/model_card.json with what it was written from.
+    meta: the shards' meta.json; train_state: {"step", "tokens_seen", "config"}
+    (trainer_state.json); eval_result: `evaluate_checkpoint`'s dict; seconds of training over
+    `attempts` attempts on `devices` devices at hourly_price dollars a device-hour give the
+    cost."""
     folder = Path(folder)
+    inputs = {
+        "meta": {"sources": meta["sources"]} if meta and meta.get("sources") else None,
+        "train_state": train_state,
+        "eval_result": _card_eval(eval_result),
+        "hardware": hardware,
+        "seconds": seconds,
+        "attempts": attempts,
+        "devices": devices,
+        "hourly_price": hourly_price,
+        "license": license,
+    }
     name = folder.resolve().name if folder.name != "final" else folder.resolve().parent.name
+    where = usage_path(folder)
     usage = [
         "## Use",
         "",
+        f"The folder is `{where}` from where this card was written (once uploaded to the "
+        "Hugging Face Hub, its repository id instead):",
+        "",
         "```python",
         "from transformers import AutoTokenizer, LlamaForCausalLM",
-        f'tok = AutoTokenizer.from_pretrained("{name}")',
-        f'model = LlamaForCausalLM.from_pretrained("{name}")',
+        f"tok = AutoTokenizer.from_pretrained({_yaml_str(where)})",
+        f"model = LlamaForCausalLM.from_pretrained({_yaml_str(where)})",
         "```",
     ]
+    ev = inputs["eval_result"]
     parts = [
-        metadata_block(name, license, eval_result),
+        metadata_block(name, license, ev),
         [f"# {name}", "", "A Bangla-first language model trained with doel."],
         architecture_section(folder),
         tokenizer_section(folder),
-        data_section(meta),
-        training_section(folder, train_state, hardware, seconds, hourly_price),
-        evaluation_section(eval_result),
+        data_section(inputs["meta"]),
+        training_section(folder, train_state, hardware, seconds, hourly_price, attempts, devices),
+        evaluation_section(ev, where),
         usage,
     ]
     path = folder / "README.md"
     atomic_write_bytes(path, ("\n\n".join("\n".join(p) for p in parts) + "\n").encode("utf-8"))
+    atomic_write_json(folder / CARD_INPUTS, inputs)
     return path
+
+
+def refresh_model_card(folder: str | Path, eval_result: dict) -> Path | None:
+    """Write the card of a folder again with an evaluation, everything else as it was written
+    (model_card.json). None, and nothing written, for a folder without doel's card."""
+    folder = Path(folder)
+    inputs = _read_json(folder / CARD_INPUTS)
+    if inputs is None:
+        return None
+    return write_model_card(folder, **(inputs | {"eval_result": eval_result}))

@@ -227,18 +227,32 @@ def run_tasks(
     return results
 
 
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def fmt_num(x, fmt: str) -> str:
+    """x formatted, or "n/a" when it is missing or not finite (nothing to divide by): a table
+    a person reads never shows "nan"."""
+    return format(x, fmt) if _finite(x) else "n/a"
+
+
+def _acc(r: dict, key: str) -> str:
+    """Accuracy ± its standard error; the error is left out where one item cannot give it."""
+    se = r.get(f"{key}_stderr")
+    return fmt_num(r[key], ".3f") + (f" ± {se:.3f}" if _finite(se) else "")
+
+
 def format_tasks(results: dict[str, dict]) -> str:
     """A Markdown table: accuracy and length-normalised accuracy ± standard error, chance and
-    the majority baseline."""
+    the majority baseline ("n/a" where there is nothing to measure)."""
     lines = [
         "| task | items | acc | acc_norm | chance | majority |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
-        se = [r[k] if math.isfinite(r[k]) else 0.0 for k in ("acc_stderr", "acc_norm_stderr")]
         lines.append(
-            f"| {name} | {r['items']:,} | {r['acc']:.3f} ± {se[0]:.3f} "
-            f"| {r['acc_norm']:.3f} ± {se[1]:.3f} | {r['chance']:.3f} "
-            f"| {r.get('majority', float('nan')):.3f} |"
+            f"| {name} | {r['items']:,} | {_acc(r, 'acc')} | {_acc(r, 'acc_norm')} "
+            f"| {fmt_num(r['chance'], '.3f')} | {fmt_num(r.get('majority'), '.3f')} |"
         )
     return "\n".join(lines)

@@ -49,13 +49,16 @@ def write_card(r, eval_result: dict) -> Path:
         "config": _read(final / "train_config.json"),
     }
     hardware, gpu = _hardware(r)
+    mark = _read(r.stages / "train.json") or {}  # every attempt's time, as in the summary
     return write_model_card(
         final,
         meta=read_meta(r.shards),
         train_state=state,
         eval_result=eval_result,
         hardware=hardware,
-        seconds=(_read(r.stages / "train.json") or {}).get("seconds"),
+        seconds=mark.get("seconds"),
+        attempts=mark.get("attempts", 1),
+        devices=r.plan.gpus,
         hourly_price=r.plan.train_cfg.hourly_price if gpu else None,
     )
 
