@@ -27,6 +27,7 @@ CONTEXT_LENGTH: ContextVar[int] = ContextVar("doel_context_length", default=MAX_
 
 
 def within_context(ids):
+    """A list of token ids no longer than the context, checked before its items are."""
     if isinstance(ids, list) and len(ids) > (context := CONTEXT_LENGTH.get()):
         raise PydanticCustomError(
             "too_long",
