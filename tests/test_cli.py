@@ -172,6 +172,11 @@ def test_fit_check_gradients_eval_plot_commands(tmp_path, tokenizer_path, sample
         "--steps",
         "4",
     )
+    # The same run resumed without --config: the config it recorded, not some preset's.
+    again = run("fit", "--data", str(shards), "--out", str(tmp_path / "run"), "--steps", "6")
+    assert "config: the one" in again.stdout and "resuming from" in again.stdout
+    final = json.loads((tmp_path / "run" / "final" / "train_config.json").read_text())
+    assert (final["steps"], final["model"]["hidden_size"]) == (6, 64)  # tiny's, at 6 steps
     ev = run("eval", str(tmp_path / "run" / "final"), "--text", *sample_paths, "--json")
     result = json.loads(ev.stdout)
     assert set(result["languages"]) == {"bn", "en"}
@@ -273,3 +278,49 @@ def test_ctrl_c_during_fit_is_one_line_and_a_damaged_checkpoint_is_named(tmp_pat
     optimizer.write_bytes(optimizer.read_bytes()[:-100])
     err = one_line_error(run(*args, check=False), optimizer, f"delete {last}")
     assert "truncated or damaged" in err
+
+
+def test_a_missing_text_field_names_the_fix_each_command_takes(tmp_path, tokenizer_path):
+    import torch
+
+    from train.hf import save_model
+    from train.model import Llama, ModelConfig
+
+    lines = (ROOT / "train" / "sample" / "bn.txt").read_text(encoding="utf-8").splitlines()
+    body = tmp_path / "body.jsonl"
+    body.write_text("".join(json.dumps({"body": t}) + "\n" for t in lines if t.strip()))
+    tok = ["tokenizer", "--data", str(body), "--out", str(tmp_path / "tok"), "--vocab-size", "600"]
+    prep = ["prepare", "--tokenizer", str(tokenizer_path), "--data", str(body), "--quiet"]
+    prep += ["--out", str(tmp_path / "shards"), "--val-fraction", "0.1"]
+    for args in (tok, prep):  # the fix the message names is the one that works
+        one_line_error(run(*args, check=False), f"{body}:1: no 'text' field", "--set text_field=")
+        run(*args, "--set", "text_field=body")
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    assert (tmp_path / "shards" / "meta.json").is_file()
+    fert = ["fertility", "--tokenizer", str(tokenizer_path), "--text", str(body)]
+    one_line_error(run(*fert, check=False), "no 'text' field", "--text-field NAME")
+    assert "fertility of" in run(*fert, "--text-field", "body").stdout
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=2048,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    folder = save_model(Llama(cfg), tmp_path / "model", tokenizer=tokenizer_path)
+    err = one_line_error(run("eval", str(folder), "--text", str(body), check=False), body)
+    assert "eval reads the 'text' field: pass .txt files" in err and "--set" not in err
+
+
+def test_fit_needs_a_config_unless_its_run_folder_recorded_one(tmp_path, shards):
+    report = "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules)); "
+    for command in ("fit", "check-gradients", "verify"):
+        args = [command, "--data", str(shards)]
+        args += ["--out", str(tmp_path / command)] if command != "check-gradients" else []
+        proc = run(*args, check=False, pre=report)
+        one_line_error(proc, f"{command} needs --config: a preset (", "tiny", "small")
+        assert proc.stdout.strip() == "False"  # refused before torch loads
+    assert not (tmp_path / "fit").exists()

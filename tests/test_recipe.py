@@ -200,6 +200,17 @@ def test_an_interrupted_download_continues_where_it_stopped(tmp_path):
     assert held == [docs[i - 1].strip() for i in range(7, whole["documents"] + 1, 7)]
 
 
+def test_a_local_file_without_the_text_field_names_the_recipe_entry(tmp_path):
+    path = write_jsonl(tmp_path / "web.jsonl", ["নদীর ধারে একটি গ্রাম।"] * 5, field="body")
+    src = HubSource("web", "owner/web", 1.0)  # text_field "text"
+    with pytest.raises(DoelError) as e:
+        fetch_source(src, 3000, tmp_path / "out", DataSpec(), str(path), log=lambda *a: None)
+    assert str(e.value) == (
+        f"{path}:1: no 'text' field (found ['body']); set text_field = \"NAME\" in the "
+        "recipe's [[sources]] entry 'web'"
+    )
+
+
 def test_the_hub_stream_resumes_from_its_own_position(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     pytest.importorskip("datasets")

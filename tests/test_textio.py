@@ -9,7 +9,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from train.common import DoelError
-from train.data.textio import iter_documents, iter_source, resolve_sources
+from train.data.textio import (
+    MissingTextField,
+    iter_documents,
+    iter_source,
+    resolve_sources,
+    with_field_fix,
+)
 
 DOCS = ["প্রথম অনুচ্ছেদ।", "Second paragraph,\nwith two lines.", "তৃতীয়: third"]
 
@@ -28,10 +34,20 @@ def test_txt_without_blank_lines_is_one_document_a_line(tmp_path):
 
 
 def test_custom_text_field(tmp_path):
+    import pickle
+
     (tmp_path / "c.jsonl").write_text(json.dumps({"body": "x y"}) + "\n")
-    assert list(iter_documents(str(tmp_path / "c.jsonl"), "body")) == ["x y"]
-    with pytest.raises(DoelError, match="no 'text' field.*--text-field"):
-        list(iter_documents(str(tmp_path / "c.jsonl")))
+    pq.write_table(pa.table({"body": ["x y"]}), tmp_path / "c.parquet")
+    for name in ("c.jsonl", "c.parquet"):
+        assert list(iter_documents(str(tmp_path / name), "body")) == ["x y"]
+        # The way tokenizer and prepare take another field (their configs' text_field).
+        with pytest.raises(MissingTextField, match=r"no 'text' .*; .* --set text_field=NAME$"):
+            list(iter_documents(str(tmp_path / name)))
+    docs = with_field_fix(iter_documents(str(tmp_path / "c.jsonl")), "use --text-field NAME")
+    with pytest.raises(DoelError, match=r"c.jsonl:1: no 'text' field \(found \['body'\]\); use"):
+        list(docs)
+    e = MissingTextField("c.jsonl:1: no 'text' field", "use --text-field NAME")
+    assert str(pickle.loads(pickle.dumps(e))) == str(e)  # crosses a process whole
 
 
 def test_invalid_utf8_names_file_and_offset(tmp_path):

@@ -35,10 +35,11 @@ def _cmd_tokenizer(args) -> None:
 
 def _cmd_fertility(args) -> None:
     from train.data.fertility import fertility, format_report, load_any
-    from train.data.textio import iter_source, resolve_sources
+    from train.data.textio import iter_source, resolve_sources, with_field_fix
 
     tok = load_any(args.tokenizer, args.pattern)
     texts = (d for src in resolve_sources(args.text) for d in iter_source(src, args.text_field))
+    texts = with_field_fix(texts, "name the field with --text-field NAME")
     report = fertility(tok, texts)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -67,15 +68,29 @@ def _cmd_prepare(args) -> None:
 
 
 def train_config(args):
-    """The run's TrainConfig from --config and --set, validated before torch is imported."""
-    from train.config import load_config, resolve_config
+    """The run's TrainConfig from --config and --set, validated before torch is imported.
+    Without --config, `fit` takes the config its run folder recorded (a resume); nothing else
+    has a default: a preset's model would be trained silently, whatever the tokenizer."""
+    from pathlib import Path
+
+    from train.config import load_config, presets, resolve_config
     from train.settings import TrainConfig
 
     sets = list(args.set)
     for flag, key in (("steps", "steps"), ("checkpoint_every", "checkpoint_every")):
         if getattr(args, flag, None) is not None:
             sets.append(f"{key}={getattr(args, flag)}")
-    return load_config(TrainConfig, resolve_config(args.config), sets)
+    if args.config is not None:
+        return load_config(TrainConfig, resolve_config(args.config), sets)
+    recorded = Path(args.out) / "train_config.json" if args.command == "fit" else None
+    if recorded is not None and recorded.is_file():
+        print(f"config: the one {args.out} recorded ({recorded}); --config replaces it")
+        return load_config(TrainConfig, recorded, sets)
+    resume = ", or resume a run folder that recorded one" if args.command == "fit" else ""
+    raise DoelError(
+        f"{args.command} needs --config: a preset ({', '.join(presets())}) or a TOML file"
+        f"{resume}; its model.vocab_size must equal the tokenizer's size"
+    )
 
 
 def _cmd_fit(args) -> None:
@@ -123,13 +138,18 @@ def _cmd_verify(args) -> None:
 
 
 def _cmd_eval(args) -> None:
+    from train.data.textio import MissingTextField
     from train.evals.heldout import evaluate_checkpoint, format_eval
     from train.evals.tasks import parse_task_specs
 
     tasks = parse_task_specs(args.tasks)
-    result = evaluate_checkpoint(
-        args.checkpoint, args.text, max_chars=args.max_chars, tasks=tasks, limit=args.limit
-    )
+    try:
+        result = evaluate_checkpoint(
+            args.checkpoint, args.text, max_chars=args.max_chars, tasks=tasks, limit=args.limit
+        )
+    except MissingTextField as e:
+        fix = "eval reads the 'text' field: pass .txt files, or .jsonl/.parquet with a 'text' field"
+        raise MissingTextField(e.where, fix) from None
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_eval(result))
 
 
@@ -161,7 +181,11 @@ def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> No
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="small", help="TOML file or preset name (default small)")
+    p.add_argument(
+        "--config",
+        help="TOML file or preset (tiny, demo, small, bangla-0.4b...); required, except by a fit "
+        "that resumes RUN_DIR (its recorded config)",
+    )
     p.add_argument("--data", required=True, help="shard folder made by `doel-train prepare`")
     p.add_argument(
         "--set",

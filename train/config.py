@@ -8,6 +8,7 @@ artifact.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import typing
 from pathlib import Path
@@ -97,16 +98,20 @@ def apply_override(values: dict[str, Any], cls: type, item: str) -> None:
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] = ()) -> T:
-    """Build `cls` from an optional TOML file plus `key=value` (or `table.key=value`)
-    overrides."""
+    """Build `cls` from an optional TOML file (or the .json of a resolved config that a run
+    recorded) plus `key=value` (or `table.key=value`) overrides."""
     values: dict[str, Any] = {}
     if path is not None:
+        kind = "JSON" if Path(path).suffix == ".json" else "TOML"
         try:
-            values = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+            text = Path(path).read_text(encoding="utf-8")
+            values = json.loads(text) if kind == "JSON" else tomllib.loads(text)
         except FileNotFoundError:
             raise DoelError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise DoelError(f"{path}: not valid TOML ({e})") from None
+        except (OSError, ValueError) as e:  # TOMLDecodeError and JSONDecodeError among them
+            raise DoelError(f"{path}: not valid {kind} ({e})") from None
+        if not isinstance(values, dict):
+            raise DoelError(f"{path}: not a table of settings")
     for item in overrides:
         apply_override(values, cls, item)
     return from_values(cls, values, str(path) if path else "config")
@@ -116,6 +121,11 @@ def resolved(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def presets() -> list[str]:
+    """The names of the shipped training presets (configs/NAME.toml)."""
+    return sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.toml")})
+
+
 def resolve_config(name: str | None) -> Path | None:
     """A TOML path, or a preset name from configs/ (tiny, small, bangla-0.4b, demo)."""
     if name is None or Path(name).is_file():
@@ -123,5 +133,4 @@ def resolve_config(name: str | None) -> Path | None:
     for folder in CONFIG_DIRS:
         if (folder / f"{name}.toml").is_file():
             return folder / f"{name}.toml"
-    presets = sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.toml")})
-    raise DoelError(f"config {name!r} is neither a file nor a preset; presets: {presets}")
+    raise DoelError(f"config {name!r} is neither a file nor a preset; presets: {presets()}")

@@ -15,6 +15,28 @@ from pathlib import Path
 from train.common import DoelError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+# How `doel-train tokenizer` and `prepare` take another field (TokenizerConfig/PrepareConfig).
+FIELD_FIX = "name the field with --set text_field=NAME"
+
+
+class MissingTextField(DoelError):
+    """A JSONL record or Parquet file without the text field. `fix` says how the command at
+    hand takes another field name (each command names it its own way)."""
+
+    def __init__(self, where: str, fix: str = FIELD_FIX):
+        self.where, self.fix = where, fix
+        super().__init__(f"{where}; {fix}")
+
+    def __reduce__(self):  # pickled whole (the message alone would repeat the fix)
+        return type(self), (self.where, self.fix)
+
+
+def with_field_fix(docs: Iterator[str], fix: str) -> Iterator[str]:
+    """`docs`, with a missing text field reported with `fix` instead of the default."""
+    try:
+        yield from docs
+    except MissingTextField as e:
+        raise MissingTextField(e.where, fix) from None
 
 
 @dataclass(frozen=True)
@@ -127,10 +149,7 @@ def _iter_jsonl(path: str, field: str) -> Iterator[str]:
                 raise DoelError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or field not in obj:
                 keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise DoelError(
-                    f"{path}:{lineno}: no {field!r} field (found {keys}); "
-                    "name the text field with --text-field"
-                )
+                raise MissingTextField(f"{path}:{lineno}: no {field!r} field (found {keys})")
             text = obj[field]
             if isinstance(text, str) and text.strip():
                 yield text.strip()
@@ -141,10 +160,7 @@ def _iter_parquet(path: str, field: str) -> Iterator[str]:
 
     pf = pq.ParquetFile(path)
     if field not in pf.schema_arrow.names:
-        raise DoelError(
-            f"{path}: no {field!r} column (found {pf.schema_arrow.names}); "
-            "name the text column with --text-field"
-        )
+        raise MissingTextField(f"{path}: no {field!r} column (found {pf.schema_arrow.names})")
     for batch in pf.iter_batches(columns=[field], batch_size=4096):
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text.strip():

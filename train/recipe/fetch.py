@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.config import resolved
-from train.data.textio import iter_documents
+from train.data.textio import iter_documents, with_field_fix
 
 PROGRESS = "progress.json"
 HUB_RETRIES = 3  # a dropped connection reopens the stream at the last chunk this many times
@@ -70,7 +70,8 @@ def _open_local(src, path: str, state: dict):
 
     if not Path(path).is_file():
         raise DoelError(f"--local {src.name}={path}: no such file")
-    docs = iter_documents(path, src.text_field)
+    fix = f'set text_field = "NAME" in the recipe\'s [[sources]] entry {src.name!r}'
+    docs = with_field_fix(iter_documents(path, src.text_field), fix)
     return itertools.islice(docs, state["documents"], None), (lambda: None)
 
 
