@@ -145,7 +145,12 @@ def _cmd_eval(args) -> None:
     tasks = parse_task_specs(args.tasks)
     try:
         result = evaluate_checkpoint(
-            args.checkpoint, args.text, max_chars=args.max_chars, tasks=tasks, limit=args.limit
+            args.checkpoint,
+            args.text,
+            max_chars=args.max_chars,
+            tasks=tasks,
+            limit=args.limit,
+            progress=not args.quiet,
         )
     except MissingTextField as e:
         fix = "eval reads the 'text' field: pass .txt files, or .jsonl/.parquet with a 'text' field"
@@ -290,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--limit", type=int, default=None, help="first N items of each task")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--quiet", action="store_true", help="no progress bars (none unless a terminal)")
     e.set_defaults(func=_cmd_eval)
 
     pl = sub.add_parser("plot", help="loss and throughput curves of a run -> PNG")

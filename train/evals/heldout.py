@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from train.common import DoelError
 from train.data.textio import iter_documents
 from train.data.tokenizer import load_tokenizer
+from train.evals.generate import generate
 from train.evals.modelcard import refresh_model_card
 from train.evals.scoring import fmt_num, format_tasks, run_tasks
 from train.hf import load_model
@@ -60,11 +62,23 @@ def windows(ids: Sequence[int], seq_len: int) -> list[list[int]]:
     return [list(ids[s : s + seq_len + 1]) for s in range(0, len(ids) - 1, seq_len)]
 
 
+def bar(progress: bool, **kw) -> tqdm:
+    """A progress bar with an ETA on stderr, as prepare shows one: off with progress=False
+    (--quiet) and whenever stderr is not a terminal (a log file, a pipe, the tests)."""
+    return tqdm(disable=None if progress else True, dynamic_ncols=True, **kw)
+
+
 @torch.no_grad()
 def score_ids(
-    model: Llama, docs: Sequence[Sequence[int]], seq_len: int, batch_size: int = 8, device=None
+    model: Llama,
+    docs: Sequence[Sequence[int]],
+    seq_len: int,
+    batch_size: int = 8,
+    device=None,
+    progress: tqdm | None = None,
 ) -> tuple[float, int]:
-    """Total cross entropy (nats) and number of scored tokens over token-id documents."""
+    """Total cross entropy (nats) and number of scored tokens over token-id documents; a
+    `progress` bar advances by the windows of each batch."""
     if not 1 <= seq_len <= model.config.max_position_embeddings:
         raise ValueError(
             f"seq_len {seq_len} must lie in [1, {model.config.max_position_embeddings}] "
@@ -91,9 +105,18 @@ def score_ids(
             loss = model(x.to(device), y.to(device), reduction="sum")
             nats += float(loss)
             tokens += sum(len(w) - 1 for w in batch)
+            if progress is not None:
+                progress.update(len(batch))
     finally:
         model.train(was_training)
     return nats, tokens
+
+
+def encode_texts(tokenizer, texts: Sequence[str]) -> tuple[list[str], list[list[int]]]:
+    """The texts after NFC, empty ones dropped, and their token ids (<|bos|> first)."""
+    texts = [unicodedata.normalize("NFC", t) for t in texts]
+    texts = [t for t in texts if t]
+    return texts, [e.ids for e in tokenizer.encode_batch(texts)] if texts else []
 
 
 def bits_per_char(
@@ -102,10 +125,20 @@ def bits_per_char(
     """Held-out loss of `model` on documents: nats per token, bits per NFC character and per
     UTF-8 byte (the <|bos|> excluded from both), with the counts behind them. `device` defaults
     to the model's own."""
-    texts = [unicodedata.normalize("NFC", t) for t in texts]
-    texts = [t for t in texts if t]
-    docs = [e.ids for e in tokenizer.encode_batch(texts)] if texts else []
-    nats, tokens = score_ids(model, docs, seq_len, batch_size, device)
+    return doc_figures(model, *encode_texts(tokenizer, texts), seq_len, batch_size, device)
+
+
+def doc_figures(
+    model: Llama,
+    texts: list[str],
+    docs: list[list[int]],
+    seq_len: int,
+    batch_size: int = 8,
+    device=None,
+    progress: tqdm | None = None,
+) -> dict:
+    """`bits_per_char` of texts already through `encode_texts`."""
+    nats, tokens = score_ids(model, docs, seq_len, batch_size, device, progress)
     chars = sum(len(t) for t in texts)
     nbytes = sum(len(t.encode("utf-8")) for t in texts)
     bits = nats / math.log(2)
@@ -235,39 +268,35 @@ def continuations(
     temperature: float = 0.8,
     top_k: int = 50,
     seed: int = 0,
+    progress: bool = False,
 ) -> list[dict]:
     """Greedy and sampled continuations of each prompt (text after the prompt, specials
-    dropped). Each sample uses its own generator seeded with `seed`, so a prompt's sample does
-    not depend on which prompts came before it."""
+    dropped), decoded with a KV cache (train/evals/generate.py). Each sample uses its own
+    generator seeded with `seed`, so a prompt's sample does not depend on which prompts came
+    before it. `progress`: a bar in tokens, with an ETA."""
     device = _device_of(model, None)
     eos = model.config.eos_token_id
+    prompts = DEFAULT_PROMPTS if prompts is None else prompts
     was_training = model.training
     model.eval()
     out = []
+    tokens = bar(progress, total=2 * len(prompts) * max_new_tokens, desc="sample texts", unit="tok")
     try:
-        for prompt in DEFAULT_PROMPTS if prompts is None else prompts:
+        for prompt in prompts:
             ids = tokenizer.encode(unicodedata.normalize("NFC", prompt)).ids
             idx = torch.tensor([ids], device=device)
-            gen = torch.Generator(device=device).manual_seed(seed)
-            greedy = model.generate(idx, max_new_tokens, temperature=0.0, eos_token_id=eos)
-            sampled = model.generate(
-                idx,
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                generator=gen,
-                eos_token_id=eos,
-            )
-            new = {"greedy": greedy, "sampled": sampled}
-            # Only the new tokens are decoded, so the prompt is never echoed back.
-            out.append(
-                {"prompt": prompt}
-                | {
-                    k: tokenizer.decode(v[0, len(ids) :].tolist(), skip_special_tokens=True)
-                    for k, v in new.items()
-                }
-            )
+            new = {}
+            for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
+                gen = torch.Generator(device=device).manual_seed(seed)
+                seq = generate(
+                    model, idx, max_new_tokens, temp, top_k, gen, eos, lambda: tokens.update()
+                )
+                tokens.update(max_new_tokens - (seq.size(1) - len(ids)))  # stopped at eos
+                # Only the new tokens are decoded, so the prompt is never echoed back.
+                new[kind] = tokenizer.decode(seq[0, len(ids) :].tolist(), skip_special_tokens=True)
+            out.append({"prompt": prompt} | new)
     finally:
+        tokens.close()
         model.train(was_training)
     return out
 
@@ -285,13 +314,16 @@ def evaluate_checkpoint(
     tasks: dict[str, str] | None = None,
     limit: int | None = None,
     card: bool = True,
+    progress: bool = True,
 ) -> dict:
     """Everything above for a model folder in Hugging Face layout (with its tokenizer.json).
     text_paths is a list of files (grouped by guessed language) or {language: files}; at most
     max_chars characters are read per language; seq_len defaults to the model's context.
     tasks: {name: file or folder} of zero-shot tasks (`train/evals/tasks.py`), the first `limit`
     items of each. With `card`, a folder that has doel's model card gets it written again with
-    these results (its path is the result's "model_card"; a folder without one is left alone)."""
+    these results (its path is the result's "model_card"; a folder without one is left alone).
+    `progress`: a bar with an ETA for each part (held-out text, tasks, sample texts) on a
+    terminal's stderr."""
 
     model = load_model(folder, device=device).eval()
     tokenizer = load_tokenizer(folder)
@@ -303,23 +335,32 @@ def evaluate_checkpoint(
     seq_len = seq_len or model.config.max_position_embeddings
     groups = text_paths if isinstance(text_paths, dict) else group_by_language(text_paths)
     twin = random_twin(model, seed)
+    raw = {lang: read_texts(paths, max_chars) for lang, paths in groups.items()}
+    encoded = {lang: encode_texts(tokenizer, texts) for lang, texts in raw.items()}
+    n = sum(len(windows(d, seq_len)) for _, docs in encoded.values() for d in docs)
+    held = bar(progress, total=2 * n, desc="held-out text (model, twin)", unit="window")
     languages = {}
-    for lang, paths in groups.items():
-        texts = read_texts(paths, max_chars)
-        languages[lang] = {
-            "files": [str(p) for p in paths],
-            "model": bits_per_char(model, tokenizer, texts, seq_len, batch_size),
-            "twin": bits_per_char(twin, tokenizer, texts, seq_len, batch_size),
-            "compressors": compressor_bits_per_char(texts),
-        }
+    try:
+        for lang, paths in groups.items():
+            texts, docs = encoded[lang]
+            languages[lang] = {
+                "files": [str(p) for p in paths],
+                "model": doc_figures(model, texts, docs, seq_len, batch_size, progress=held),
+                "twin": doc_figures(twin, texts, docs, seq_len, batch_size, progress=held),
+                "compressors": compressor_bits_per_char(raw[lang]),
+            }
+    finally:
+        held.close()
     result = {
         "checkpoint": str(folder),
         "seq_len": seq_len,
         "vocab_size": model.config.vocab_size,
         "parameters": model.num_parameters(),
         "languages": languages,
-        "tasks": run_tasks(model, tokenizer, tasks or {}, limit, batch_size),
-        "continuations": continuations(model, tokenizer, prompts, max_new_tokens, seed=seed),
+        "tasks": run_tasks(model, tokenizer, tasks or {}, limit, batch_size, progress),
+        "continuations": continuations(
+            model, tokenizer, prompts, max_new_tokens, seed=seed, progress=progress
+        ),
     }
     path = refresh_model_card(folder, result) if card else None
     return result | {"model_card": str(path) if path else None}

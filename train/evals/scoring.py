@@ -113,7 +113,8 @@ def loglikelihoods(
     out = [0.0] * len(seqs)
     was_training = model.training
     model.eval()
-    bar = tqdm(total=len(seqs), desc="scoring choices", unit="req", disable=not progress)
+    off = None if progress else True  # None: off whenever stderr is not a terminal
+    bar = tqdm(total=len(seqs), desc="scoring choices", unit="req", disable=off)
     try:
         for batch in _batches([len(s[0]) for s in seqs], batch_size, max_batch_tokens):
             x = torch.full((len(batch), len(seqs[batch[0]][0])), pad, dtype=torch.long)
