@@ -203,20 +203,37 @@ def bundle_bytes(manifest: dict) -> int:
     return sum(f["bytes"] for f in manifest["files"].values())
 
 
+def _against(value: float, bound: float | None, fmt: str, unit: str = "") -> str:
+    """A figure's bound and whether it holds: a bare "max rel err 3.04e-01" tells a reader
+    nothing."""
+    if bound is None:
+        return ""
+    return f" (bound {bound:{fmt}}{unit}: {'ok' if value <= bound else 'over'})"
+
+
 def summary(out: Path, m: dict) -> str:
-    """A few lines for people: where, how big, how close."""
+    """A few lines for people: where, how big, how close, each figure against its bound."""
     p, loss = m["parity"], m["parity"]["loss"]
+    logits, kv = p["logits_vs_torch"], p["kv_cache_vs_full"]
+    scheme = m["quantization"]["scheme"]
     lines = [
-        f"wrote {out} ({bundle_bytes(m) / 1e6:.1f} MB, {m['quantization']['scheme']}, "
+        f"wrote {out} ({bundle_bytes(m) / 1e6:.1f} MB, {scheme}, "
         f"{m['engine']} engine, {m['timing']['total_s']:.1f} s)",
-        f"  logits vs PyTorch: max rel err {p['logits_vs_torch']['max_rel_err']:.2e}, "
-        f"top-1 agreement {p['logits_vs_torch']['top1_agreement']:.3f}",
-        f"  KV-cache path vs full forward: max rel err {p['kv_cache_vs_full']['max_rel_err']:.2e}",
-        f"  held-out loss increase: {loss['increase_nats_per_token']:+.4f} nats/token, "
-        f"{loss['increase_bits_per_char']:+.4f} bits/char over {loss['tokens']} tokens",
+        f"  logits vs PyTorch: max rel err {logits['max_rel_err']:.2e}"
+        + _against(logits["max_rel_err"], logits.get("bound"), ".0e")
+        + f", top-1 agreement {logits['top1_agreement']:.3f}"
+        # Quantized weights move every logit by design: the loss increase below is the test.
+        + ("" if logits.get("bound") is not None else " (quantized: no bound, see the loss)"),
+        f"  KV-cache path vs full forward: max rel err {kv['max_rel_err']:.2e}"
+        + _against(kv["max_rel_err"], kv.get("bound"), ".1e"),
+        f"  held-out loss increase: {loss['increase_nats_per_token']:+.4f} nats/token"
+        + _against(loss["increase_nats_per_token"], loss.get("bound_nats_per_token"), "g")
+        + f", {loss['increase_bits_per_char']:+.4f} bits/char over {loss['tokens']} tokens",
     ]
     if "ort_format_vs_onnx" in p:
+        ort = p["ort_format_vs_onnx"]
         lines.append(
-            f"  ORT format vs ONNX: max rel err {p['ort_format_vs_onnx']['max_rel_err']:.2e}"
+            f"  ORT format vs ONNX: max rel err {ort['max_rel_err']:.2e}"
+            + _against(ort["max_rel_err"], ort.get("bound"), ".0e")
         )
     return "\n".join(lines)

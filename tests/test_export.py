@@ -479,6 +479,39 @@ def test_the_cache_path_may_differ_by_no_more_than_quantization_does():
         check(_figures(2e-4, 1e-6), "fp32", None)
 
 
+def test_the_summary_prints_each_figure_with_its_bound_and_whether_it_holds():
+    from export.bundle import summary
+
+    def manifest(scheme, logits_bound, kv, kv_bound, loss, loss_bound):
+        return {
+            "files": {"model.onnx": {"bytes": 3_000_000}},
+            "quantization": {"scheme": scheme},
+            "engine": "genai",
+            "timing": {"total_s": 12.0},
+            "parity": {
+                "logits_vs_torch": {
+                    "max_rel_err": 0.304, "top1_agreement": 0.971, "bound": logits_bound
+                },
+                "kv_cache_vs_full": {"max_rel_err": kv, "bound": kv_bound},
+                "loss": {"increase_nats_per_token": loss, "increase_bits_per_char": loss / 3,
+                         "tokens": 4096, "bound_nats_per_token": loss_bound},
+                "ort_format_vs_onnx": {"max_rel_err": 0.0, "bound": 1e-5},
+            },
+        }  # fmt: skip
+
+    text = summary(Path("b"), manifest("int4 weight-only, MatMulNBits", None, 3.3e-4, 0.304,
+                                       0.0123, 0.1))  # fmt: skip
+    assert "max rel err 3.04e-01, top-1 agreement 0.971 (quantized: no bound, see the loss)" in text
+    assert "max rel err 3.30e-04 (bound 3.0e-01: ok)" in text
+    assert "+0.0123 nats/token (bound 0.1: ok)" in text
+    assert "ORT format vs ONNX: max rel err 0.00e+00 (bound 1e-05: ok)" in text
+    # A figure past its bound (a bundle from before a tighter bound) says so.
+    text = summary(Path("b"), manifest("fp32", 1e-4, 2e-4, 1e-4, 0.3, 0.1))
+    assert "max rel err 3.04e-01 (bound 1e-04: over), top-1 agreement 0.971" in text
+    assert "(bound 1.0e-04: over)" in text and "+0.3000 nats/token (bound 0.1: over)" in text
+    assert "no bound" not in text
+
+
 def test_failed_check_leaves_the_old_bundle_and_no_partial_one(ckpt, fp32_bundle, tmp_path):
     out = tmp_path / "b"
     shutil.copytree(fp32_bundle, out)

@@ -21,7 +21,7 @@ from train.checkpoint import load_checkpoint
 from train.common import DoelError
 from train.data.loader import TokenLoader, read_meta
 from train.dist import DistInfo, autocast, resolve_device, resolve_dtype, wrap_model
-from train.metrics import peak_flops
+from train.metrics import format_flops, peak_flops
 from train.model import Llama
 from train.trainer import TrainConfig, build_optimizer
 
@@ -96,8 +96,7 @@ def describe(model, cfg: TrainConfig, device, dtype, info: DistInfo, log) -> dic
     log(
         f"FLOPs/token = 6·(matmul weights, head included) + 6·L·H·D·T (causal attention) = "
         f"{flops['dense'] / 1e6:.1f}M + {flops['attention'] / 1e6:.1f}M = "
-        f"{flops['total'] / 1e6:.1f}M; peak {peak / 1e12 if peak else float('nan'):.1f} "
-        f"TFLOP/s ({source})"
+        f"{flops['total'] / 1e6:.1f}M; peak {format_flops(peak)} ({source})"
     )
     return {
         "flops_per_token": flops["total"],

@@ -62,8 +62,20 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
         peak = gpu_peak_flops(name, dtype)
         return peak, f"{name}, data sheet" if peak else f"{name}: not in the peak table"
     if device.type == "cpu":
-        return cpu_peak_flops(dtype), f"CPU, measured {dtype} matmul"
+        threads = torch.get_num_threads()
+        return cpu_peak_flops(dtype), f"CPU, measured {dtype} matmul on {threads} threads"
     return None, f"{device.type}: unknown peak"
+
+
+def format_flops(flops: float | None) -> str:
+    """FLOP/s in the unit that keeps three significant figures: a CPU's 43 GFLOP/s is not
+    "0.0 TFLOP/s". "unknown" where there is no figure (a GPU not in the table)."""
+    if not flops or flops != flops:
+        return "unknown"
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops / 1e6:.3g} MFLOP/s"
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None, devices: int = 1) -> float:
