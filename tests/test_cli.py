@@ -7,12 +7,15 @@ import re
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow  # every test here runs the command in a fresh process
 ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "train" / "sample"
+PUNCTUATION_RUN = re.compile(r"[!-/:-@\[-`{-~\u0964\u0965\u2018-\u201f]{3,}")  # ASCII, ।, ॥, quotes
 
 
 def run(*args, check=True, pre=""):
@@ -108,8 +111,8 @@ def test_missing_extra_names_the_pip_install(tmp_path, sample_paths):
 
 
 def test_demo_runs_the_main_job(tmp_path):
-    short = ["--set", "steps=12", "--set", "eval_every=6", "--set", "checkpoint_every=6"]
-    proc = run("demo", "--out", str(tmp_path), "--vocab-size", "1024", *short)
+    proc = run("demo", "--out", str(tmp_path))  # the default, as `make demo` runs it
+    assert re.search(r"^finished: \d+ steps", proc.stdout, re.M), "training stopped early"
     assert "fertility of" in proc.stdout and "language balance" in proc.stdout
     assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
     assert (tmp_path / "shards" / "meta.json").is_file()
@@ -131,6 +134,15 @@ def test_demo_runs_the_main_job(tmp_path):
             time.sleep(0.02)
         want = c.post("/v1/completions", json=DEMO_REQUEST).json()
     assert want["usage"]["completion_tokens"] > 0
+
+    # Readable Bangla, not punctuation runs: the served words are the sample's words.
+    def bangla_words(text: str) -> list[str]:  # NFC, as the tokenizer normalizes (ড় ঢ় য়)
+        return re.findall(r"[\u0980-\u09ff]+", unicodedata.normalize("NFC", text))
+
+    words = bangla_words(want["choices"][0]["text"])
+    sample = set(bangla_words((SAMPLE / "bn.txt").read_text("utf-8")))
+    assert len(words) >= 8 and sum(w in sample for w in words[:-1]) >= 0.8 * (len(words) - 1)
+    assert not PUNCTUATION_RUN.search(want["choices"][0]["text"])
     assert f"{DEMO_REQUEST['prompt']}{want['choices'][0]['text']}\n" in proc.stdout
     url = re.search(r"^serve: .* at (http://127\.0\.0\.1:\d+) ", proc.stdout, re.M)
     assert url and f"\nplayground: {url.group(1)}/ " in proc.stdout

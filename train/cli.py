@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the main job on the built-in sample corpus")
     d.add_argument("--out", default="out/demo")
-    d.add_argument("--vocab-size", type=int, default=4096)
+    d.add_argument("--vocab-size", type=int, default=None, help="default 2048")
     d.add_argument("--config", default="demo", help="training preset or TOML (default demo)")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument(
