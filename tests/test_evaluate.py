@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.evals import heldout as ev
+from train.evals.generate import DEFAULT_PROMPTS
 from train.model import IGNORE_INDEX, Llama, ModelConfig
 
 
@@ -192,7 +193,7 @@ def test_continuations_are_deterministic(tok):
     assert a == b and [s["prompt"] for s in a] == ["আমাদের গ্রামের", "The river"]
     assert all(s["greedy"] and s["sampled"] for s in a)
     assert "<|" not in "".join(s["greedy"] + s["sampled"] for s in a)
-    assert len(ev.continuations(model, tok, max_new_tokens=2)) == len(ev.DEFAULT_PROMPTS)
+    assert len(ev.continuations(model, tok, max_new_tokens=2)) == len(DEFAULT_PROMPTS)
 
 
 def test_evaluate_checkpoint_and_report(tok, tokenizer_path, sample_paths, tmp_path):

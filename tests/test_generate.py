@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from train.evals import heldout as ev
-from train.evals.generate import KVCache, forward_cached, generate
+from train.evals.generate import KVCache, continuations, forward_cached, generate
 from train.model import Llama, ModelConfig
 
 
@@ -81,7 +81,7 @@ def test_samples_embed_each_position_once(model, tok, monkeypatch):
     seen = []
     big.model.embed_tokens.register_forward_hook(lambda m, a, out: seen.append(a[0].numel()))
     prompts = ["The river", "আমাদের গ্রামের নাম"]
-    ev.continuations(big, tok, prompts, max_new_tokens=8)
+    continuations(big, tok, prompts, max_new_tokens=8)
     prompt_tokens = [len(tok.encode(p).ids) for p in prompts]
     # greedy and sampled for each prompt: its tokens, then one per new token but the last
     assert sum(seen) <= sum(2 * (n + 7) for n in prompt_tokens)

@@ -1,6 +1,7 @@
-"""Sample texts for evaluation by incremental decoding: the prompt runs through the model once
-(prefill) and every new token then attends to the keys and values cached for the positions
-before it, instead of running the whole window again for each token as `Llama.generate` does.
+"""Sample texts for evaluation (greedy and sampled continuations of a few prompts) by
+incremental decoding: the prompt runs through the model once (prefill) and every new token then
+attends to the keys and values cached for the positions before it, instead of running the whole
+window again for each token as `Llama.generate` does.
 
 It runs the model's own modules and weights (no second graph, no renamed parameters), so it
 needs nothing outside train/; a test checks it token for token against `Llama.generate`. Serving
@@ -12,12 +13,22 @@ dim, V vocab.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import unicodedata
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from train.model import Block, Llama, apply_rotary
+
+DEFAULT_PROMPTS = [
+    "আমাদের গ্রামের নাম",
+    "বাংলাদেশের রাজধানী ঢাকা",
+    "সকালে বৃষ্টি হলে আমরা",
+    "The village of Nadipara",
+    "Once upon a time, in a small town by the river,",
+]
 
 
 def next_token(
@@ -120,3 +131,46 @@ def generate(
         if eos_token_id is not None and bool((pending == eos_token_id).all()):
             break
     return idx
+
+
+def continuations(
+    model: Llama,
+    tokenizer,
+    prompts: Sequence[str] | None = None,
+    max_new_tokens: int = 40,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[dict]:
+    """Greedy and sampled continuations of each prompt (text after the prompt, specials
+    dropped), decoded with the cache above. Each sample uses its own
+    generator seeded with `seed`, so a prompt's sample does not depend on which prompts came
+    before it. `progress`: a bar in tokens, with an ETA."""
+    device = model.lm_head.weight.device
+    eos = model.config.eos_token_id
+    prompts = DEFAULT_PROMPTS if prompts is None else prompts
+    was_training = model.training
+    model.eval()
+    out = []
+    total = 2 * len(prompts) * max_new_tokens
+    # Off with progress=False (--quiet) and whenever stderr is not a terminal (disable=None).
+    tokens = tqdm(total=total, desc="sample texts", unit="tok", disable=None if progress else True)
+    try:
+        for prompt in prompts:
+            ids = tokenizer.encode(unicodedata.normalize("NFC", prompt)).ids
+            idx = torch.tensor([ids], device=device)
+            new = {}
+            for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
+                gen = torch.Generator(device=device).manual_seed(seed)
+                seq = generate(
+                    model, idx, max_new_tokens, temp, top_k, gen, eos, lambda: tokens.update()
+                )
+                tokens.update(max_new_tokens - (seq.size(1) - len(ids)))  # stopped at eos
+                # Only the new tokens are decoded, so the prompt is never echoed back.
+                new[kind] = tokenizer.decode(seq[0, len(ids) :].tolist(), skip_special_tokens=True)
+            out.append({"prompt": prompt} | new)
+    finally:
+        tokens.close()
+        model.train(was_training)
+    return out

@@ -30,20 +30,13 @@ from tqdm import tqdm
 from train.common import DoelError
 from train.data.textio import iter_documents
 from train.data.tokenizer import load_tokenizer
-from train.evals.generate import generate
+from train.evals.generate import continuations
 from train.evals.modelcard import refresh_model_card
 from train.evals.scoring import fmt_num, format_tasks, run_tasks
 from train.hf import load_model
 from train.model import IGNORE_INDEX, Llama
 
 BENGALI = (0x0980, 0x09FF)  # the Bengali Unicode block, shared by Bangla and Assamese
-DEFAULT_PROMPTS = [
-    "আমাদের গ্রামের নাম",
-    "বাংলাদেশের রাজধানী ঢাকা",
-    "সকালে বৃষ্টি হলে আমরা",
-    "The village of Nadipara",
-    "Once upon a time, in a small town by the river,",
-]
 
 
 def _device_of(model: torch.nn.Module, device) -> torch.device:
@@ -258,47 +251,6 @@ def causal_leak(model, idx: torch.Tensor, positions: Sequence[int] | None = None
     finally:
         model.train(was_training)
     return worst
-
-
-def continuations(
-    model: Llama,
-    tokenizer,
-    prompts: Sequence[str] | None = None,
-    max_new_tokens: int = 40,
-    temperature: float = 0.8,
-    top_k: int = 50,
-    seed: int = 0,
-    progress: bool = False,
-) -> list[dict]:
-    """Greedy and sampled continuations of each prompt (text after the prompt, specials
-    dropped), decoded with a KV cache (train/evals/generate.py). Each sample uses its own
-    generator seeded with `seed`, so a prompt's sample does not depend on which prompts came
-    before it. `progress`: a bar in tokens, with an ETA."""
-    device = _device_of(model, None)
-    eos = model.config.eos_token_id
-    prompts = DEFAULT_PROMPTS if prompts is None else prompts
-    was_training = model.training
-    model.eval()
-    out = []
-    tokens = bar(progress, total=2 * len(prompts) * max_new_tokens, desc="sample texts", unit="tok")
-    try:
-        for prompt in prompts:
-            ids = tokenizer.encode(unicodedata.normalize("NFC", prompt)).ids
-            idx = torch.tensor([ids], device=device)
-            new = {}
-            for kind, temp in (("greedy", 0.0), ("sampled", temperature)):
-                gen = torch.Generator(device=device).manual_seed(seed)
-                seq = generate(
-                    model, idx, max_new_tokens, temp, top_k, gen, eos, lambda: tokens.update()
-                )
-                tokens.update(max_new_tokens - (seq.size(1) - len(ids)))  # stopped at eos
-                # Only the new tokens are decoded, so the prompt is never echoed back.
-                new[kind] = tokenizer.decode(seq[0, len(ids) :].tolist(), skip_special_tokens=True)
-            out.append({"prompt": prompt} | new)
-    finally:
-        tokens.close()
-        model.train(was_training)
-    return out
 
 
 def evaluate_checkpoint(
