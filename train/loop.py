@@ -145,7 +145,7 @@ class RunLoop:
         self.log(
             f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
             f"{tokens_per_s:,.0f} tok/s{' (global)' if desc['world'] > 1 else ''} | "
-            f"MFU {100 * util:.1f}% | ETA {eta}"
+            f"MFU {f'{100 * util:.1f}%' if math.isfinite(util) else 'n/a'} | ETA {eta}"
         )
         self.write(
             {
