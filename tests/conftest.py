@@ -73,12 +73,10 @@ def tiny_model_config() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory, tokenizer_path, tiny_model_config) -> Path:
-    """`tiny_model_config`'s random model exported at fp32, once per session (in the folder
-    test_serve_engine.py's builder uses, so the serve modules not yet on this fixture reuse
-    it rather than build a second)."""
+    """`tiny_model_config`'s random model exported at fp32, once per session: the bundle every
+    serve test runs on. Its checkpoint stays beside it, in serve-ckpt/, for tests that export it
+    again (another engine, int4)."""
     out = tmp_path_factory.getbasetemp() / "serve-bundle"
-    if (out / "manifest.json").is_file():
-        return out
     pytest.importorskip("onnxruntime_genai")
     torch = pytest.importorskip("torch")
     from export.bundle import ExportOptions, export_checkpoint  # the export extra

@@ -135,6 +135,41 @@ def test_serve_imports_no_torch_train_or_export():
     assert offenders("serve", banned) == []
 
 
+def imports_of_test_modules(folder: Path) -> list[str]:
+    """`file:line module` for each import of a test module (test_*.py) by another file under
+    `folder`, however it is spelled: `from test_x import`, `from tests.test_x import`, relative."""
+    out = []
+    for path in sorted(folder.rglob("*.py")):
+        for target, line in imported(path, f"tests.{path.stem}"):
+            parts = target.split(".")
+            module = parts[1] if parts[0] == "tests" and len(parts) > 1 else parts[0]
+            if module.startswith("test_"):
+                out.append(f"{path.relative_to(folder)}:{line} {target}")
+    return sorted(set(out))
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in conftest.py (session fixtures) or a helper module (not test_*):
+    importing a test module collects its tests' helpers twice and ties one module's fixtures to
+    another's."""
+    assert imports_of_test_modules(ROOT / "tests") == []
+
+
+def test_an_import_of_a_test_module_is_found_however_spelled(tmp_path):
+    (tmp_path / "test_probe.py").write_text(
+        "from test_serve_engine import tiny_bundle\n"
+        "import tests.test_fit\n"
+        "def f():\n    from . import test_verify\n"
+        "from live_server import live_server\n"  # a helper module: allowed
+    )
+    assert imports_of_test_modules(tmp_path) == [
+        "test_probe.py:1 test_serve_engine",
+        "test_probe.py:1 test_serve_engine.tiny_bundle",
+        "test_probe.py:2 tests.test_fit",
+        "test_probe.py:4 tests.test_verify",
+    ]
+
+
 TRAIN_SCRIPT = """
 import importlib, json, pkgutil, sys
 import train

@@ -10,16 +10,10 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from test_serve_engine import tiny_bundle
 
 from serve.app import Settings, create_app, default_loader
 from serve.engine import Engine, read_bundle
 from serve.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path):
-    return tiny_bundle(tmp_path_factory, tokenizer_path)
 
 
 def ready(client: TestClient, timeout: float = 30) -> TestClient:
@@ -31,19 +25,19 @@ def ready(client: TestClient, timeout: float = 30) -> TestClient:
 
 
 @pytest.fixture(scope="module")
-def client(bundle):
-    with TestClient(create_app(Settings(bundle=str(bundle), threads=1))) as c:
+def client(tiny_bundle):
+    with TestClient(create_app(Settings(bundle=str(tiny_bundle), threads=1))) as c:
         yield ready(c)
 
 
-def test_health_is_503_while_loading_then_200(bundle):
+def test_health_is_503_while_loading_then_200(tiny_bundle):
     go = threading.Event()
 
     def slow(settings):
         go.wait(10)
         return default_loader(settings)
 
-    with TestClient(create_app(Settings(bundle=str(bundle)), loader=slow)) as c:
+    with TestClient(create_app(Settings(bundle=str(tiny_bundle)), loader=slow)) as c:
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 503
@@ -58,9 +52,9 @@ def test_a_bundle_that_fails_to_load_is_reported_on_health(tmp_path):
         assert r.status_code == 503 and "has no manifest.json" in r.json()["error"]["message"]
 
 
-def test_models_names_the_bundle(client, bundle):
+def test_models_names_the_bundle(client, tiny_bundle):
     data = client.get("/v1/models").json()["data"]
-    assert [(m["id"], m["max_model_len"]) for m in data] == [(bundle.name, 96)]
+    assert [(m["id"], m["max_model_len"]) for m in data] == [(tiny_bundle.name, 96)]
 
 
 def _engine_text(bundle, tok, prompt: str, n: int) -> str:
@@ -69,13 +63,13 @@ def _engine_text(bundle, tok, prompt: str, n: int) -> str:
     return tok.decode(ids)
 
 
-def test_greedy_completion_is_the_engines_text_with_usage(client, bundle, tok):
+def test_greedy_completion_is_the_engines_text_with_usage(client, tiny_bundle, tok):
     prompt = "নদীর ধারে"
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["object"] == "text_completion" and body["model"] == bundle.name
-    assert body["choices"][0]["text"] == _engine_text(bundle, tok, prompt, 12)
+    assert body["object"] == "text_completion" and body["model"] == tiny_bundle.name
+    assert body["choices"][0]["text"] == _engine_text(tiny_bundle, tok, prompt, 12)
     assert body["choices"][0]["finish_reason"] == "length"
     n = len(tok.encode(prompt).ids)
     assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
@@ -196,7 +190,7 @@ def test_token_id_lists_are_bounded_by_the_context_and_unknown_fields_counted(
     assert message in r.json()["error"]["message"] and r.text.count("; ") == 1
 
 
-def test_a_text_prompt_that_cannot_fit_is_refused_before_it_is_encoded(client, bundle):
+def test_a_text_prompt_that_cannot_fit_is_refused_before_it_is_encoded(client, tiny_bundle):
     svc = client.app.state.service
     encoded = []
     encode = svc.encode
@@ -218,8 +212,8 @@ def test_a_prompt_longer_than_the_context_says_both_numbers(client, tok):
     assert "the model's context is 96 tokens" in msg and r.json()["error"]["param"] == "prompt"
 
 
-def test_a_body_over_the_limit_is_413(bundle):
-    app = create_app(Settings(bundle=str(bundle), max_body_bytes=100))
+def test_a_body_over_the_limit_is_413(tiny_bundle):
+    app = create_app(Settings(bundle=str(tiny_bundle), max_body_bytes=100))
     with TestClient(app) as c:
         r = c.post("/v1/completions", json={"prompt": "x" * 200})
         assert r.status_code == 413 and "limit of 100 bytes" in r.json()["error"]["message"]
@@ -227,8 +221,8 @@ def test_a_body_over_the_limit_is_413(bundle):
         assert chunked.status_code == 413
 
 
-def test_the_api_key_guards_everything_but_health(bundle):
-    with TestClient(create_app(Settings(bundle=str(bundle), api_key="s3cret"))) as c:
+def test_the_api_key_guards_everything_but_health(tiny_bundle):
+    with TestClient(create_app(Settings(bundle=str(tiny_bundle), api_key="s3cret"))) as c:
         ready(c)
         assert c.get("/v1/models").status_code == 401
         wrong = {"Authorization": "Bearer nope"}
@@ -282,11 +276,11 @@ def test_a_stop_string_over_256_characters_is_refused_by_name(client):
         assert r.status_code == 200, r.text
 
 
-def test_an_unexpected_error_is_an_openai_shaped_500_and_counted(bundle):
+def test_an_unexpected_error_is_an_openai_shaped_500_and_counted(tiny_bundle):
     def broken(*_a):
         raise ZeroDivisionError("a bug")
 
-    app = create_app(Settings(bundle=str(bundle), threads=1))
+    app = create_app(Settings(bundle=str(tiny_bundle), threads=1))
     with TestClient(app, raise_server_exceptions=False) as c:
         ready(c).app.state.service.encode = broken
         r = c.post("/tokenize", json={"prompt": "নদী"})

@@ -14,7 +14,6 @@ import zlib
 import httpx2
 import pytest
 from live_server import live_server
-from test_serve_engine import tiny_bundle
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(
@@ -39,13 +38,8 @@ new MutationObserver(() => {
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path):
-    return tiny_bundle(tmp_path_factory, tokenizer_path)
-
-
-@pytest.fixture(scope="module")
-def server(bundle, tmp_path_factory):
-    with live_server(bundle, tmp_path_factory.mktemp("browser")) as s:
+def server(tiny_bundle, tmp_path_factory):
+    with live_server(tiny_bundle, tmp_path_factory.mktemp("browser")) as s:
         yield s
 
 
@@ -93,14 +87,14 @@ def png_facts(data: bytes) -> tuple[int, int, int]:
 
 
 def test_the_playground_streams_a_bangla_completion_and_screenshots(
-    server, browser, bundle, tmp_path
+    server, browser, tiny_bundle, tmp_path
 ):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(f"{server.url}/")
     wait = WebDriverWait(browser, 20)
-    wait.until(lambda d: d.find_element(By.ID, "model").text == bundle.name)  # /v1/models ran
+    wait.until(lambda d: d.find_element(By.ID, "model").text == tiny_bundle.name)  # /v1/models ran
     prompt = browser.find_element(By.ID, "prompt")
     prompt.send_keys(PROMPT)
     assert prompt.get_property("value") == PROMPT  # typed, key by key, through the keyboard

@@ -14,16 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve_engine import tiny_bundle
 
 from serve.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path):
-    return tiny_bundle(tmp_path_factory, tokenizer_path)
 
 
 def test_a_folder_that_is_not_a_bundle_is_one_line_error(tmp_path):
@@ -35,13 +29,13 @@ def test_a_folder_that_is_not_a_bundle_is_one_line_error(tmp_path):
         main([str(tmp_path), "--slots", "0"])
 
 
-def test_loopback_by_default_and_the_key_from_the_environment(bundle, monkeypatch):
+def test_loopback_by_default_and_the_key_from_the_environment(tiny_bundle, monkeypatch):
     import uvicorn
 
     seen = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw, app=app))
     monkeypatch.setenv("DOEL_API_KEY", "k1")
-    main([str(bundle), "--port", "9999"])
+    main([str(tiny_bundle), "--port", "9999"])
     assert seen["host"] == "127.0.0.1" and seen["port"] == 9999
     guard = seen["app"].middleware_stack or seen["app"].build_middleware_stack()
     while not hasattr(guard, "api_key"):
@@ -57,7 +51,9 @@ def never_serve(monkeypatch):
     monkeypatch.delenv("DOEL_API_KEY", raising=False)
 
 
-def test_an_empty_or_unreadable_key_is_a_one_line_error(bundle, tmp_path, monkeypatch, never_serve):
+def test_an_empty_or_unreadable_key_is_a_one_line_error(
+    tiny_bundle, tmp_path, monkeypatch, never_serve
+):
     (tmp_path / "empty").write_text("\n")
     cases = [
         ([], "DOEL_API_KEY is empty; give a key, or unset it to serve without one"),
@@ -69,17 +65,17 @@ def test_an_empty_or_unreadable_key_is_a_one_line_error(bundle, tmp_path, monkey
     monkeypatch.setenv("DOEL_API_KEY", "")
     for args, message in cases:
         with pytest.raises(SystemExit, match=f"^error: {message}") as e:
-            main([str(bundle), *args])
+            main([str(tiny_bundle), *args])
         assert "\n" not in str(e.value)
 
 
-def test_a_non_loopback_address_without_a_key_is_warned_about(bundle, monkeypatch, capsys):
+def test_a_non_loopback_address_without_a_key_is_warned_about(tiny_bundle, monkeypatch, capsys):
     import uvicorn
 
     seen = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
     monkeypatch.delenv("DOEL_API_KEY", raising=False)
-    main([str(bundle), "--host", "0.0.0.0"])
+    main([str(tiny_bundle), "--host", "0.0.0.0"])
     assert seen["host"] == "0.0.0.0"
     assert "warning: serving on 0.0.0.0 without an API key" in capsys.readouterr().err
     for quiet in (
@@ -87,7 +83,7 @@ def test_a_non_loopback_address_without_a_key_is_warned_about(bundle, monkeypatc
         ["--host", "::1"],
         ["--host", "0.0.0.0", "--api-key", "k"],
     ):
-        main([str(bundle), *quiet])
+        main([str(tiny_bundle), *quiet])
         assert "without an API key" not in capsys.readouterr().err
 
 
@@ -114,9 +110,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_real_server_answers_completions_and_streams(bundle):
+def test_a_real_server_answers_completions_and_streams(tiny_bundle):
     port = _free_port()
-    cmd = [sys.executable, "-m", "serve", str(bundle), "--port", str(port), "--threads", "1"]
+    cmd = [sys.executable, "-m", "serve", str(tiny_bundle), "--port", str(port), "--threads", "1"]
     env = {k: v for k, v in os.environ.items() if k != "DOEL_API_KEY"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"

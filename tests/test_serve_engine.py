@@ -1,6 +1,6 @@
 """Serve engine: the preallocated-cache loop against the export stage's plain loop, cache reuse
-across requests, sampling through the engine, limits; plus the tiny bundle the serve tests share
-(`tiny_bundle`: a random 2-layer Llama exported at fp32 once per session)."""
+across requests, sampling through the engine, limits; on conftest's `tiny_bundle` (a random 2-layer
+Llama exported at fp32 once per session)."""
 
 from __future__ import annotations
 
@@ -12,45 +12,12 @@ import pytest
 from serve.engine import BundleError, Engine, read_bundle
 from serve.sampling import SamplingParams
 
-CONTEXT = 96
-
-
-def tiny_bundle(tmp_path_factory, tokenizer_path) -> Path:
-    """Build the bundle on the first call of the session; later calls (any module) reuse it."""
-    out = tmp_path_factory.getbasetemp() / "serve-bundle"
-    if (out / "manifest.json").is_file():
-        return out
-    pytest.importorskip("onnxruntime_genai")
-    torch = pytest.importorskip("torch")
-    from export.bundle import ExportOptions, export_checkpoint
-    from train.hf import save_model
-    from train.model import Llama, ModelConfig
-
-    cfg = ModelConfig(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    ckpt = save_model(Llama(cfg), out.parent / "serve-ckpt", tokenizer=tokenizer_path)
-    opts = ExportOptions(quant="fp32", eval_tokens=64, log=lambda _m: None)
-    export_checkpoint(ckpt, out, opts)
-    return out
+CONTEXT = 96  # the tiny bundle's (conftest.BUNDLE_CONTEXT)
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path) -> Path:
-    return tiny_bundle(tmp_path_factory, tokenizer_path)
-
-
-@pytest.fixture(scope="module")
-def engine(bundle) -> Engine:
-    return Engine(read_bundle(bundle), threads=1)
+def engine(tiny_bundle) -> Engine:
+    return Engine(read_bundle(tiny_bundle), threads=1)
 
 
 def _reference(bundle: Path):
@@ -63,14 +30,14 @@ def _reference(bundle: Path):
 PROMPT = [0, 398, 841, 405, 679, 485, 420]
 
 
-def test_greedy_equals_the_export_stages_plain_loop(engine, bundle):
-    want = _reference(bundle).greedy(PROMPT, 30)[0]
+def test_greedy_equals_the_export_stages_plain_loop(engine, tiny_bundle):
+    want = _reference(tiny_bundle).greedy(PROMPT, 30)[0]
     assert list(engine.generate(PROMPT, SamplingParams(max_tokens=30, temperature=0))) == want
 
 
-def test_every_step_matches_a_full_forward_and_the_cache_is_never_reallocated(engine, bundle):
+def test_every_step_matches_a_full_forward_and_the_cache_is_never_reallocated(engine, tiny_bundle):
     ids = np.random.default_rng(0).integers(8, 2048, size=40).tolist()
-    full = _reference(bundle).logits(np.array([ids]))[0]
+    full = _reference(tiny_bundle).logits(np.array([ids]))[0]
     ptrs = [kv.data_ptr() for kv in engine.kv]
     got = [engine.forward(ids[:10], 0)]
     got += [engine.forward([t], 10 + i) for i, t in enumerate(ids[10:])]
@@ -79,9 +46,9 @@ def test_every_step_matches_a_full_forward_and_the_cache_is_never_reallocated(en
     assert all(kv.shape() == [1, 2, CONTEXT, 16] for kv in engine.kv)
 
 
-def test_a_long_request_leaves_nothing_that_changes_the_next(engine, bundle):
+def test_a_long_request_leaves_nothing_that_changes_the_next(engine, tiny_bundle):
     sampled = SamplingParams(max_tokens=25, temperature=1.0, seed=7)
-    fresh = list(Engine(read_bundle(bundle), threads=1).generate(PROMPT[:3], sampled))
+    fresh = list(Engine(read_bundle(tiny_bundle), threads=1).generate(PROMPT[:3], sampled))
     long = SamplingParams(max_tokens=80, temperature=1.0, seed=1)
     assert len(list(engine.generate(PROMPT, long))) == 80
     assert list(engine.generate(PROMPT[:3], sampled)) == fresh
@@ -109,22 +76,22 @@ def test_generation_stops_at_the_end_of_the_context(engine):
         next(engine.generate([5] * CONTEXT, SamplingParams()))
 
 
-def test_a_folder_that_is_not_a_bundle_is_refused(tmp_path, bundle):
+def test_a_folder_that_is_not_a_bundle_is_refused(tmp_path, tiny_bundle):
     with pytest.raises(BundleError, match="has no manifest.json"):
         read_bundle(tmp_path)
     (tmp_path / "manifest.json").write_text("{}")
     with pytest.raises(BundleError, match="is not a doel-export manifest"):
         read_bundle(tmp_path)
-    b = read_bundle(bundle)
+    b = read_bundle(tiny_bundle)
     assert b.eos_id == 1 and b.context_length == CONTEXT and b.share_buffer
 
 
-def test_a_graph_without_a_shared_cache_gives_the_same_tokens(bundle, engine, tmp_path):
+def test_a_graph_without_a_shared_cache_gives_the_same_tokens(tiny_bundle, engine, tmp_path):
     """optimum's graphs (other architectures) concatenate their cache; same weights, same ids."""
     from export.bundle import ExportOptions, export_checkpoint
 
     opts = ExportOptions(quant="fp32", engine="optimum", eval_tokens=64, log=lambda _m: None)
-    export_checkpoint(bundle.parent / "serve-ckpt", tmp_path / "optimum", opts)
+    export_checkpoint(tiny_bundle.parent / "serve-ckpt", tmp_path / "optimum", opts)
     other = read_bundle(tmp_path / "optimum")
     assert not other.share_buffer and other.position_ids
     params = SamplingParams(max_tokens=20, seed=2)
@@ -133,11 +100,11 @@ def test_a_graph_without_a_shared_cache_gives_the_same_tokens(bundle, engine, tm
     )
 
 
-def test_slots_prefilled_apart_then_stepped_together_match_full_forwards(bundle):
+def test_slots_prefilled_apart_then_stepped_together_match_full_forwards(tiny_bundle):
     """What continuous batching needs: each slot is prefilled alone (any prompt length), then
     all step in one batched run with ragged lengths; a slot can take a new sequence while the
     others continue."""
-    engine, lm = Engine(read_bundle(bundle), threads=1, slots=3), _reference(bundle)
+    engine, lm = Engine(read_bundle(tiny_bundle), threads=1, slots=3), _reference(tiny_bundle)
     rng = np.random.default_rng(0)
     seqs = [PROMPT[:5], PROMPT + [9, 10], PROMPT[:2]]
     for slot, s in enumerate(seqs):
@@ -160,11 +127,11 @@ def test_slots_prefilled_apart_then_stepped_together_match_full_forwards(bundle)
         engine.decode([1, 2], [5, CONTEXT + 1])
 
 
-def test_the_prompt_asks_the_graph_for_its_last_logits_only(bundle, engine):
+def test_the_prompt_asks_the_graph_for_its_last_logits_only(tiny_bundle, engine):
     """Bundles take logits_to_keep: the prompt's run returns one position's logits into the
     preallocated buffer, and gives what the run returning every position gives."""
     assert engine.last_only
-    whole = Engine(read_bundle(bundle), threads=1)
+    whole = Engine(read_bundle(tiny_bundle), threads=1)
     whole.last_only = False  # as for a bundle exported before logits_to_keep
     ids = (PROMPT * 6)[:40]
     assert np.abs(whole.forward(ids, 0) - engine.forward(ids, 0)).max() < 1e-6
@@ -172,9 +139,9 @@ def test_the_prompt_asks_the_graph_for_its_last_logits_only(bundle, engine):
     assert list(whole.generate(PROMPT, params)) == list(engine.generate(PROMPT, params))
 
 
-def test_a_prompt_fed_in_chunks_gives_what_one_run_gives(bundle, engine):
+def test_a_prompt_fed_in_chunks_gives_what_one_run_gives(tiny_bundle, engine):
     """Long prompts go in chunks (bounded memory); each chunk attends to the ones before."""
-    chunked = Engine(read_bundle(bundle), threads=1, slots=2)
+    chunked = Engine(read_bundle(tiny_bundle), threads=1, slots=2)
     chunked.prefill_chunk = 4
     ids = np.random.default_rng(3).integers(8, 2048, size=31).tolist()
     want = engine.forward(ids, 0)
@@ -187,11 +154,11 @@ def test_a_prompt_fed_in_chunks_gives_what_one_run_gives(bundle, engine):
     assert list(chunked.generate(ids, params)) == list(engine.generate(ids, params))
 
 
-def test_the_warm_up_at_load_changes_no_request(bundle):
+def test_the_warm_up_at_load_changes_no_request(tiny_bundle):
     """warm_up runs a prefill chunk and a step of every slot once (ONNX Runtime's first runs of
     a shape pay for its buffers); what it leaves in the cache is never read by a request."""
-    cold = Engine(read_bundle(bundle), threads=1, slots=2)
-    warm = Engine(read_bundle(bundle), threads=1, slots=2)
+    cold = Engine(read_bundle(tiny_bundle), threads=1, slots=2)
+    warm = Engine(read_bundle(tiny_bundle), threads=1, slots=2)
     ptrs = [kv.data_ptr() for kv in warm.kv]
     runs = []
     run = warm.session.run_with_iobinding
@@ -210,23 +177,23 @@ def test_the_warm_up_at_load_changes_no_request(bundle):
     assert np.array_equal(warm.decode([5, 6], [3, 3]), cold.decode([5, 6], [3, 3]))
 
 
-def test_the_service_warms_its_engine_up_when_it_loads(bundle, monkeypatch):
+def test_the_service_warms_its_engine_up_when_it_loads(tiny_bundle, monkeypatch):
     from serve.service import Service
 
     calls = []
     monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append(self.slots))
-    Service.load(str(bundle), threads=1, slots=3)
+    Service.load(str(tiny_bundle), threads=1, slots=3)
     assert calls == [3]
 
 
 @pytest.mark.parametrize("kv_cache, dtype", [("fp32", np.float32), ("fp16", np.float16)])
-def test_a_quantized_bundle_decodes_as_its_plain_loop(bundle, tmp_path, kv_cache, dtype):
+def test_a_quantized_bundle_decodes_as_its_plain_loop(tiny_bundle, tmp_path, kv_cache, dtype):
     """An int4 bundle with either cache precision (fp16: export/kvcache.py): the engine allocates
     the cache so, in every slot, and gives the export stage's greedy tokens, alone and batched."""
     from export.bundle import ExportOptions, export_checkpoint
 
     opts = ExportOptions(quant="int4", kv_cache=kv_cache, eval_tokens=64, log=lambda _m: None)
-    export_checkpoint(bundle.parent / "serve-ckpt", tmp_path / "int4", opts)
+    export_checkpoint(tiny_bundle.parent / "serve-ckpt", tmp_path / "int4", opts)
     b = read_bundle(tmp_path / "int4")
     assert b.manifest["kv_cache"]["dtype"] == np.dtype(dtype).name
     engine = Engine(b, threads=1, slots=2)

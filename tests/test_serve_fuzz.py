@@ -10,7 +10,6 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve_engine import tiny_bundle
 
 from serve.app import Settings, create_app
 
@@ -61,9 +60,8 @@ PROMPTS = st.one_of(st.text(max_size=30), st.lists(st.integers(0, 2047), min_siz
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, tokenizer_path):
-    bundle = tiny_bundle(tmp_path_factory, tokenizer_path)
-    with TestClient(create_app(Settings(bundle=str(bundle), threads=1))) as c:
+def client(tiny_bundle):
+    with TestClient(create_app(Settings(bundle=str(tiny_bundle), threads=1))) as c:
         while c.get("/health").status_code != 200:
             pass
         yield c

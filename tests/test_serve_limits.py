@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx2
 import pytest
 from live_server import live_server
-from test_serve_engine import tiny_bundle
 
 resource = pytest.importorskip("resource", reason="open-file limits are POSIX")
 
@@ -25,14 +24,9 @@ GET = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path):
-    return tiny_bundle(tmp_path_factory, tokenizer_path)
-
-
-@pytest.fixture(scope="module")
-def server(bundle, tmp_path_factory):
+def server(tiny_bundle, tmp_path_factory):
     args = ("--timeout-read", str(TIMEOUT), "--timeout-keep-alive", str(TIMEOUT))
-    with live_server(bundle, tmp_path_factory.mktemp("limits"), *args) as s:
+    with live_server(tiny_bundle, tmp_path_factory.mktemp("limits"), *args) as s:
         yield s
     assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
 
@@ -129,13 +123,13 @@ def test_more_than_256_headers_is_431_and_256_pass(server):
 
 
 @pytest.fixture(scope="module")
-def small(bundle, tmp_path_factory):
+def small(tiny_bundle, tmp_path_factory):
     """At most 4 connections, started with a soft open-file limit of 256 (hard as ours)."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard <= 256:
         pytest.skip(f"the hard open-file limit is {hard}")
     args = ("--max-connections", "4", "--timeout-read", str(TIMEOUT))
-    with live_server(bundle, tmp_path_factory.mktemp("small"), *args, nofile=(256, hard)) as s:
+    with live_server(tiny_bundle, tmp_path_factory.mktemp("small"), *args, nofile=(256, hard)) as s:
         yield s
     assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
 
@@ -166,9 +160,9 @@ def test_connections_over_the_limit_get_503_then_it_recovers(small):
         time.sleep(0.1)
 
 
-def test_running_out_of_open_files_logs_one_line_not_tracebacks(bundle, tmp_path):
+def test_running_out_of_open_files_logs_one_line_not_tracebacks(tiny_bundle, tmp_path):
     # 150 connections against a limit of 128 files: accepting fails until some are closed.
-    with live_server(bundle, tmp_path, "--timeout-read", str(TIMEOUT), nofile=(128, 128)) as s:
+    with live_server(tiny_bundle, tmp_path, "--timeout-read", str(TIMEOUT), nofile=(128, 128)) as s:
         flood = [_connect(s.url) for _ in range(150)]
         time.sleep(1.5)
         for c in flood:

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import pytest
 from live_server import live_server
-from test_serve_engine import tiny_bundle
 
 from serve.engine import Engine, read_bundle
 from serve.sampling import SamplingParams
@@ -23,13 +22,8 @@ PROMPT = "নদীর ধারে একটি ছোট গ্রাম"
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path):
-    return tiny_bundle(tmp_path_factory, tokenizer_path)
-
-
-@pytest.fixture(scope="module")
-def server(bundle, tmp_path_factory):
-    with live_server(bundle, tmp_path_factory.mktemp("live")) as s:
+def server(tiny_bundle, tmp_path_factory):
+    with live_server(tiny_bundle, tmp_path_factory.mktemp("live")) as s:
         yield s
     # Every request above got an answer; none may have left a traceback in the server's log.
     assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
@@ -56,30 +50,34 @@ def client(server):
     c.close()
 
 
-def test_the_openai_client_lists_the_model(client, bundle):
+def test_the_openai_client_lists_the_model(client, tiny_bundle):
     models = client.models.list().data
-    assert [m.id for m in models] == [bundle.name]
+    assert [m.id for m in models] == [tiny_bundle.name]
 
 
 def test_a_completion_is_the_engines_greedy_tokens_detokenized_with_usage(
-    client, http, bundle, tok
+    client, http, tiny_bundle, tok
 ):
-    r = client.completions.create(model=bundle.name, prompt=PROMPT, max_tokens=12, temperature=0)
+    r = client.completions.create(
+        model=tiny_bundle.name, prompt=PROMPT, max_tokens=12, temperature=0
+    )
     prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     assert prompt_ids == tok.encode(PROMPT).ids
     # The same greedy run in this process, on the bundle's files, then detokenized by the server.
-    e = Engine(read_bundle(bundle), threads=1)
+    e = Engine(read_bundle(tiny_bundle), threads=1)
     ids = list(e.generate(prompt_ids, SamplingParams(max_tokens=12, temperature=0)))
     text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
-    assert r.object == "text_completion" and r.model == bundle.name and r.id.startswith("cmpl-")
+    assert (
+        r.object == "text_completion" and r.model == tiny_bundle.name and r.id.startswith("cmpl-")
+    )
     assert len(r.choices) == 1 and r.choices[0].text == text and text
     assert r.choices[0].finish_reason == ("length" if len(ids) == 12 else "stop")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), len(ids))
     assert r.usage.total_tokens == len(prompt_ids) + len(ids)
 
 
-def test_a_streamed_completion_arrives_in_pieces_and_ends_with_usage(client, bundle):
-    req = dict(model=bundle.name, prompt=PROMPT, max_tokens=24, temperature=0.9, seed=3)
+def test_a_streamed_completion_arrives_in_pieces_and_ends_with_usage(client, tiny_bundle):
+    req = dict(model=tiny_bundle.name, prompt=PROMPT, max_tokens=24, temperature=0.9, seed=3)
     whole = client.completions.create(**req)
     stream = client.completions.create(**req, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)  # the client stops at `data: [DONE]`; a broken stream would raise
@@ -93,18 +91,18 @@ def test_a_streamed_completion_arrives_in_pieces_and_ends_with_usage(client, bun
     assert len({c.id for c in chunks}) == 1
 
 
-def test_a_seed_reproduces_the_same_text(client, bundle):
-    req = dict(model=bundle.name, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=7)
+def test_a_seed_reproduces_the_same_text(client, tiny_bundle):
+    req = dict(model=tiny_bundle.name, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=7)
     a, b = (client.completions.create(**req).choices[0].text for _ in range(2))
     assert a == b and a
 
 
-def test_refusals_are_the_clients_own_exceptions_with_the_servers_message(client, bundle):
+def test_refusals_are_the_clients_own_exceptions_with_the_servers_message(client, tiny_bundle):
     with pytest.raises(openai.NotFoundError, match="'gpt-4' does not exist"):
         client.completions.create(model="gpt-4", prompt=PROMPT)
     long_prompt = "নদী " * 200
     with pytest.raises(openai.BadRequestError, match=r"context is 96 tokens") as e:
-        client.completions.create(model=bundle.name, prompt=long_prompt, max_tokens=4)
+        client.completions.create(model=tiny_bundle.name, prompt=long_prompt, max_tokens=4)
     assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
 
 

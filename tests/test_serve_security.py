@@ -12,23 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import pytest
 from live_server import live_server
-from test_serve_engine import tiny_bundle
 
 KEY = "k-3f9a"
 ORIGIN = "http://app.example"
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path):
-    return tiny_bundle(tmp_path_factory, tokenizer_path)
-
-
-@pytest.fixture(scope="module")
-def keyed(bundle, tmp_path_factory):
+def keyed(tiny_bundle, tmp_path_factory):
     folder = tmp_path_factory.mktemp("keyed")
     (folder / "key").write_text(f"{KEY}\n")  # as `echo KEY > key` writes it
     args = ("--api-key-file", str(folder / "key"), "--cors-origin", ORIGIN)
-    with live_server(bundle, folder, *args) as s:
+    with live_server(tiny_bundle, folder, *args) as s:
         yield s
     assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
 
@@ -67,11 +61,11 @@ def test_a_401_carries_the_cors_headers_and_the_key_still_guards(http):
 
 
 @pytest.fixture(scope="module")
-def open_server(bundle, tmp_path_factory):
+def open_server(tiny_bundle, tmp_path_factory):
     """No key, on loopback, one more Host name allowed; one slot and no queue (429 at once);
     the API's pages on."""
     args = ("--allowed-host", "my.box", "--slots", "1", "--max-queue", "0", "--docs")
-    with live_server(bundle, tmp_path_factory.mktemp("open"), *args) as s:
+    with live_server(tiny_bundle, tmp_path_factory.mktemp("open"), *args) as s:
         yield s
     assert "Traceback" not in s.log_text(), s.log_text()[-3000:]
 

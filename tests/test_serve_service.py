@@ -10,17 +10,11 @@ import threading
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from test_serve_engine import tiny_bundle
 
 from serve.app import Settings, create_app
 from serve.protocol import CompletionRequest
 from serve.sampling import SamplingParams
 from serve.service import RequestError, Service
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path):
-    return tiny_bundle(tmp_path_factory, tokenizer_path)
 
 
 def _req(**kw) -> CompletionRequest:
@@ -35,8 +29,8 @@ def _text(pieces) -> str:
     return "".join(p.text for p in pieces)
 
 
-def test_concurrent_requests_share_batched_steps_and_get_what_they_get_alone(bundle):
-    svc = Service.load(str(bundle), threads=1, slots=4)
+def test_concurrent_requests_share_batched_steps_and_get_what_they_get_alone(tiny_bundle):
+    svc = Service.load(str(tiny_bundle), threads=1, slots=4)
     reqs = [_req(prompt=p, max_tokens=n, seed=i, temperature=1.0) for i, (p, n) in
             enumerate([("নদী", 30), ("The river", 12), ("আমাদের গ্রামের নাম", 25), ("a", 20),
                        ("ছোট", 18)])]  # fmt: skip
@@ -55,8 +49,8 @@ def test_concurrent_requests_share_batched_steps_and_get_what_they_get_alone(bun
     assert max(batch_sizes) == 4  # five requests, four slots: the fifth took a freed slot
 
 
-def test_an_abandoned_stream_frees_its_slot_and_the_next_request_runs(bundle):
-    svc = Service.load(str(bundle), threads=1, slots=1)
+def test_an_abandoned_stream_frees_its_slot_and_the_next_request_runs(tiny_bundle):
+    svc = Service.load(str(tiny_bundle), threads=1, slots=1)
 
     async def main():
         stream = svc.complete(_req(max_tokens=80))
@@ -82,8 +76,8 @@ def _blocked(svc: Service) -> threading.Event:
     return go
 
 
-def test_a_full_queue_is_refused_and_waiting_requests_run_in_turn(bundle):
-    svc = Service.load(str(bundle), threads=1, slots=1, max_queue=1)
+def test_a_full_queue_is_refused_and_waiting_requests_run_in_turn(tiny_bundle):
+    svc = Service.load(str(tiny_bundle), threads=1, slots=1, max_queue=1)
     go = _blocked(svc)
 
     async def main():
@@ -101,10 +95,10 @@ def test_a_full_queue_is_refused_and_waiting_requests_run_in_turn(bundle):
     assert first[-1].completion_tokens == 3 and second[-1].completion_tokens == 2
 
 
-def test_429_over_http_carries_retry_after(bundle):
-    loaded = Service.load(str(bundle), threads=1, slots=1, max_queue=0)
+def test_429_over_http_carries_retry_after(tiny_bundle):
+    loaded = Service.load(str(tiny_bundle), threads=1, slots=1, max_queue=0)
     go = _blocked(loaded)
-    app = create_app(Settings(bundle=str(bundle)), loader=lambda _s: loaded)
+    app = create_app(Settings(bundle=str(tiny_bundle)), loader=lambda _s: loaded)
     with TestClient(app) as c:
         while c.get("/health").status_code != 200:
             pass
@@ -148,11 +142,11 @@ def test_closing_the_http_stream_closes_the_service_generator():
     asyncio.run(main())
 
 
-def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(bundle):
+def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(tiny_bundle):
     """Fairness: a prompt arriving while another stream decodes goes in one chunk per step, each
     step also giving the running stream its next token; the dummy row a filling slot gets in the
     batched step (slot 0 here, below the running slot 1) changes nobody's tokens."""
-    svc = Service.load(str(bundle), threads=1, slots=2)
+    svc = Service.load(str(tiny_bundle), threads=1, slots=2)
     engine = svc.engine
     engine.prefill_chunk = 4
     rng = np.random.default_rng(0)
