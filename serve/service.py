@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer, normalizers
+
 from serve.engine import Engine, read_bundle
 from serve.metrics import Metrics
 from serve.protocol import CompletionRequest
@@ -68,8 +70,6 @@ class Service:
         max_queue: int = 16,
         slots: int = 1,
     ):
-        from tokenizers import Tokenizer
-
         b = read_bundle(bundle)
         tok = Tokenizer.from_file(str(b.tokenizer))
         engine = Engine(b, threads, slots if b.share_buffer else 1)
@@ -96,8 +96,6 @@ class Service:
         """A lower bound on the tokens of `text`, without reading it: a token covers at most
         `max_token_chars` normalized characters, and NFC (doel's normalizer) folds at most
         NFC_FOLD characters into one. 0 under another normalizer."""
-        from tokenizers import normalizers
-
         norm = self.tokenizer.normalizer
         if norm is None:
             fold = 1
