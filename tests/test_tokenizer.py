@@ -127,6 +127,7 @@ def test_loads_unchanged_in_transformers(tokenizer_path, tok):
     auto = AutoTokenizer.from_pretrained(str(tokenizer_path.parent))
     assert fast(text)["input_ids"] == tok.encode(text).ids
     assert auto(text)["input_ids"] == tok.encode(text).ids
+    assert list(auto(text)) == ["input_ids", "attention_mask"]  # no token_type_ids for generate
     assert (auto.bos_token, auto.eos_token, auto.pad_token) == (BOS, EOS, PAD)
     assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == unicodedata.normalize(
         "NFC", text
@@ -226,3 +227,36 @@ def test_a_size_below_the_smallest_possible_is_refused_naming_it(tmp_path, sampl
     assert not (tmp_path / "t" / "tokenizer.json").exists()
     path = train_tokenizer(sources, TokenizerConfig(vocab_size=508), tmp_path / "t", log=print)
     assert load_tokenizer(path).get_vocab_size() == 508
+
+
+JOINER_TEXTS = ["র\u200d্যাব এল, কি\u200cন্তু গেল।", "ক্\u200dষ আর ক্\u200cষ", "a\u200cb \u200d 12345"]
+
+
+def test_the_split_spells_the_joiners_as_characters_other_regex_engines_accept(
+    tokenizer_path, sample_paths
+):
+    # Oniguruma (tokenizers) reads \x{200C}; other engines refuse the escape (onnxruntime-genai's,
+    # Python's regex module). The joiners are the characters themselves, in the file too.
+    regex = pytest.importorskip("regex")
+    written = json.loads(tokenizer_path.read_text(encoding="utf-8"))["pre_tokenizer"]
+    assert written["pattern"]["Regex"] == PATTERNS["doel"]
+    assert "\\x{" not in PATTERNS["doel"] and "\u200c\u200d" in PATTERNS["doel"]
+    with pytest.raises(regex.error):
+        regex.compile(PATTERNS["doel"].replace("\u200c\u200d", r"\x{200C}\x{200D}"))
+    text = "\n".join(JOINER_TEXTS) + Path(sample_paths[0]).read_text(encoding="utf-8")[:3000]
+    assert regex.findall(PATTERNS["doel"], text) == split_pieces(PATTERNS["doel"], text)
+
+
+def test_a_tokenizer_written_with_the_escaped_joiners_loads_and_gives_the_same_ids(
+    tmp_path, tokenizer_path, tok, sample_paths
+):
+    data = json.loads(tokenizer_path.read_text(encoding="utf-8"))
+    pattern = data["pre_tokenizer"]["pattern"]["Regex"]
+    old = pattern.replace("\u200c", r"\x{200C}").replace("\u200d", r"\x{200D}")
+    assert old != pattern
+    data["pre_tokenizer"]["pattern"]["Regex"] = old
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), "utf-8")
+    before = load_tokenizer(tmp_path)
+    text = Path(sample_paths[0]).read_text(encoding="utf-8")[:5000]
+    for t in [*JOINER_TEXTS, text]:
+        assert before.encode(t).ids == tok.encode(t).ids

@@ -1,6 +1,7 @@
-"""Model folders in Hugging Face layout: `config.json`, `model.safetensors`, `tokenizer.json`,
-`generation_config.json`. `transformers.LlamaForCausalLM.from_pretrained(folder)` loads what
-`save_model` writes, and `load_model` reads what transformers' `save_pretrained` writes.
+"""Model folders in Hugging Face layout: `config.json`, `model.safetensors`, `tokenizer.json` with
+`tokenizer_config.json` and `special_tokens_map.json`, `generation_config.json`.
+`transformers.LlamaForCausalLM.from_pretrained(folder)` loads what `save_model` writes, and
+`load_model` reads what transformers' `save_pretrained` writes.
 
 A tied head is stored once (as `model.embed_tokens.weight`), as transformers does.
 """
@@ -16,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from train.common import DoelError, atomic_write_json
+from train.data.tokenizer import write_hf_side_files
 from train.model import Llama, ModelConfig
 
 WEIGHTS = "model.safetensors"
@@ -29,7 +31,9 @@ def generation_config(cfg: ModelConfig) -> dict:
         "do_sample": True,
         "temperature": 0.8,
         "top_k": 50,
-        "max_length": cfg.max_position_embeddings,
+        # No max_length: with one, a plain generate() runs to the end of the context, and some
+        # transformers versions warn when max_new_tokens is given beside it (config.json has
+        # the context length).
     }
 
 
@@ -62,9 +66,11 @@ def save_model(
     if tokenizer is not None:
         tokenizer = Path(tokenizer)
         src_dir = tokenizer.parent if tokenizer.is_file() else tokenizer
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (src_dir / name).is_file():
-                shutil.copyfile(src_dir / name, folder / name)
+        if (src_dir / "tokenizer.json").is_file():
+            shutil.copyfile(src_dir / "tokenizer.json", folder / "tokenizer.json")
+            # Written afresh rather than copied, so that a tokenizer trained before a field was
+            # added (model_input_names) still gives every checkpoint complete side files.
+            write_hf_side_files(folder)
     for name, obj in (extra_json or {}).items():
         atomic_write_json(folder / name, obj)
     return folder

@@ -45,7 +45,10 @@ SPECIAL_TOKENS = [BOS, EOS, PAD] + [f"<|reserved_{i}|>" for i in range(N_RESERVE
 BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 N_BYTES = 256
 
-_L = r"\p{L}\p{M}\x{200C}\x{200D}"  # letters, combining marks, ZWNJ, ZWJ
+# Letters, combining marks, ZWNJ and ZWJ. The two joiners are the characters themselves, not
+# \x{200C} escapes: Oniguruma (tokenizers) reads either, other regex engines that load
+# tokenizer.json (onnxruntime-genai's) refuse the escape. Both spellings give the same ids.
+_L = r"\p{L}\p{M}" + "\u200c\u200d"
 PATTERNS = {
     # Words keep their marks and one trailing punctuation mark; before a word may stand one
     # space or punctuation character, or a space and one punctuation character (' "word',
@@ -302,7 +305,7 @@ def train_tokenizer(
     out.mkdir(parents=True, exist_ok=True)
     path = out / "tokenizer.json"
     atomic_write_bytes(path, text.encode("utf-8"))
-    _write_hf_side_files(out)
+    write_hf_side_files(out)
     atomic_write_json(
         out / "doel_tokenizer.json",
         {
@@ -317,14 +320,19 @@ def train_tokenizer(
     return path
 
 
-def _write_hf_side_files(out: Path) -> None:
+def write_hf_side_files(out: Path) -> None:
     """So that `AutoTokenizer.from_pretrained(out)` gives a PreTrainedTokenizerFast with the
-    right special tokens."""
+    right special tokens, doel's ids (<|bos|> once) and only the inputs a Llama takes. Also
+    written into every checkpoint (train/hf.py), whatever the tokenizer folder held."""
     specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
     atomic_write_json(
         out / "tokenizer_config.json",
         {
+            # The plain fast class: tokenizer.json's post-processor adds <|bos|> once. A Llama
+            # class would add its own BOS handling on top (and invent <s> when it is missing).
             "tokenizer_class": "PreTrainedTokenizerFast",
+            # Without it transformers 4.x returns token_type_ids, which generate() refuses.
+            "model_input_names": ["input_ids", "attention_mask"],
             "clean_up_tokenization_spaces": False,
             "model_max_length": 1_000_000_000,
             **specials,
