@@ -3,6 +3,10 @@
     BUNDLE/model.onnx (+ model.onnx.data)   the decoder with KV cache
     BUNDLE/model.ort                        with --mobile: the same graph for ONNX Runtime Mobile
     BUNDLE/tokenizer.json                   the checkpoint's tokenizer, unchanged
+    BUNDLE/config.json                      the checkpoint's, unchanged; with the next three, what
+    BUNDLE/tokenizer_config.json            transformers' AutoTokenizer and optimum's
+    BUNDLE/special_tokens_map.json          ORTModelForCausalLM read (hf_files)
+    BUNDLE/generation_config.json
     BUNDLE/genai_config.json                (builder engine) lets onnxruntime-genai run it too
     BUNDLE/manifest.json                    I/O names and shapes, vocabulary, special ids, context
                                             length, quantization, sha256 of every file, the
@@ -14,6 +18,7 @@ passed, so a failed export leaves nothing behind.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -164,6 +169,46 @@ def manifest(
     }
 
 
+def hf_files(ckpt: Checkpoint, stage: Path) -> None:
+    """config.json and the tokenizer's and generation's side files, so that the bundle loads in
+    transformers' AutoTokenizer and optimum's ORTModelForCausalLM as it is. Taken from the
+    checkpoint (and the tokenizer's folder) where they are, completed where they are not: a
+    checkpoint written before doel added model_input_names, or without side files at all."""
+    shutil.copyfile(ckpt.folder / "config.json", stage / "config.json")
+    specials = {
+        f"{role}_token": ckpt.special_tokens[role]["token"]
+        for role in ("bos", "eos", "pad")
+        if role in ckpt.special_tokens
+    }
+    tok_config = read_json(ckpt.tokenizer.parent / "tokenizer_config.json") or dict(specials)
+    # Without a class AutoTokenizer falls back to the config's model type (a Llama tokenizer,
+    # which adds a <s> of its own); the plain fast class encodes exactly as tokenizer.json does.
+    tok_config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    # Without it transformers 4.x returns token_type_ids, which generate() refuses.
+    tok_config.setdefault("model_input_names", ["input_ids", "attention_mask"])
+    write_json(stage / "tokenizer_config.json", tok_config)
+    special_map = read_json(ckpt.tokenizer.parent / "special_tokens_map.json") or specials
+    write_json(stage / "special_tokens_map.json", special_map)
+    gen = read_json(ckpt.folder / "generation_config.json") or {
+        f"{role}_token_id": ckpt.special_tokens[role]["id"]
+        for role in ("bos", "eos", "pad")
+        if role in ckpt.special_tokens
+    }
+    # Older checkpoints set max_length: a plain generate() then runs to the end of the context,
+    # and some transformers versions warn when max_new_tokens is given beside it.
+    gen.pop("max_length", None)
+    write_json(stage / "generation_config.json", gen)
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None where there is no such file or it holds no object."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptions) -> dict:
     """Export, prove, write the bundle; return its manifest. Raises ExportError on bad input or a
     failed check, leaving `out` untouched."""
@@ -185,6 +230,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
         )
         build_s = time.perf_counter() - t0
         shutil.copyfile(ckpt.tokenizer, stage / "tokenizer.json")
+        hf_files(ckpt, stage)
         log("checking parity against PyTorch")
         figures, lm = prove(ckpt, opts, model, texts)
         if opts.mobile:
