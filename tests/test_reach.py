@@ -15,6 +15,7 @@ import pytest
 
 from serve.engine import Engine, read_bundle
 from serve.sampling import SamplingParams
+from train.data.tokenizer import BOS, EOS, PAD
 
 TEXTS = [
     "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।",
@@ -153,3 +154,49 @@ def test_onnxruntime_genais_own_tokenizer_loads_the_bundle_but_cannot_reproduce_
     want = Tokenizer.from_file(str(tiny_bundle / "tokenizer.json")).encode(TEXTS[0]).ids
     got = og.Tokenizer(og.Model(str(tiny_bundle))).encode(TEXTS[0]).tolist()
     assert got != want and -1 in got
+
+
+@pytest.mark.parametrize("side_files", ["old", "none"])
+def test_a_bundle_of_an_older_checkpoint_gets_complete_hugging_face_files(
+    tmp_path, tokenizer_path, tiny_model_config, side_files
+):
+    # Written before model_input_names and with max_length, or with no side files at all (a
+    # folder put together by hand): the bundle's files are completed either way.
+    pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    from export.bundle import hf_files
+    from export.checkpoint import inspect_checkpoint
+    from train.hf import save_model
+    from train.model import Llama
+
+    folder = save_model(Llama(tiny_model_config), tmp_path / "ckpt", tokenizer=tokenizer_path)
+    conf_path, gen_path = folder / "tokenizer_config.json", folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text(encoding="utf-8"))
+    gen_path.write_text(json.dumps({**gen, "max_length": 96}), encoding="utf-8")
+    if side_files == "old":
+        conf = json.loads(conf_path.read_text(encoding="utf-8"))
+        del conf["model_input_names"]
+        conf_path.write_text(json.dumps(conf), encoding="utf-8")
+    else:
+        conf_path.unlink()
+        (folder / "special_tokens_map.json").unlink()
+    out = tmp_path / "bundle"
+    out.mkdir()
+    hf_files(inspect_checkpoint(folder), out)
+
+    shutil.copy(folder / "tokenizer.json", out)  # as export_checkpoint copies it
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    text = TEXTS[1]
+    assert list(hf_tok(text)) == ["input_ids", "attention_mask"]
+    assert hf_tok(text)["input_ids"] == tok_ids(folder, text)
+    assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == (BOS, EOS, PAD)
+    gen_out = json.loads((out / "generation_config.json").read_text(encoding="utf-8"))
+    assert gen_out == gen and "max_length" not in gen_out
+    assert (out / "config.json").read_bytes() == (folder / "config.json").read_bytes()
+
+
+def tok_ids(folder, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
