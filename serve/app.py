@@ -26,6 +26,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.guard import AllowedHosts, Guard
+from serve.logprobs import Record
 from serve.metrics import CountRequests, Metrics
 from serve.protocol import (
     CONTEXT_LENGTH,
@@ -36,6 +37,7 @@ from serve.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    Logprobs,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -236,20 +238,51 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
-async def _whole(svc: Service, pieces) -> Completion:
-    """A non-streamed completion: all pieces joined, usage from the last."""
-    text, last = [], None
-    async with contextlib.aclosing(pieces):
-        async for last in pieces:
-            text.append(last.text)
-    usage = Usage(
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-        total_tokens=last.prompt_tokens + last.completion_tokens,
+async def _choice(
+    svc: Service, req: CompletionRequest, index: int, prompt, slots: asyncio.Semaphore
+) -> tuple[Choice, int, int]:
+    """One prompt's choice, whole: its pieces joined (behind the prompt with echo), and its
+    prompt and completion token counts."""
+    record = None if req.logprobs is None else Record(req.logprobs, req.echo)
+    async with slots:
+        pieces = svc.complete(req, prompt, record)
+        text, last = [], None
+        async with contextlib.aclosing(pieces):
+            async for last in pieces:
+                text.append(last.text)
+    logprobs = None
+    if record is not None:
+        lp = await svc.in_thread(svc.logprobs, last.ids, last.prompt_tokens, record, req.echo)
+        logprobs = Logprobs(**lp)
+    if req.echo:
+        shown = prompt if isinstance(prompt, str) else await svc.in_thread(svc.decode, prompt)
+        text.insert(0, shown)
+    choice = Choice(
+        text="".join(text), index=index, logprobs=logprobs, finish_reason=last.finish_reason
     )
-    choice = Choice(text="".join(text), finish_reason=last.finish_reason)
+    return choice, last.prompt_tokens, last.completion_tokens
+
+
+async def _whole(svc: Service, req: CompletionRequest) -> Completion:
+    """A non-streamed completion: a choice for each prompt, usage summed over them. The
+    prompts of a batch run side by side, as many at once as the engine has slots, so that
+    one request takes no more places in the queue than that."""
+    slots = asyncio.Semaphore(svc.engine.slots)
+    jobs = [
+        asyncio.ensure_future(_choice(svc, req, i, p, slots)) for i, p in enumerate(req.prompts())
+    ]
+    try:
+        done = await asyncio.gather(*jobs)
+    except BaseException:  # one refused (or the client gone): the others stop too
+        for j in jobs:
+            j.cancel()
+        await asyncio.wait(jobs)
+        raise
+    prompt, made = sum(d[1] for d in done), sum(d[2] for d in done)
+    usage = Usage(prompt_tokens=prompt, completion_tokens=made, total_tokens=prompt + made)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    return Completion(id=rid, created=created, model=svc.name, choices=[choice], usage=usage)
+    choices = [d[0] for d in done]
+    return Completion(id=rid, created=created, model=svc.name, choices=choices, usage=usage)
 
 
 def add_routes(app: FastAPI) -> None:
@@ -282,7 +315,7 @@ def add_routes(app: FastAPI) -> None:
     async def completions(req: CompletionRequest, request: Request):
         svc = service(request, req.model)
         if not req.stream:
-            return await _unless_gone(request, _whole(svc, svc.complete(req)))
+            return await _unless_gone(request, _whole(svc, req))
         # Until the first piece (in the queue, then the prompt going in), nothing watches the
         # connection but this; from then on the streaming response does.
         pieces = await _unless_gone(request, _first(svc.complete(req)))

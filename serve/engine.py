@@ -26,6 +26,7 @@ import onnxruntime as ort
 from serve.sampling import SamplingParams, sample
 
 LAST = np.array([1], np.int64)  # logits_to_keep: the last position only
+ALL = np.array([0], np.int64)  # logits_to_keep: every position (a scored prompt, `echo`)
 PREFILL_CHUNK = 128  # prompt tokens per run (see Engine.forward)
 KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -110,6 +111,7 @@ class Engine:
         optional = {i.name for i in self.session.get_overridable_initializers()}
         self.last_only = "logits_to_keep" in optional
         self._last = ort.OrtValue.ortvalue_from_numpy(LAST)
+        self._all = ort.OrtValue.ortvalue_from_numpy(ALL)
         inputs = {i.name: i.type for i in self.session.get_inputs()}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
         # fp32, or fp16 where the export keeps the cache in half precision (export/kvcache.py)
@@ -147,10 +149,13 @@ class Engine:
             self._view_cache[(lo, n)] = (kv, logits)
         return self._view_cache[(lo, n)]
 
-    def _run_shared(self, rows: list[list[int]], totals: list[int], lo: int) -> np.ndarray:
-        """Logits [rows, vocab] of each row's last token; row i is slot lo + i, whose sequence
-        is `totals[i]` long with this row's tokens (GroupQueryAttention reads each row's
-        length from its mask and writes the new entries at that place)."""
+    def _run_shared(
+        self, rows: list[list[int]], totals: list[int], lo: int, every: bool = False
+    ) -> np.ndarray:
+        """Logits [rows, vocab] of each row's last token, or with `every` [rows, seq, vocab]
+        of all its tokens; row i is slot lo + i, whose sequence is `totals[i]` long with this
+        row's tokens (GroupQueryAttention reads each row's length from its mask and writes the
+        new entries at that place)."""
         n, seq = len(rows), len(rows[0])
         kv, logits_buf = self._views(lo, n)
         width = max(totals)
@@ -159,13 +164,13 @@ class Engine:
         mask = (np.arange(width)[None] < np.array(totals)[:, None]).astype(np.int64)
         b.bind_cpu_input("attention_mask", mask)
         if self.last_only:
-            b.bind_ortvalue_input("logits_to_keep", self._last)
+            b.bind_ortvalue_input("logits_to_keep", self._all if every else self._last)
         for name, buf in zip(self.past_names, kv):
             b.bind_ortvalue_input(name, buf)
         # Outputs come back in bind order, and a bound output must keep its shape: logits are
         # bound first, to the fixed one-row-per-slot buffer when one position per row comes out.
         b.clear_binding_outputs()
-        whole = seq > 1 and not self.last_only
+        whole = seq > 1 and (every or not self.last_only)
         if whole:
             b.bind_output("logits")
         else:
@@ -174,11 +179,14 @@ class Engine:
             b.bind_ortvalue_output(name, buf)
         self.session.run_with_iobinding(b)
         if whole:
-            return b.get_outputs()[0].numpy()[:, -1]
+            out = b.get_outputs()[0].numpy()
+            return out if every else out[:, -1]
+        if every:
+            return self.logits_array[lo : lo + n].copy()
         # A view of the reused buffer: copied, or the next step would overwrite the caller's.
         return self.logits_array[lo : lo + n, 0].copy()
 
-    def _run_concat(self, ids: list[int], total: int) -> np.ndarray:
+    def _run_concat(self, ids: list[int], total: int, every: bool = False) -> np.ndarray:
         past_len = total - len(ids)
         if past_len == 0:
             empty = (1, self.bundle.kv_heads, 0, self.bundle.head_dim)
@@ -191,28 +199,33 @@ class Engine:
         if self.bundle.position_ids:
             feeds["position_ids"] = np.arange(past_len, total, dtype=np.int64)[None]
         if self.last_only:
-            feeds["logits_to_keep"] = LAST
+            feeds["logits_to_keep"] = ALL if every else LAST
         names = ["logits", *self.present_names]
         logits, *present = self.session.run(names, feeds)
         self._past = dict(zip(self.past_names, present))
-        return logits[0, -1]
+        return logits[0] if every else logits[0, -1]
 
-    def forward(self, ids: list[int], past_len: int, slot: int = 0) -> np.ndarray:
-        """Logits [vocab] of the last of `ids`, fed after `past_len` cached tokens of `slot`."""
+    def forward(
+        self, ids: list[int], past_len: int, slot: int = 0, every: bool = False
+    ) -> np.ndarray:
+        """Logits [vocab] of the last of `ids`, fed after `past_len` cached tokens of `slot`;
+        with `every`, logits [len(ids), vocab] of each of them (what scoring a prompt needs)."""
         total = past_len + len(ids)
         if not ids or total > self.context_length:
             raise ValueError(f"{total} tokens do not fit the context of {self.context_length}")
         if not self.bundle.share_buffer:
-            return self._run_concat(ids, total)
+            return self._run_concat(ids, total, every)
         # A long prompt goes in chunks, each attending to the cache the previous ones wrote:
         # the same logits, but the attention scores and activations of one run stay bounded.
         # Measured at 0.4B int4, 1,536 tokens, 2 threads: one run 623 MB peak RSS; chunks of
         # 512, 256, 128, 64: 583, 535, 501, 495 MB, and 5.1, 4.9, 4.8, 5.1 s.
+        parts = []
         for lo in range(0, len(ids) - self.prefill_chunk, self.prefill_chunk):
             chunk = list(ids[lo : lo + self.prefill_chunk])
-            self._run_shared([chunk], [past_len + lo + len(chunk)], slot)
+            parts.append(self._run_shared([chunk], [past_len + lo + len(chunk)], slot, every))
         last = list(ids[(len(ids) - 1) // self.prefill_chunk * self.prefill_chunk :])
-        return self._run_shared([last], [total], slot)[0]
+        parts.append(self._run_shared([last], [total], slot, every))
+        return np.concatenate([p[0] for p in parts]) if every else parts[-1][0]
 
     def decode(self, tokens: list[int], totals: list[int]) -> np.ndarray:
         """One step of slots 0..n-1 in one run: logits [n, vocab]. `totals[i]` is slot i's

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from serve.logprobs import MAX_TOP
 from serve.sampling import MIN_REPETITION_PENALTY, SamplingParams
 
 MAX_TOKENS = 1 << 20  # a bound for the schema; the context length is checked per request
@@ -20,6 +21,9 @@ MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256
 INT64_MAX = (1 << 63) - 1
 MAX_ERRORS_SHOWN = 5  # a refusal lists this many problems, then counts the rest
+# Prompts in one request (each one choice): a scorer batches (lm-eval's batch_size), and each
+# prompt's logits and KV cache are the server's, so the batch is bounded as the body is.
+MAX_PROMPTS = 64
 # Token ids in one list: the serving model's context, set by the app for each request
 # (serve/app.py). It is checked before the items, so that a long list of bad ids is one error,
 # not one each (250,000 took 5.9 s to refuse, with a 24 MB answer).
@@ -35,6 +39,15 @@ def within_context(ids):
             {"n": len(ids), "context": context},
         )
     return ids
+
+
+def prompts_within_context(prompt):
+    """A prompt, or a batch of prompts, each list of ids no longer than the context."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        for ids in prompt:
+            within_context(ids)
+        return prompt
+    return within_context(prompt)
 
 
 def unicode_text(value):
@@ -85,8 +98,16 @@ class CompletionRequest(Request):
     them): top_k, repetition_penalty."""
 
     model: str | None = None
-    prompt: str | list[int] = Field(description="text, or token ids (the BOS id is not added)")
-    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS)
+    prompt: (
+        str
+        | list[int]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(
+        description="text, or token ids (the BOS id is not added), or a list of either: one "
+        "choice each"
+    )
+    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS, description="0: only score (with echo)")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=1 << 20, description="0 or -1: off")
@@ -99,11 +120,11 @@ class CompletionRequest(Request):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one completion per request")
     best_of: int | None = Field(None, ge=1, le=1)
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: bool = Field(False, description="the prompt goes in front of the completion")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP, description="top log-probabilities")
     user: str | None = None
 
-    _prompt_within_context = field_validator("prompt", mode="before")(within_context)
+    _prompt_within_context = field_validator("prompt", mode="before")(prompts_within_context)
     _unicode = field_validator("prompt", "stop")(unicode_text)
 
     @field_validator("stop")
@@ -117,6 +138,25 @@ class CompletionRequest(Request):
                     {"n": len(s), "limit": MAX_STOP_CHARS},
                 )
         return stop
+
+    @model_validator(mode="after")
+    def _scoring(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError(
+                "no_tokens", "max_tokens is 0 without echo, which returns nothing; set echo"
+            )
+        if self.stream and (self.echo or self.logprobs is not None or len(self.prompts()) > 1):
+            raise PydanticCustomError(
+                "stream_scoring",
+                "stream takes one prompt without echo or logprobs; set stream to false",
+            )
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt (text or ids) per choice."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -160,10 +200,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class Logprobs(BaseModel):
+    """OpenAI's legacy completions shape: one entry per token (the prompt's first with echo,
+    whose log-probability is null, having no context)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class Choice(BaseModel):
     text: str
     index: int = 0
-    logprobs: None = None
+    logprobs: Logprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

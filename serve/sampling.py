@@ -32,7 +32,7 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = {
-            "max_tokens": self.max_tokens >= 1,
+            "max_tokens": self.max_tokens >= 0,  # 0: only score the prompt (echo)
             "temperature": self.temperature >= 0,
             "top_k": self.top_k >= 0,
             "top_p": 0 < self.top_p <= 1,

@@ -24,6 +24,7 @@ import anyio
 import numpy as np
 
 from serve.engine import Engine
+from serve.logprobs import Record, score_rows
 from serve.sampling import SamplingParams, sample
 
 DONE = -1  # end of a sequence in its queue
@@ -41,6 +42,7 @@ class Seq:
     slot: int = -1
     cancelled: bool = False
     fed: int = 0  # prompt ids in the slot's cache; the sequence decodes once all are
+    record: Record | None = None  # log-probabilities asked for, written as the steps go
 
     @property
     def filling(self) -> bool:
@@ -63,13 +65,18 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
-        """Token ids of one request as they come; raises QueueFull when too many wait."""
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, record: Record | None = None
+    ) -> AsyncIterator[int]:
+        """Token ids of one request as they come; raises QueueFull when too many wait. With
+        `record`, each new id's log-probabilities are in it before the id is yielded (and the
+        prompt's once it is in the cache, when the record asks for them)."""
         if len(self.waiting) >= self.max_queue and len(self.running) >= self.engine.slots:
             raise QueueFull(len(self.waiting))
         context = np.zeros(self.engine.context_length, np.int64)
         context[: len(prompt)] = prompt
-        seq = Seq(list(prompt), params, context, np.random.default_rng(params.seed), n=len(prompt))
+        rng = np.random.default_rng(params.seed)
+        seq = Seq(list(prompt), params, context, rng, n=len(prompt), record=record)
         self.waiting.append(seq)
         self._start()
         try:
@@ -161,10 +168,22 @@ class Scheduler:
         if filling:
             s = filling[0]
             chunk = s.prompt[s.fed : s.fed + self.engine.prefill_chunk]
-            logits = self.engine.forward(chunk, s.fed, slot=s.slot)
+            scored = s.record is not None and s.record.prompt
+            logits = self.engine.forward(chunk, s.fed, slot=s.slot, every=scored)
+            if scored:
+                # Row r predicts prompt token fed + r + 1; the last row of the last chunk
+                # predicts the first new token instead (scored when it is picked).
+                if s.fed == 0:
+                    s.record.entries.append(None)  # the first token has no context
+                targets = s.prompt[s.fed + 1 : s.fed + len(chunk) + 1]
+                s.record.entries += score_rows(logits, targets, s.record.top)
+                logits = logits[-1]
             s.fed += len(chunk)
             if not s.filling:
-                events.append(self._pick(s, logits))
+                if s.params.max_tokens == 0:  # the prompt scored, nothing to generate
+                    events.append((s, None, True))
+                else:
+                    events.append(self._pick(s, logits))
         return events
 
     def _pick(self, s: Seq, logits: np.ndarray) -> tuple[Seq, int | None, bool]:
@@ -173,6 +192,8 @@ class Scheduler:
         token = sample(logits, p, s.rng, s.context[: s.n], s.context[len(s.prompt) : s.n])
         if token in p.stop_token_ids:
             return s, None, True
+        if s.record is not None:
+            s.record.entries += score_rows(logits, [token], s.record.top)
         s.context[s.n] = token
         s.n += 1
         return s, token, s.made >= p.max_tokens or s.n >= self.engine.context_length

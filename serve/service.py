@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer, normalizers
 
 from serve.engine import Engine, read_bundle
+from serve.logprobs import Record, openai_logprobs
 from serve.metrics import Metrics
 from serve.protocol import CompletionRequest
 from serve.scheduler import QueueFull, Scheduler
@@ -50,6 +51,7 @@ class Piece:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    ids: list[int] | None = None  # at the end of a scored one: prompt + completion ids
 
 
 class Service:
@@ -118,21 +120,25 @@ class Service:
                 param,
             )
 
-    def prompt_ids(self, req: CompletionRequest) -> list[int]:
-        """The prompt's ids, checked against the vocabulary and the context length."""
+    def prompt_ids(
+        self, req: CompletionRequest, prompt: str | list[int] | None = None
+    ) -> list[int]:
+        """The ids of `prompt` (default: the request's only one), checked against the
+        vocabulary and the context length."""
         ctx = self.context_length
-        if isinstance(req.prompt, str):
-            least = self.least_tokens(req.prompt)
+        prompt = req.prompts()[0] if prompt is None else prompt
+        if isinstance(prompt, str):
+            least = self.least_tokens(prompt)
             if least >= ctx:  # refused before the costly part, encoding
                 raise RequestError(
                     400,
-                    f"the prompt ({len(req.prompt):,} characters) is at least {least:,} tokens, "
+                    f"the prompt ({len(prompt):,} characters) is at least {least:,} tokens, "
                     f"but the model's context is {ctx} tokens; shorten the prompt",
                     "prompt",
                 )
-            ids = self.encode(req.prompt)
+            ids = self.encode(prompt)
         else:
-            ids = list(req.prompt)
+            ids = list(prompt)
             if not ids:
                 raise RequestError(400, "the prompt has no tokens", "prompt")
             self.check_ids(ids, "prompt")
@@ -147,16 +153,24 @@ class Service:
             )
         return ids
 
-    async def complete(self, req: CompletionRequest) -> AsyncIterator[Piece]:
+    async def complete(
+        self,
+        req: CompletionRequest,
+        prompt: str | list[int] | None = None,
+        record: Record | None = None,
+    ) -> AsyncIterator[Piece]:
         """Pieces of text as they become safe to send; the last one carries the finish reason
-        and the token counts. Raises RequestError before the first piece."""
-        ids = await self.in_thread(self.prompt_ids, req)
+        and the token counts (and with `record`, which the scheduler fills with
+        log-probabilities, the ids). Raises RequestError before the first piece."""
+        ids = await self.in_thread(self.prompt_ids, req, prompt)
         params = req.to_sampling_params(req.max_tokens, self.engine.bundle.eos_id)
         stream = TextStream(self.tokenizer.decode, req.stops(), ids[-CONTEXT_IDS:])
-        made, t0, ttft = 0, time.perf_counter(), 0.0
+        made, t0, ttft, out = 0, time.perf_counter(), 0.0, list(ids)
         try:
-            async with contextlib.aclosing(self.scheduler.generate(ids, params)) as tokens:
+            generating = self.scheduler.generate(ids, params, record)
+            async with contextlib.aclosing(generating) as tokens:
                 async for token in tokens:
+                    out.append(token)
                     made += 1
                     if made == 1:
                         ttft = time.perf_counter() - t0
@@ -175,4 +189,12 @@ class Service:
             self.metrics.completion(len(ids), made, ttft, time.perf_counter() - t0)
         full = made >= req.max_tokens or len(ids) + made >= self.context_length
         reason = "stop" if stream.stopped or not full else "length"
-        yield Piece(stream.finish(), reason, len(ids), made)
+        yield Piece(stream.finish(), reason, len(ids), made, out if record else None)
+
+    def logprobs(self, ids: list[int], prompt_tokens: int, record: Record, echo: bool) -> dict:
+        """`choices[i].logprobs` of prompt + completion `ids`, the prompt's tokens included
+        with `echo` (run it on a tokenizer thread). Text offsets are into the choice's text."""
+        entries = record.entries if record.prompt else [None] * prompt_tokens + record.entries
+        # A stop string can end the text before the last ids the scheduler scored.
+        start = 0 if echo else prompt_tokens
+        return openai_logprobs(self.tokenizer, ids, entries[: len(ids)], start)

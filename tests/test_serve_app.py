@@ -134,7 +134,8 @@ def test_token_id_prompts_and_tokenize_round_trip(client, tok):
     [
         ("{not json", 400, "JSON decode error"),
         ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens: Input should be a valid integer"),
-        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than"),
+        ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens: Input should be greater than"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens is 0 without echo"),
         ({"prompt": "x", "temperature": 2.5}, 400, "temperature: Input should be less than"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
         ({"prompt": "x", "n": 2}, 400, "n: Input should be less than or equal to 1"),
@@ -158,10 +159,11 @@ def test_bad_requests_are_4xx_with_a_message(client, body, status, message):
 
 
 def test_a_refusal_lists_five_problems_and_counts_the_rest(client):
-    r = client.post("/v1/completions", json={"prompt": ["a"] * 20})
+    # null in a prompt is wrong for each of its 4 forms: text, ids, texts, id lists
+    r = client.post("/v1/completions", json={"prompt": [None] * 5})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    assert msg.count("; ") == 5 and msg.endswith("; and 16 more problems"), msg
+    assert msg.count("; ") == 5 and msg.endswith("; and 11 more problems"), msg
 
 
 @pytest.mark.parametrize(

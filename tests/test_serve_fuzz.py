@@ -53,10 +53,18 @@ NEAR = st.fixed_dictionaries(
         "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=4)),
         "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "echo": st.booleans(),
+        "logprobs": st.one_of(st.none(), st.integers(0, 5)),
     },
 )
 BODIES = st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=8)
-PROMPTS = st.one_of(st.text(max_size=30), st.lists(st.integers(0, 2047), min_size=1, max_size=8))
+IDS = st.lists(st.integers(0, 2047), min_size=1, max_size=8)
+PROMPTS = st.one_of(
+    st.text(max_size=30),
+    IDS,
+    st.lists(st.text(max_size=20), min_size=1, max_size=3),  # a batch: one choice each
+    st.lists(IDS, min_size=1, max_size=3),
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +95,13 @@ def test_no_request_body_gives_a_5xx(client, route, body, prompt):
 @settings(max_examples=60, deadline=None)
 @given(body=NEAR, prompt=PROMPTS)
 def test_completions_within_the_bounds_succeed(client, body, prompt):
-    edge = body.get("max_tokens") == 0 or body.get("top_p") == 0
+    n = len(prompt) if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else 1
+    scoring = body.get("echo") or body.get("logprobs") is not None or n > 1
+    edge = (
+        (body.get("max_tokens") == 0 and not body.get("echo"))
+        or body.get("top_p") == 0
+        or (body.get("stream") and scoring)
+    )
     body = {**body, "prompt": prompt}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == (400 if edge else 200), r.text
@@ -95,6 +109,14 @@ def test_completions_within_the_bounds_succeed(client, body, prompt):
         return
     if body.get("stream"):
         assert r.text.endswith("data: [DONE]\n\n")
-    else:
-        usage = r.json()["usage"]
-        assert 1 <= usage["completion_tokens"] <= body.get("max_tokens", 16)
+        return
+    out, most = r.json(), body.get("max_tokens", 16)
+    assert [c["index"] for c in out["choices"]] == list(range(n))
+    assert (most > 0) <= out["usage"]["completion_tokens"] <= n * most
+    for c in out["choices"]:
+        if body.get("logprobs") is None:
+            assert c["logprobs"] is None
+            continue
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
+        assert all(x is None or x <= 0 for x in lp["token_logprobs"])

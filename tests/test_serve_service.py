@@ -158,8 +158,8 @@ def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(
     }
     calls = []
     forward, decode = engine.forward, engine.decode
-    engine.forward = lambda ids, past, slot=0: (
-        calls.append(("f", len(ids))) or forward(ids, past, slot)
+    engine.forward = lambda ids, past, slot=0, every=False: (
+        calls.append(("f", len(ids))) or forward(ids, past, slot, every)
     )
     engine.decode = lambda tokens, totals: (
         calls.append(("d", len(tokens))) or decode(tokens, totals)

@@ -5,7 +5,8 @@ lm-eval runs its own task definitions (the hellaswag.yaml / piqa.yaml it ships, 
 HellaSwag preprocessing), only pointed at a JSON lines file instead of the hub: nothing is
 downloaded (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set). The model is transformers'
 LlamaForCausalLM loaded from the folder, the tokenizer PreTrainedTokenizerFast from its
-tokenizer.json, both as lm-eval's HFLM loads them.
+tokenizer.json, both as lm-eval's HFLM loads them. Or another lm-eval model by name (`model`,
+`model_args`): `local-completions` against a doel-serve scores a served bundle the same way.
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ def lm_eval_choices(
     limit: int | None = None,
     batch_size: int = 16,
     device: str = "cpu",
+    model: str | None = None,
+    model_args: dict | None = None,
 ) -> list[dict]:
     """lm-eval's verdict per item, in file order: {"lls": choice log-likelihoods, "acc",
-    "acc_norm"}. `task` is hellaswag or piqa; `path` as `train.evals.tasks.load_task` takes it."""
+    "acc_norm"}. `task` is hellaswag or piqa; `path` as `train.evals.tasks.load_task` takes it.
+    With `model` (an lm-eval model name), that model with `model_args` scores instead of
+    transformers over `folder`."""
     os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
         import lm_eval
@@ -69,9 +74,14 @@ def lm_eval_choices(
             "validation_split": "validation",
             "test_split": None,
         }
-        lm = HFLM(pretrained=str(folder), device=device, batch_size=batch_size, dtype="float32")
+        if model is None:
+            lm = HFLM(pretrained=str(folder), device=device, batch_size=batch_size, dtype="float32")
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=[ConfigurableTask(config=cfg)], log_samples=True, bootstrap_iters=0
+            model=lm if model is None else model,
+            model_args=model_args,
+            tasks=[ConfigurableTask(config=cfg)],
+            log_samples=True,
+            bootstrap_iters=0,
         )
     samples = sorted(out["samples"][cfg["task"]], key=lambda s: s["doc_id"])
     return [
