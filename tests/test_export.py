@@ -282,6 +282,13 @@ def test_optimum_engine_fp32_and_int8_with_a_block_size(ckpt, tmp_path, tok):
     want = _doel_logits(ckpt, ids)
     lm = _lm(tmp_path / "o32")
     assert _rel(lm.logits(ids), want) < 1e-4 and _rel(lm.logits_with_cache(ids, 2), want) < 1e-4
+    # optimum's ORTModelForCausalLM loads this bundle too (the builder's: tests/test_reach.py).
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    ort_lm = ORTModelForCausalLM.from_pretrained(tmp_path / "o32")
+    inputs = {"input_ids": torch.tensor(ids), "attention_mask": torch.ones(ids.shape, dtype=int)}
+    made = ort_lm.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert made[0, ids.shape[1] :].tolist() == lm.greedy(ids[0].tolist(), 8)[0]
     m = export_checkpoint(
         ckpt, tmp_path / "o8", _quiet(quant="int8", engine="optimum", block_size=16)
     )
