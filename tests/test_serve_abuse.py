@@ -195,6 +195,26 @@ def test_requests_whose_clients_left_free_their_slots_at_once(server, http):
     assert metric(http, gone) - left == 4  # counted as "client closed request"
 
 
+def test_a_batch_takes_its_slots_only_and_frees_them_when_its_client_leaves(server, http):
+    """Four prompts in one request, 2 slots and a queue of 2: two run, the other two wait
+    inside the request rather than filling the queue (a newcomer still gets in), and when the
+    client leaves all stop at once."""
+    made = metric(http, "doel_generation_tokens_total")
+    batch = _open(server, {**LONG, "prompt": [PROMPT, "নদী", "a river", PROMPT]})
+    try:
+        _until(http, running=2, waiting=0, timeout=10)
+        newcomer = _open(server, {"prompt": PROMPT, "max_tokens": 3})
+        _until(http, running=2, waiting=1, timeout=5)
+        newcomer.close()
+    finally:
+        batch.close()
+    assert _until(http, running=0, waiting=0, timeout=1.0) < 1.0
+    after = metric(http, "doel_generation_tokens_total")
+    time.sleep(0.5)
+    assert metric(http, "doel_generation_tokens_total") == after
+    assert after - made < 2 * 4000
+
+
 def test_a_queued_stream_whose_client_left_is_dropped_before_its_prompt_is_read(server, http):
     """Issue 15: queued streaming requests whose clients had left still had their prompts
     prefilled, holding the queue full (others got 429). With both slots busy, two streams

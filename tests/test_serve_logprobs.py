@@ -80,13 +80,17 @@ def _ids(client, text: str) -> list[int]:
 
 
 def test_every_positions_logits_equal_the_last_ones_of_each_prefix(engine, tiny_bundle, tok):
-    ids = tok.encode(BN + " " + EN).ids[:40]
+    ids = tok.encode(BN + " " + EN).ids
+    assert len(ids) > 29
     engine.prefill_chunk = 7  # several chunks, each attending to the ones before
     try:
         every = engine.forward(ids, 0, every=True)
         assert every.shape == (len(ids), read_bundle(tiny_bundle).vocab_size)
         for n in (1, 6, 7, 8, 23, len(ids)):
             np.testing.assert_allclose(every[n - 1], engine.forward(ids[:n], 0), atol=1e-4)
+        # a last chunk of one token (the one-row output buffer), and a prompt of one token
+        for n in (29, 1):
+            np.testing.assert_allclose(engine.forward(ids[:n], 0, every=True), every[:n], atol=1e-4)
     finally:
         engine.prefill_chunk = 128
 
