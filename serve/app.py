@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,24 +23,21 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve.completions import first_piece, stream, unless_gone, whole
 from serve.guard import AllowedHosts, Guard
-from serve.logprobs import Record
 from serve.metrics import CountRequests, Metrics
 from serve.protocol import (
     CONTEXT_LENGTH,
     MAX_ERRORS_SHOWN,
-    Choice,
     Completion,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    Logprobs,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    Usage,
 )
 from serve.service import RequestError, Service
 
@@ -170,121 +165,6 @@ def default_loader(settings: Settings) -> Service:
     )
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _stream(svc: Service, req: CompletionRequest, pieces) -> AsyncIterator[str]:
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    async with contextlib.aclosing(pieces):
-        async for p in pieces:
-            usage = None
-            if p.finish_reason:
-                usage = Usage(
-                    prompt_tokens=p.prompt_tokens,
-                    completion_tokens=p.completion_tokens,
-                    total_tokens=p.prompt_tokens + p.completion_tokens,
-                )
-            choice = Choice(text=p.text, finish_reason=p.finish_reason)
-            chunk = Completion(
-                id=rid, created=created, model=svc.name, choices=[choice], usage=usage
-            )
-            yield _sse(chunk.model_dump(exclude_none=True) | {"choices": [choice.model_dump()]})
-            if usage and req.stream_options and req.stream_options.include_usage:
-                last = Completion(id=rid, created=created, model=svc.name, choices=[], usage=usage)
-                yield _sse(last.model_dump())
-    yield "data: [DONE]\n\n"
-
-
-async def _first(pieces):
-    """Run the generator up to its first piece, so that a refusal (queue full) is an HTTP
-    error rather than a broken stream."""
-    first = await anext(pieces)
-
-    async def again():
-        # Closing this wrapper (a client gone) must close the service's generator too, which
-        # frees the engine; `async for` alone would leave that to the garbage collector.
-        async with contextlib.aclosing(pieces):
-            yield first
-            async for p in pieces:
-                yield p
-
-    return again()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone. The body is read by then, so the next message the
-    server has for this request is `http.disconnect` (sent when the response is complete too)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """`await work`, unless the client disconnects first: then `work` is cancelled, which
-    closes the service's generator and so takes the request out of the queue or its slot at
-    once (a non-streamed request used to run to max_tokens for nobody), and the answer is a
-    499 that no one reads but /metrics counts."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():  # the client left, or this handler is being cancelled
-            task.cancel()
-            await asyncio.wait((task,))
-    if task.cancelled():
-        raise RequestError(499, "the client closed the connection", kind="client_closed")
-    return task.result()
-
-
-async def _choice(
-    svc: Service, req: CompletionRequest, index: int, prompt, slots: asyncio.Semaphore
-) -> tuple[Choice, int, int]:
-    """One prompt's choice, whole: its pieces joined (behind the prompt with echo), and its
-    prompt and completion token counts."""
-    record = None if req.logprobs is None else Record(req.logprobs, req.echo)
-    async with slots:
-        pieces = svc.complete(req, prompt, record)
-        text, last = [], None
-        async with contextlib.aclosing(pieces):
-            async for last in pieces:
-                text.append(last.text)
-    logprobs = None
-    if record is not None:
-        lp = await svc.in_thread(svc.logprobs, last.ids, last.prompt_tokens, record, req.echo)
-        logprobs = Logprobs(**lp)
-    if req.echo:
-        shown = prompt if isinstance(prompt, str) else await svc.in_thread(svc.decode, prompt)
-        text.insert(0, shown)
-    choice = Choice(
-        text="".join(text), index=index, logprobs=logprobs, finish_reason=last.finish_reason
-    )
-    return choice, last.prompt_tokens, last.completion_tokens
-
-
-async def _whole(svc: Service, req: CompletionRequest) -> Completion:
-    """A non-streamed completion: a choice for each prompt, usage summed over them. The
-    prompts of a batch run side by side, as many at once as the engine has slots, so that
-    one request takes no more places in the queue than that."""
-    slots = asyncio.Semaphore(svc.engine.slots)
-    jobs = [
-        asyncio.ensure_future(_choice(svc, req, i, p, slots)) for i, p in enumerate(req.prompts())
-    ]
-    try:
-        done = await asyncio.gather(*jobs)
-    except BaseException:  # one refused (or the client gone): the others stop too
-        for j in jobs:
-            j.cancel()
-        await asyncio.wait(jobs)
-        raise
-    prompt, made = sum(d[1] for d in done), sum(d[2] for d in done)
-    usage = Usage(prompt_tokens=prompt, completion_tokens=made, total_tokens=prompt + made)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    choices = [d[0] for d in done]
-    return Completion(id=rid, created=created, model=svc.name, choices=choices, usage=usage)
-
-
 def add_routes(app: FastAPI) -> None:
     page = (Path(__file__).parent / "playground.html").read_text(encoding="utf-8")
 
@@ -315,11 +195,11 @@ def add_routes(app: FastAPI) -> None:
     async def completions(req: CompletionRequest, request: Request):
         svc = service(request, req.model)
         if not req.stream:
-            return await _unless_gone(request, _whole(svc, req))
+            return await unless_gone(request, whole(svc, req))
         # Until the first piece (in the queue, then the prompt going in), nothing watches the
         # connection but this; from then on the streaming response does.
-        pieces = await _unless_gone(request, _first(svc.complete(req)))
-        return StreamingResponse(_stream(svc, req, pieces), media_type="text/event-stream")
+        pieces = await unless_gone(request, first_piece(svc.complete(req)))
+        return StreamingResponse(stream(svc, req, pieces), media_type="text/event-stream")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve.app import Settings, create_app
+from serve.completions import first_piece
 from serve.protocol import CompletionRequest
 from serve.sampling import SamplingParams
 from serve.service import RequestError, Service
@@ -122,8 +123,6 @@ async def _started(svc: Service):
 
 
 def test_closing_the_http_stream_closes_the_service_generator():
-    from serve.app import _first
-
     closed = []
 
     async def pieces():
@@ -134,7 +133,7 @@ def test_closing_the_http_stream_closes_the_service_generator():
             closed.append(True)
 
     async def main():
-        wrapped = await _first(pieces())
+        wrapped = await first_piece(pieces())
         assert await anext(wrapped) == 0 and await anext(wrapped) == 1
         await wrapped.aclose()
         assert closed == [True]  # at once, not when the loop shuts its generators down
