@@ -62,7 +62,8 @@ IDS = st.lists(st.integers(0, 2047), min_size=1, max_size=8)
 PROMPTS = st.one_of(
     st.text(max_size=30),
     IDS,
-    st.lists(st.text(max_size=20), min_size=1, max_size=3),  # a batch: one choice each
+    # a batch, one choice each; 8 characters are at most 33 tokens, which leave 60 to generate
+    st.lists(st.text(max_size=8), min_size=1, max_size=3),
     st.lists(IDS, min_size=1, max_size=3),
 )
 
@@ -112,7 +113,7 @@ def test_completions_within_the_bounds_succeed(client, body, prompt):
         return
     out, most = r.json(), body.get("max_tokens", 16)
     assert [c["index"] for c in out["choices"]] == list(range(n))
-    assert (most > 0) <= out["usage"]["completion_tokens"] <= n * most
+    assert out["usage"]["completion_tokens"] <= n * most  # 0 too: <|eos|> may come first
     for c in out["choices"]:
         if body.get("logprobs") is None:
             assert c["logprobs"] is None

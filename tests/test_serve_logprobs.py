@@ -12,31 +12,48 @@ from fastapi.testclient import TestClient
 
 from serve.app import Settings, create_app
 from serve.engine import Engine, read_bundle
-from serve.logprobs import log_softmax, score_rows
+from serve.logprobs import logsumexp, score_rows
 from serve.protocol import MAX_PROMPTS, CompletionRequest
 
 BN = "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।"
 EN = "The quick brown fox jumps over the lazy dog."
 
 
-def test_log_softmax_is_exact_where_float32_is_not():
+def log_softmax(logits) -> np.ndarray:
+    """The reference: float64 throughout."""
+    x = np.asarray(logits, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def test_logsumexp_is_float64s_where_float32_alone_is_not():
     rng = np.random.default_rng(0)
-    logits = (rng.standard_normal((3, 5000)) * 8 + 40).astype(np.float32)
-    x = logits.astype(np.float64)
-    brute = np.log(np.exp(x - 50) / np.exp(x - 50).sum(-1, keepdims=True))
-    np.testing.assert_allclose(log_softmax(logits), brute, rtol=0, atol=1e-12)
-    assert log_softmax(logits).dtype == np.float64
-    assert np.isfinite(log_softmax(np.array([1e4, -1e4, 0.0], np.float32))).all()
+    logits = (rng.standard_normal((3, 32768)) * 3 + 40).astype(np.float32)
+    exact = np.log(np.exp(logits.astype(np.float64) - 50).sum(-1)) + 50
+    np.testing.assert_allclose(logsumexp(logits), exact, rtol=0, atol=1e-6)
+    m = logits.max(-1)  # all in float32: what the float64 sum is there to avoid
+    naive = m + np.log(np.exp(logits - m[:, None]).sum(-1, dtype=np.float32))
+    assert np.abs(naive - exact).max() > 1e-6
+    assert np.isfinite(logsumexp(np.array([1e4, -1e4, 0.0], np.float32))).all()
 
 
 def test_score_rows_picks_the_target_and_the_top_ids_in_order():
     logits = np.array([[0.0, 3.0, 1.0, 3.0, -2.0], [5.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
     rows = score_rows(logits, [2, 0], top=3)
     lp = log_softmax(logits)
-    assert [r.logprob for r in rows] == [lp[0, 2], lp[1, 0]]
+    np.testing.assert_allclose([r.logprob for r in rows], [lp[0, 2], lp[1, 0]], atol=1e-12)
     assert rows[0].top_ids == (1, 3, 2)  # most likely first; equal ones by id
-    assert rows[0].top_logprobs == (lp[0, 1], lp[0, 3], lp[0, 2])
+    assert rows[1].top_ids[0] == 0 and len(set(rows[1].top_ids)) == 3
+    np.testing.assert_allclose(rows[0].top_logprobs, lp[0, [1, 3, 2]], atol=1e-12)
     assert score_rows(logits, [4], top=0)[0].top_ids == ()
+    rng = np.random.default_rng(1)
+    big = (rng.standard_normal((6, 4000)) * 5).astype(np.float32)
+    targets = rng.integers(0, 4000, 6).tolist()
+    scored = score_rows(big, targets, top=5)
+    lp = log_softmax(big)
+    np.testing.assert_allclose([s.logprob for s in scored], lp[range(6), targets], atol=1e-6)
+    for s, row in zip(scored, lp):
+        assert list(s.top_ids) == np.argsort(-row, kind="stable")[:5].tolist()
 
 
 def _refusal(**body) -> str:
