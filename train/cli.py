@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from train.common import DoelError, Interrupted  # standard library only
 
@@ -25,6 +26,8 @@ def _cmd_tokenizer(args) -> None:
     sets = list(args.set)
     if args.vocab_size is not None:
         sets.append(f"vocab_size={args.vocab_size}")
+    if args.style is not None:
+        sets.append(f"style={args.style}")
     cfg = load_config(TokenizerConfig, args.config, sets)
     sources = resolve_sources(args.data)
     path = train_tokenizer(
@@ -140,9 +143,17 @@ def _cmd_verify(args) -> None:
 def _cmd_eval(args) -> None:
     from train.data.textio import MissingTextField
     from train.evals.heldout import evaluate_checkpoint, format_eval
+    from train.evals.hubtasks import fetch_tasks
     from train.evals.tasks import parse_task_specs
 
     tasks = parse_task_specs(args.tasks)
+    local = parse_task_specs(args.local) if args.local else {}
+    if unknown := sorted(set(local) - set(tasks)):
+        raise DoelError(f"--local {unknown}: not among --tasks {sorted(tasks)}")
+    # A hub set that cannot be fetched is named on stderr and left out; the rest is scored.
+    tasks, _ = fetch_tasks(
+        tasks, Path(args.task_cache), local, log=lambda m: print(m, file=sys.stderr)
+    )
     try:
         result = evaluate_checkpoint(
             args.checkpoint,
@@ -225,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tokenizer", help="train a BPE tokenizer -> DIR/tokenizer.json")
     t.add_argument("--vocab-size", type=int, default=None, help="default 32768")
+    t.add_argument(
+        "--style",
+        help="doel (default), or gguf: a tokenizer llama.cpp reproduces id for id (doel-export "
+        "--format gguf needs it)",
+    )
     _data_args(t, "TokenizerConfig", "each source's share of the training characters")
     t.set_defaults(func=_cmd_tokenizer)
 
@@ -291,7 +307,20 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="NAME=PATH",
-        help="zero-shot tasks, e.g. hellaswag=val.jsonl piqa=DIR arc_easy=arc_easy.jsonl",
+        help="zero-shot tasks, e.g. hellaswag=val.jsonl piqa=DIR arc_easy=arc_easy.jsonl "
+        "bangla_mmlu=hf:hishab/bangla-mmlu (a hub set, hf:OWNER/NAME[:CONFIG][@SPLIT])",
+    )
+    e.add_argument(
+        "--task-cache",
+        default=str(Path.home() / ".cache" / "doel" / "tasks"),
+        help="where hf: task sets are fetched to, once (default ~/.cache/doel/tasks)",
+    )
+    e.add_argument(
+        "--local",
+        nargs="+",
+        default=[],
+        metavar="NAME=FILE",
+        help="a .jsonl/.parquet file of a hub set's rows standing in for it (no hub needed)",
     )
     e.add_argument("--limit", type=int, default=None, help="first N items of each task")
     e.add_argument("--json", action="store_true")

@@ -1,13 +1,20 @@
 """Zero-shot tasks from local files in their standard formats, each item a list of (context,
 continuation) requests of which one is right: HellaSwag (`ctx`/`endings`/`label`), PIQA
 (`valid.jsonl` + `valid-labels.lst`), MosaicML's query/choices/gold and schema JSONL (ARC, BoolQ,
-COPA, OpenBookQA, CommonsenseQA, SocialIQA, PIQA, WinoGrande, WSC), and two Bangla short-answer
-sets turned into four-way choices (TyDi QA GoldP Bengali, BLanCK). Scoring:
-`train/evals/scoring.py`.
+COPA, OpenBookQA, CommonsenseQA, SocialIQA, PIQA, WinoGrande, WSC), the TituLLM suite's Bangla
+sets in their hub columns (JSONL or Parquet: Bangla MMLU, BoolQ-BN, CommonsenseQA-BN,
+OpenBookQA-BN, PIQA-BN; fetched by train/evals/hubtasks.py), and two Bangla short-answer sets
+turned into four-way choices (TyDi QA GoldP Bengali, BLanCK). Scoring: `train/evals/scoring.py`.
 
 Prompts follow lm-evaluation-harness where it has the task (HellaSwag and PIQA are cross-checked
 item by item against it) and llm-foundry's delimiters for its files. A choice's word-boundary
 space belongs to the continuation (" is ripping level tiles off."), as in lm-eval.
+
+The TituLLM sets are scored as the suite's own lm-eval tasks score them (hishab-nlp's fork of
+lm-evaluation-harness, lm_eval/tasks/{bangla_mmlu,bnmmlu,boolq_bn,commonsenseqa_bn,
+openbookqa_bn,piqa_bn}/*.yaml, read at commit abb4c0ec): the same prompts in English framing
+("Question:", "Answer:"), the same choices, zero-shot. Their TituLLM results are 0-shot and
+5-shot; doel scores 0-shot only.
 
 Bangla short answers are scored by log-likelihood of the gold answer against three distractors,
 not by exact match of a greedy answer: a small model almost never generates the exact span, so
@@ -27,6 +34,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from train.common import DoelError
 
 # llm-foundry's continuation delimiters for its files (its tasks yaml); " " for the rest. The
@@ -39,6 +48,7 @@ FOUNDRY_DELIMITERS = {
 }
 BN_QUESTION, BN_ANSWER = "প্রশ্ন:", "উত্তর:"
 BN_DISTRACTORS = 3
+LETTERS = ("A", "B", "C", "D")
 # Punctuation a passage span may carry at its edges, the danda (।) included.
 SPAN_EDGES = " \t\n.,;:!?'\"()[]{}‘’“”—–-।॥"
 
@@ -114,6 +124,36 @@ def hellaswag_item(doc: dict) -> Item:
 def piqa_item(doc: dict, label: int) -> Item:
     """lm-eval's piqa prompt."""
     return Item.choices(f"Question: {doc['goal']}\nAnswer:", [doc["sol1"], doc["sol2"]], label)
+
+
+def mmlu_bn_item(doc: dict) -> Item:
+    """Bangla MMLU (hishab/bangla-mmlu: `choices`; hishab/titulm-bangla-mmlu: `options`), the
+    suite's prompt: the question, the four options lettered A-D, "Answer:"; the choices are the
+    letters. `answer` is the index (a ClassLabel) or the letter itself."""
+    options = doc["options"] if "options" in doc else doc["choices"]
+    if len(options) != 4:
+        raise ValueError(f"expected 4 options, got {len(options)}")
+    lines = [doc["question"].strip(), *(f"{k}. {o}" for k, o in zip(LETTERS, options))]
+    answer = doc["answer"]
+    gold = LETTERS.index(answer.strip()) if isinstance(answer, str) else int(answer)
+    return Item.choices("\n".join(lines) + "\nAnswer:", list(LETTERS), gold)
+
+
+def boolq_bn_item(doc: dict) -> Item:
+    """BoolQ-BN (hishab/boolq_bn), boolq_bn.yaml's prompt: passage, "Question: {question}?"
+    (the "?" added, as there), "Answer:" against " no" / " yes"; `answer` a bool."""
+    answer = doc["answer"]
+    if not isinstance(answer, (bool, int)) or answer not in (0, 1):
+        raise ValueError(f"answer must be true or false, got {answer!r}")
+    query = f"{doc['passage']}\nQuestion: {doc['question']}?\nAnswer:"
+    return Item.choices(query, ["no", "yes"], int(answer))
+
+
+def stem_choices_item(doc: dict) -> Item:
+    """CommonsenseQA-BN and OpenBookQA-BN (question_stem, choices {label, text}, answerKey):
+    the stem alone as context, each choice's text a continuation, as their yaml does."""
+    labels, texts = list(doc["choices"]["label"]), list(doc["choices"]["text"])
+    return Item.choices(doc["question_stem"], texts, labels.index(doc["answerKey"].lstrip()))
 
 
 def load_piqa(path: Path) -> list[Item]:
@@ -204,13 +244,34 @@ def load_blanck(path: Path, seed: int = 0) -> list[Item]:
     return items
 
 
-def _load_jsonl_task(name: str, path: Path) -> list[Item]:
-    docs = read_jsonl(path)
+def read_parquet(path: Path) -> list[dict]:
+    """The rows of a Parquet file (a hub dataset's own file, or a stand-in for one)."""
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 (arrow's errors for damaged files are of many kinds)
+        raise DoelError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+# The TituLLM sets by their columns: (columns that tell it, reader).
+TITULM_FORMATS = (
+    ({"passage", "question", "answer"}, boolq_bn_item),
+    ({"question", "options", "answer"}, mmlu_bn_item),
+    ({"question", "choices", "answer"}, mmlu_bn_item),
+    ({"question_stem", "choices", "answerKey"}, stem_choices_item),
+    ({"goal", "sol1", "sol2", "label"}, lambda d: piqa_item(d, int(d["label"]))),
+)
+
+
+def _load_rows_task(name: str, path: Path) -> list[Item]:
+    docs = read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path)
     if not docs:
         raise DoelError(f"{path} holds no items")
     keys = set(docs[0])
     if {"ctx", "endings"} <= keys or {"ctx_a", "endings"} <= keys:
         return _items(path, docs, hellaswag_item)
+    for columns, make in TITULM_FORMATS:
+        if columns <= keys:
+            return _items(path, docs, make)
     if {"goal", "sol1", "sol2"} <= keys:
         return load_piqa(path)
     if {"query", "choices", "gold"} <= keys or {"context_options", "continuation"} <= keys:
@@ -218,7 +279,9 @@ def _load_jsonl_task(name: str, path: Path) -> list[Item]:
         return _items(path, docs, lambda d: foundry_item(d, delimiter))
     raise DoelError(
         f"{path}: unknown task format (keys {sorted(keys)}); expected HellaSwag (ctx, endings, "
-        "label), PIQA (goal, sol1, sol2), or query/choices/gold or context_options/continuation"
+        "label), PIQA (goal, sol1, sol2[, label]), query/choices/gold or context_options/"
+        "continuation, or a TituLLM set (question/options|choices/answer, passage/question/"
+        "answer, question_stem/choices/answerKey)"
     )
 
 
@@ -237,7 +300,7 @@ def load_task(name: str, path: str | Path, limit: int | None = None, seed: int =
     elif path.suffix == ".json":
         items = load_tydiqa(path, seed)
     else:
-        items = _load_jsonl_task(name, path)
+        items = _load_rows_task(name, path)
     return items[:limit] if limit is not None else items
 
 
