@@ -112,6 +112,32 @@ def test_every_positions_logits_equal_the_last_ones_of_each_prefix(engine, tiny_
         engine.prefill_chunk = 128
 
 
+@pytest.mark.slow
+def test_every_positions_logits_on_a_growing_cache_graph(tmp_path, tokenizer_path, tok):
+    """optimum's graph (a cache grown by concatenation, positions as an input) gives every
+    position's logits too."""
+    pytest.importorskip("optimum")
+    torch = pytest.importorskip("torch")
+    from export.bundle import ExportOptions, export_checkpoint
+    from train.hf import save_model
+    from train.model import Llama, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=64)  # fmt: skip
+    ckpt = save_model(Llama(cfg), tmp_path / "ckpt", tokenizer=tokenizer_path)
+    opts = ExportOptions(quant="fp32", engine="optimum", eval_tokens=32, log=lambda _m: None)
+    export_checkpoint(ckpt, tmp_path / "bundle", opts)
+    engine = Engine(read_bundle(tmp_path / "bundle"), threads=1)
+    assert not engine.bundle.share_buffer
+    ids = tok.encode(EN).ids
+    every = engine.forward(ids, 0, every=True)
+    assert every.shape[0] == len(ids)
+    for n in (1, 5, len(ids)):
+        np.testing.assert_allclose(every[n - 1], engine.forward(ids[:n], 0), atol=1e-4)
+
+
 def _brute(engine, ids: list[int]) -> np.ndarray:
     """log P(ids[i] | ids[:i]) for i >= 1, each from its own forward of the prefix."""
     return np.array([log_softmax(engine.forward(ids[:i], 0))[ids[i]] for i in range(1, len(ids))])
