@@ -8,6 +8,8 @@
     BUNDLE/special_tokens_map.json          ORTModelForCausalLM read (hf_files)
     BUNDLE/generation_config.json
     BUNDLE/genai_config.json                (builder engine) lets onnxruntime-genai run it too
+    BUNDLE/README.md                        the model card: the folder is a Hub model repo as it
+                                            is (export/card.py)
     BUNDLE/manifest.json                    I/O names and shapes, vocabulary, special ids, context
                                             length, quantization, sha256 of every file, the
                                             source config's hash and the parity figures
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export import graph, parity
+from export import card, graph, parity
 from export.checkpoint import Checkpoint, inspect_checkpoint
 from export.common import ExportError, file_table, sha256_file, staging, write_json
 from export.runner import OnnxLM
@@ -60,6 +62,7 @@ class ExportOptions:
     head_bits: int = 8  # int4 bundles' head (builder graphs): 8, or 4 for the smallest bundle
     force: bool = False
     tokenizer: str | None = None
+    repo_id: str | None = None  # the bundle's Hub repository, for its card
     log: object = field(default=print, compare=False)
 
     def __post_init__(self):
@@ -77,6 +80,8 @@ class ExportOptions:
             raise ExportError(f"--kv-cache must be one of {KV_CACHE}, got {self.kv_cache!r}")
         if self.eval_tokens < 16:
             raise ExportError(f"--eval-tokens must be at least 16, got {self.eval_tokens}")
+        if self.repo_id is not None:
+            card.check_repo_id(self.repo_id)
 
 
 def io_table(lm: OnnxLM) -> dict:
@@ -240,6 +245,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
             figures["ort_format_vs_onnx"] = parity.ort_parity(lm, ort_lm, parity.prompt_ids(ckpt))
         timing = {"build_s": build_s, "total_s": time.perf_counter() - t0}
         result = manifest(ckpt, opts, engine, lm, model, parity=figures, timing=timing)
+        card.write_card(stage, result, out.resolve().name, ckpt.folder, opts.repo_id)
         result["files"] = file_table(stage)  # manifest.json itself is the one file not listed
         write_json(stage / "manifest.json", result)
     return result

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="bits of an int4 bundle's head (default 8: far less loss; 4: the smallest bundle)",
     )
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's)")
+    p.add_argument(
+        "--repo-id",
+        help="the bundle's Hugging Face repository (OWNER/NAME), named in its README.md card",
+    )
     p.add_argument("--json", action="store_true", help="print the manifest")
     return p
 
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             head_bits=args.head_bits,
             force=args.force,
             tokenizer=args.tokenizer,
+            repo_id=args.repo_id,
             log=lambda msg: print(msg, file=sys.stderr),
         )
         result = export_checkpoint(args.checkpoint, args.out, opts)

@@ -1,0 +1,197 @@
+"""The bundle's model card: BUNDLE/README.md, so that a bundle folder is a Hugging Face Hub model
+repository on its own, published with huggingface_hub's `hf upload` (no doel command needed).
+
+The YAML metadata names the library that runs the files (`onnxruntime` for an ONNX bundle; the
+GGUF export passes `gguf` to `front_matter`), the languages, the license and, when the
+checkpoint's repository is known, `base_model`. The body says what is in the folder, how to serve
+it, its parity figures from manifest.json and the upload line.
+
+Where the checkpoint's card came from doel (`model_card.json` beside it), its license and its Hub
+repository id (`doel-train eval --repo-id`) are read from there, as JSON: export imports nothing
+from train.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from export.common import ExportError
+
+PLACEHOLDER_OWNER = "YOUR-NAME"  # what a reader replaces when no --repo-id was given
+DEFAULT_LICENSE = "apache-2.0"  # doel's model cards' default
+# The Hub's rule for a repository id: [owner/]name, letters, digits, '-', '_', '.', at most 96
+# characters each, no '--' or '..', not starting or ending with '-' or '.'.
+_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+REPO_ID = re.compile(rf"(?:{_PART}/)?{_PART}", re.ASCII)
+
+
+def check_repo_id(repo_id: str) -> str:
+    """`repo_id` if the Hub would take it as a model repository's id; ExportError otherwise."""
+    if not REPO_ID.fullmatch(repo_id):
+        raise ExportError(
+            f"--repo-id {repo_id!r} is not a Hugging Face repository id: pass OWNER/NAME, "
+            "letters, digits, '-', '_' and '.' (e.g. YOUR-NAME/doel-bangla-0.4b-int4-onnx)"
+        )
+    return repo_id
+
+
+def source_card(folder: Path) -> dict:
+    """What the checkpoint's doel card recorded (model_card.json): license, repo_id. Empty for a
+    folder without one, or with a damaged one (the export does not depend on it)."""
+    try:
+        inputs = json.loads((folder / "model_card.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return inputs if isinstance(inputs, dict) else {}
+
+
+def _yaml_str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid YAML scalar
+
+
+def front_matter(
+    library_name: str, license: str, tags: list[str], base_model: str | None = None
+) -> list[str]:
+    """The YAML metadata block of a bundle's card (ONNX here; GGUF: library_name "gguf")."""
+    lines = ["---", f"library_name: {library_name}", "language:", "- bn", "- en"]
+    lines += [f"license: {_yaml_str(license)}", "pipeline_tag: text-generation"]
+    if base_model:
+        lines += ["base_model:", f"- {_yaml_str(base_model)}"]
+    lines += ["tags:", *(f"- {_yaml_str(t)}" for t in tags)]
+    return [*lines, "---"]
+
+
+def upload_lines(repo: str, folder: str) -> list[str]:
+    """The `hf upload` lines that publish `folder` as the model repository `repo`."""
+    return [
+        "```bash",
+        "pip install -U huggingface_hub && hf auth login  # once",
+        "# the whole folder, with this card as the repository's README",
+        f"hf upload {repo} {folder}",
+        "```",
+    ]
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def parity_rows(parity: dict) -> list[str]:
+    """manifest.json's parity figures as a Markdown table, each with its bound."""
+    logits, kv, loss = parity["logits_vs_torch"], parity["kv_cache_vs_full"], parity["loss"]
+    rows = [
+        ("logits vs PyTorch, max relative error", logits["max_rel_err"], logits.get("bound")),
+        ("top-1 agreement with PyTorch", logits["top1_agreement"], None),
+        ("KV-cache path vs full forward, max relative error", kv["max_rel_err"], kv.get("bound")),
+        (
+            f"held-out loss increase over {loss['tokens']:,} tokens, nats/token",
+            loss["increase_nats_per_token"],
+            loss.get("bound_nats_per_token"),
+        ),
+    ]
+    if "ort_format_vs_onnx" in parity:
+        ort = parity["ort_format_vs_onnx"]
+        rows.append(
+            ("model.ort vs model.onnx, max relative error", ort["max_rel_err"], ort["bound"])
+        )
+    return [
+        "| check | value | bound |",
+        "|---|---:|---:|",
+        *(f"| {name} | {_fmt(v, '.3g')} | {_fmt(b, '.3g')} |" for name, v, b in rows),
+    ]
+
+
+def onnx_card(
+    manifest: dict,
+    folder_name: str,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    license: str = DEFAULT_LICENSE,
+) -> str:
+    """README.md of an ONNX export bundle described by `manifest` (export_checkpoint's)."""
+    scheme = manifest["quantization"]["scheme"]
+    source = manifest["source"]["folder"]
+    repo = repo_id or f"{PLACEHOLDER_OWNER}/{folder_name}"
+    arch = ["llama"] if str(manifest.get("architecture", "")).startswith("Llama") else []
+    tags = ["doel", *arch, "bangla", "onnx", scheme]
+    mobile = (
+        " and `model.ort` (the same graph for ONNX Runtime Mobile)"
+        if manifest.get("mobile_model")
+        else ""
+    )
+    genai = (
+        "`genai_config.json` for onnxruntime-genai (ids from `tokenizers`: its own tokenizer "
+        "does not reproduce doel's); "
+        if manifest["engine"] == "genai"
+        else ""
+    )
+    base = (
+        f"[{base_model}](https://huggingface.co/{base_model})"
+        if base_model
+        else f"The checkpoint `{source}`"
+    )
+    parts = [
+        front_matter("onnxruntime", license, tags, base_model),
+        [
+            f"# {repo.split('/')[-1]}",
+            "",
+            f"{base}, a Bangla-first language model trained with doel, exported for ONNX Runtime "
+            f"on CPU ({scheme}, {manifest['engine']} engine, context "
+            f"{manifest['context_length']:,} tokens).",
+        ],
+        [
+            "## Files",
+            "",
+            f"`model.onnx` (+ `model.onnx.data`): the decoder with a KV cache{mobile}; "
+            "`tokenizer.json` with `tokenizer_config.json`, `special_tokens_map.json`, "
+            "`config.json` and `generation_config.json` for the Hugging Face tools; "
+            f"{genai}"
+            "`manifest.json`: inputs and outputs, quantization, the sha256 of every file and the "
+            "checks below.",
+        ],
+        [
+            "## Serve",
+            "",
+            "An OpenAI-compatible server on CPU, without torch:",
+            "",
+            "```bash",
+            "pip install 'doel[serve]'",
+            f"hf download {repo} --local-dir {folder_name}",
+            f"doel-serve {folder_name}  # http://127.0.0.1:8000/v1",
+            "```",
+            "",
+            "optimum's `ORTModelForCausalLM.from_pretrained` with `AutoTokenizer` loads the folder "
+            "as it is.",
+        ],
+        [
+            "## Checks",
+            "",
+            "Measured against the PyTorch checkpoint when the bundle was written (manifest.json):",
+            "",
+            *parity_rows(manifest["parity"]),
+        ],
+        [
+            "## Publish",
+            "",
+            f"From the folder above `{folder_name}`:",
+            "",
+            *upload_lines(repo, folder_name),
+        ],
+    ]
+    return "\n\n".join("\n".join(p) for p in parts) + "\n"
+
+
+def write_card(
+    stage: Path, manifest: dict, folder_name: str, source: Path, repo_id: str | None
+) -> Path:
+    """Write STAGE/README.md for the bundle that will be named `folder_name`; the checkpoint
+    folder `source` gives the license and, when its card recorded one, the base model's id."""
+    recorded = source_card(source)
+    base = recorded.get("repo_id") if isinstance(recorded.get("repo_id"), str) else None
+    license = recorded.get("license") if isinstance(recorded.get("license"), str) else None
+    text = onnx_card(manifest, folder_name, repo_id, base, license or DEFAULT_LICENSE)
+    path = stage / "README.md"
+    path.write_text(text, encoding="utf-8")
+    return path
