@@ -24,7 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("checkpoint", help="model folder in Hugging Face layout (e.g. RUN/final)")
     p.add_argument("--out", required=True, help="bundle folder to write")
-    p.add_argument("--quant", choices=("fp32", "int8", "int4"), default="int4")
+    p.add_argument(
+        "--format",
+        choices=("onnx", "gguf"),
+        default="onnx",
+        help="onnx (default): a bundle for doel-serve; gguf: DIR/model-QUANT.gguf + an Ollama "
+        "Modelfile for llama.cpp, Ollama, LM Studio (needs a `--style gguf` tokenizer)",
+    )
+    p.add_argument(
+        "--quant",
+        choices=("fp32", "int8", "int4", "f32", "f16", "q8_0", "q4_0"),
+        help="onnx: fp32, int8, int4 (default); gguf: f32, f16, q8_0 (default), q4_0",
+    )
     p.add_argument("--mobile", action="store_true", help="also write model.ort (ORT Mobile)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument(
@@ -73,11 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.format == "gguf":
+        _gguf(args)
+        return
+    if args.quant not in (None, "fp32", "int8", "int4"):
+        sys.exit(
+            f"error: --quant {args.quant} is a GGUF type; an ONNX bundle is fp32, int8 or int4"
+        )
     try:
         from export.bundle import ExportOptions, export_checkpoint, summary
 
         opts = ExportOptions(
-            quant=args.quant,
+            quant=args.quant or "int4",
             mobile=args.mobile,
             block_size=args.block_size,
             engine=args.engine,
@@ -99,3 +117,29 @@ def main(argv: list[str] | None = None) -> None:
     except ExportError as e:
         sys.exit(f"error: {e}")
     print(json.dumps(result, indent=2) if args.json else summary(Path(args.out), result))
+
+
+def _gguf(args) -> None:
+    """--format gguf: the options that apply to it, then export.gguf."""
+    quant = args.quant or "q8_0"
+    if quant not in ("f32", "f16", "q8_0", "q4_0"):
+        sys.exit(f"error: --quant {quant} is an ONNX type; a GGUF is f32, f16, q8_0 or q4_0")
+    try:
+        from export.gguf import export_gguf
+
+        result = export_gguf(
+            args.checkpoint,
+            args.out,
+            quant,
+            force=args.force,
+            tokenizer=args.tokenizer,
+            log=lambda msg: print(msg, file=sys.stderr),
+        )
+    except ModuleNotFoundError as e:
+        sys.exit(
+            f"doel-export needs the {e.name!r} package, part of the export extra: {EXTRA_HINT}"
+        )
+    except ExportError as e:
+        sys.exit(f"error: {e}")
+    if args.json:
+        print(json.dumps(result, indent=2))

@@ -37,6 +37,7 @@ from tokenizers import (
 
 from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.config import resolved
+from train.data.bytelevel import QWEN35, respell_byte_level
 from train.data.textio import Source, iter_source
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -64,6 +65,8 @@ PATTERNS = {
     ),
     # The GPT-2 split, kept as the baseline that shows the trap (~1.4 chars/token on Bangla).
     "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    # llama.cpp's qwen35 pre-type, verbatim: the "gguf" style's split (train/data/bytelevel.py).
+    "qwen35": QWEN35,
 }
 # style -> (split pattern, byte-level BPE?)
 STYLES = {
@@ -71,6 +74,8 @@ STYLES = {
     "doel-bytelevel": ("doel", True),
     "marks-bytelevel": ("marks", True),
     "gpt2": ("gpt2", True),
+    # Trained over characters, written as byte-level BPE that llama.cpp runs id for id.
+    "gguf": ("qwen35", False),
 }
 # Always whole tokens, whatever the corpus: the Bengali block, printable ASCII, a few marks.
 ALPHABET = [chr(c) for c in range(0x0980, 0x0A00) if unicodedata.category(chr(c)) != "Cn"]
@@ -81,7 +86,7 @@ ALPHABET += [chr(c) for c in range(32, 127)] + list("\n\t।॥\u200c\u200d‘�
 class TokenizerConfig:
     vocab_size: int = 32768
     min_frequency: int = 2
-    style: str = "doel"  # or an ablation: doel-bytelevel, marks-bytelevel, gpt2 (the trap)
+    style: str = "doel"  # or gguf (llama.cpp), an ablation: doel-bytelevel, marks-bytelevel, gpt2
     max_token_length: int = 24  # in characters; long tokens are rare and waste vocabulary
     limit_alphabet: int = 1000  # rarer characters are spelled with byte tokens
     max_doc_chars: int = 10_000  # long documents are cut so one book cannot dominate the counts
@@ -170,7 +175,8 @@ def build_tokenizer(style: str = "doel"):
         tok = Tokenizer(models.BPE(byte_fallback=True))
         tok.pre_tokenizer = split
         tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    tok.normalizer = normalizers.NFC()
+    if style != "gguf":  # llama.cpp normalizes nothing: NFC would make the two disagree
+        tok.normalizer = normalizers.NFC()
     return tok
 
 
@@ -252,7 +258,9 @@ def train_tokenizer(
     else:
         alphabet = {"initial_alphabet": ALPHABET, "limit_alphabet": cfg.limit_alphabet}
     trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size,
+        # The gguf style's one-byte characters share their byte tokens' ids, freeing up to 128:
+        # it learns that many merges more, and re-spelling keeps cfg.vocab_size of them.
+        vocab_size=cfg.vocab_size + (128 if cfg.style == "gguf" else 0),
         min_frequency=cfg.min_frequency,
         # Byte fallback needs the 256 <0xNN> tokens in the vocabulary, right after the specials.
         special_tokens=SPECIAL_TOKENS + ([] if byte_level else BYTE_TOKENS),
@@ -279,17 +287,19 @@ def train_tokenizer(
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
     )
-    learned = tok.get_vocab_size()
+    data = json.loads(tok.to_str())
+    # The byte tokens were passed as special only to reserve their ids; as added tokens they
+    # would be matched in text ("<0x41>") and skipped by decode, so they stay model-only.
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] not in BYTE_TOKENS]
+    if cfg.style == "gguf":
+        respell_byte_level(data, cfg.vocab_size)
+    learned = len(data["model"]["vocab"])
     if learned > cfg.vocab_size:  # the corpus's characters alone are more than asked
         raise DoelError(
             f"vocab_size={cfg.vocab_size} is smaller than the smallest possible on this corpus: "
             f"{learned} ({_floor_parts(cfg.style, learned)}); choose at least {learned}, or "
             "lower limit_alphabet to spell rare characters with byte tokens"
         )
-    data = json.loads(tok.to_str())
-    # The byte tokens were passed as special only to reserve their ids; as added tokens they
-    # would be matched in text ("<0x41>") and skipped by decode, so they stay model-only.
-    data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] not in BYTE_TOKENS]
     padding = pad_vocabulary(data, cfg.vocab_size)
     if padding:
         log(

@@ -1,0 +1,277 @@
+"""Checkpoint -> GGUF for llama.cpp, Ollama and LM Studio: DIR/model-<quant>.gguf (weights,
+tokenizer, chat template when tokenizer_config.json has one, metadata) and an Ollama Modelfile.
+
+The tokenizer is the hard part. llama.cpp does not run tokenizer.json: it runs its own
+tokenizers, picked by `tokenizer.ggml.model` and a pre-tokenizer name. Only a tokenizer that one
+of them reproduces id for id is written: byte-level BPE (llama.cpp's "gpt2" model) whose split is
+verbatim the regex of one of llama.cpp's pre-types, no normalizer, no extra word marks. That is
+what `doel-train tokenizer --style gguf` trains; any other tokenizer (doel's own style included:
+characters with byte fallback and NFC) is refused with a line saying so, never written as a GGUF
+that silently tokenizes differently. This module reads tokenizer.json only (export imports nothing
+from train/).
+
+Weights: Hugging Face's Llama stores each q/k head's rotary pairs as two halves; llama.cpp's llama
+architecture rotates adjacent pairs, so q_proj and k_proj rows are interleaved on the way (the
+same reordering llama.cpp's own converter applies). q8_0 / q4_0 are gguf-py's reference
+quantizers; a q4_0 file keeps the embedding (and head) at q8_0, as doel's int4 keeps its head at
+8 bits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors import safe_open
+
+from export.checkpoint import Checkpoint, inspect_checkpoint
+from export.common import ExportError, file_table, staging, write_json
+
+QUANTS = ("f32", "f16", "q8_0", "q4_0")
+STYLE_HINT = (
+    "train one it can with `doel-train tokenizer --style gguf` (and a model on it), or export "
+    "this one to ONNX (doel-export without --format gguf)"
+)
+# tokenizer.json split regex -> llama.cpp pre-type that runs it (src/llama-vocab.cpp; the
+# pre-type also implies its flags: qwen35 keeps spaces and applies every merge by rank).
+PRE_TYPES = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen35",
+}
+# gguf TokenType values
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+
+
+def _refuse(path: Path, why: str) -> ExportError:
+    return ExportError(
+        f"{path}: llama.cpp cannot tokenize as this tokenizer does ({why}); {STYLE_HINT}"
+    )
+
+
+def llama_cpp_pre_type(tok: dict, path: Path) -> str:
+    """The llama.cpp pre-type that tokenizes like this tokenizer.json id for id; ExportError
+    naming the first difference otherwise."""
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE":
+        raise _refuse(path, f"a {model.get('type')} model, not BPE")
+    if model.get("byte_fallback"):
+        raise _refuse(path, "BPE over characters with byte fallback, doel's default style")
+    if (
+        model.get("ignore_merges")
+        or model.get("continuing_subword_prefix")
+        or model.get("end_of_word_suffix")
+    ):
+        raise _refuse(path, "its BPE skips merges or marks word parts")
+    if tok.get("normalizer") is not None:
+        raise _refuse(path, f"it normalizes text ({tok['normalizer'].get('type')})")
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if (
+        len(steps) != 2
+        or steps[0].get("type") != "Split"
+        or steps[0].get("behavior") != "Isolated"
+        or steps[0].get("invert")
+        or steps[1].get("type") != "ByteLevel"
+        or steps[1].get("use_regex")
+        or steps[1].get("add_prefix_space")
+    ):
+        raise _refuse(path, "its pre-tokenizer is not one regex split followed by byte-level")
+    regex = steps[0].get("pattern", {}).get("Regex")
+    if regex not in PRE_TYPES:
+        raise _refuse(path, "its split regex is none of llama.cpp's pre-tokenizers")
+    if (tok.get("decoder") or {}).get("type") != "ByteLevel":
+        raise _refuse(path, "its decoder is not byte-level")
+    return PRE_TYPES[regex]
+
+
+def _specials(tok: dict, path: Path) -> tuple[bool, bool]:
+    """(add BOS, add EOS) from the post-processor: only a special token before and/or after the
+    text is something llama.cpp can add."""
+    post = tok.get("post_processor")
+    if post is None:
+        return False, False
+    single = post.get("single") if post.get("type") == "TemplateProcessing" else None
+    kinds = [next(iter(p)) for p in single or []]
+    if single is None or kinds.count("Sequence") != 1 or len(kinds) > 3:
+        raise _refuse(path, "its post-processor is not a template around the text")
+    at = kinds.index("Sequence")
+    return at == 1, len(kinds) - at == 2
+
+
+def vocabulary(tok: dict, size: int) -> tuple[list[str], list[int]]:
+    """Token strings and gguf token types by id, `size` of them (the embedding's rows)."""
+    tokens: list[str | None] = [None] * size
+    types = [UNUSED] * size
+    for text, i in tok["model"]["vocab"].items():
+        tokens[i], types[i] = text, NORMAL
+    for a in tok.get("added_tokens", []):
+        tokens[a["id"]], types[a["id"]] = a["content"], CONTROL if a["special"] else USER_DEFINED
+    return [t if t is not None else f"<|unused_{i}|>" for i, t in enumerate(tokens)], types
+
+
+def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
+    """Rows of each head from [first halves | second halves] to alternating pairs."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _tensors(ckpt: Checkpoint):
+    """(gguf name, float32 array) for every weight, in llama.cpp's names and layout."""
+    cfg = ckpt.config
+    heads, kv = cfg["num_attention_heads"], ckpt.kv_heads
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    for path in ckpt.weights:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key not in names:
+                    raise ExportError(f"{path}: weight {key} has no place in a llama GGUF")
+                w = f.get_tensor(key).float().numpy()
+                if key.endswith("q_proj.weight"):
+                    w = _interleave(w, heads)
+                elif key.endswith("k_proj.weight"):
+                    w = _interleave(w, kv)
+                yield names[key], w
+
+
+def _check_arch(ckpt: Checkpoint) -> None:
+    cfg = ckpt.config
+    if ckpt.model_type != "llama":
+        raise ExportError(f"--format gguf writes Llama models; this one is {ckpt.model_type!r}")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ExportError(f"config.json sets {key}, which the GGUF writer does not carry")
+    if cfg.get("rope_scaling"):
+        raise ExportError("config.json sets rope_scaling, which the GGUF writer does not carry")
+
+
+def write_gguf(ckpt: Checkpoint, path: Path, quant: str, name: str) -> dict:
+    """Write the GGUF file; returns what the manifest records."""
+    tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
+    pre = llama_cpp_pre_type(tok, ckpt.tokenizer)
+    add_bos, add_eos = _specials(tok, ckpt.tokenizer)
+    _check_arch(ckpt)
+    cfg = ckpt.config
+    qtype = {
+        "f32": gguf.GGMLQuantizationType.F32,
+        "f16": gguf.GGMLQuantizationType.F16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    }[quant]
+    ftype = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}[quant]  # llama_ftype
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_context_length(ckpt.context_length)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(ckpt.kv_heads)
+    w.add_key_length(ckpt.head_dim)
+    w.add_value_length(ckpt.head_dim)
+    w.add_rope_dimension_count(ckpt.head_dim)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-5)))
+    w.add_vocab_size(ckpt.vocab_size)
+    w.add_file_type(ftype)
+    if quant in ("q8_0", "q4_0"):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tokens, types = vocabulary(tok, ckpt.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    merges = tok["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    for role, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
+                      ("pad", w.add_pad_token_id)):  # fmt: skip
+        if role in ckpt.special_tokens:
+            add(ckpt.special_tokens[role]["id"])
+    w.add_add_bos_token(add_bos)
+    w.add_add_eos_token(add_eos)
+    side = ckpt.tokenizer.parent / "tokenizer_config.json"
+    template = None
+    if side.is_file():
+        template = json.loads(side.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, str):
+            w.add_chat_template(template)
+    types_written = {}
+    for gname, arr in _tensors(ckpt):
+        t = qtype
+        if arr.ndim == 1 or arr.shape[-1] % 32:
+            t = gguf.GGMLQuantizationType.F32  # norms (and rows no block divides) stay f32
+        elif quant == "q4_0" and gname in ("token_embd.weight", "output.weight"):
+            t = gguf.GGMLQuantizationType.Q8_0
+        if t in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(gname, arr.astype(np.float32 if t.name == "F32" else np.float16))
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(arr, t), raw_dtype=t)
+        types_written[gname] = t.name
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"pre_tokenizer": pre, "chat_template": template is not None, "tensors": types_written}
+
+
+def modelfile(gguf_name: str, ckpt: Checkpoint) -> str:
+    """An Ollama Modelfile: the GGUF, its context, doel's sampling defaults and stop token."""
+    lines = [f"FROM ./{gguf_name}", f"PARAMETER num_ctx {ckpt.context_length}"]
+    gen = ckpt.folder / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text(encoding="utf-8"))
+        for key in ("temperature", "top_k", "top_p"):
+            if g.get(key) is not None:
+                lines.append(f"PARAMETER {key} {g[key]}")
+    if "eos" in ckpt.special_tokens:
+        lines.append(f'PARAMETER stop "{ckpt.special_tokens["eos"]["token"]}"')
+    return "\n".join(lines) + "\n"
+
+
+def export_gguf(
+    checkpoint: str | Path,
+    out: str | Path,
+    quant: str = "q8_0",
+    force: bool = False,
+    tokenizer: str | Path | None = None,
+    log=print,
+) -> dict:
+    """Write OUT/model-<quant>.gguf, OUT/Modelfile and OUT/manifest.json, all or nothing."""
+    if quant not in QUANTS:
+        raise ExportError(f"--quant {quant}: a GGUF is one of {', '.join(QUANTS)}")
+    ckpt = inspect_checkpoint(checkpoint, tokenizer)
+    tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
+    llama_cpp_pre_type(tok, ckpt.tokenizer)  # refuse before any work
+    out = Path(out)
+    name = f"model-{quant}.gguf"
+    with staging(out, force) as stage:
+        info = write_gguf(ckpt, stage / name, quant, ckpt.folder.resolve().name)
+        (stage / "Modelfile").write_text(modelfile(name, ckpt), encoding="utf-8")
+        result = {
+            "format": "doel-export",
+            "kind": "gguf",
+            "quant": quant,
+            "gguf": name,
+            "checkpoint": str(ckpt.folder),
+            "config_sha256": ckpt.config_sha256,
+            **info,
+        }
+        result["files"] = file_table(stage)
+        write_json(stage / "manifest.json", result)
+    log(f"wrote {out / name} ({info['pre_tokenizer']} pre-tokenizer) and {out / 'Modelfile'}")
+    return result
