@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from train.common import DoelError
 from train.evals.modelcard import SAMPLE, stored_parameters, write_model_card
 from train.hf import save_model
 from train.metrics import read_metrics
@@ -231,3 +232,58 @@ def test_no_nan_in_the_card(folder):
     assert "| copa | 0 | n/a | n/a | n/a | n/a |" in text
     (entry,) = front_matter(text)["model-index"]
     assert [r["dataset"]["type"] for r in entry["results"]] == ["piqa"]
+
+
+def _snippets(text: str) -> tuple[str, str]:
+    """The card's Python usage example and its publishing commands."""
+    return text.split("```python\n")[1].split("```")[0], text.split("```bash\n")[1].split("```")[0]
+
+
+def test_the_usage_loads_from_the_hub_once_a_repo_id_is_known(folder, tmp_path, monkeypatch):
+    from huggingface_hub import ModelCard
+
+    monkeypatch.chdir(tmp_path)
+    code, publish = _snippets(write_model_card(folder).read_text(encoding="utf-8"))
+    assert 'AutoModelForCausalLM.from_pretrained("run/final")' in code
+    assert "hf upload YOUR-NAME/run run/final\n" in publish  # a placeholder to fill in
+    assert "--repo-id YOUR-NAME/run-int4-onnx" in publish
+    assert "hf upload YOUR-NAME/run-int4-onnx bundle-int4\n" in publish
+    assert json.loads((folder / "model_card.json").read_text())["repo_id"] is None
+
+    text = write_model_card(folder, repo_id="ann/doel-bangla-0.4b").read_text(encoding="utf-8")
+    code, publish = _snippets(text)
+    assert 'AutoModelForCausalLM.from_pretrained("ann/doel-bangla-0.4b")' in code
+    assert 'AutoTokenizer.from_pretrained("ann/doel-bangla-0.4b")' in code
+    assert "run/final" not in code and "YOUR-NAME" not in text
+    assert "hf upload ann/doel-bangla-0.4b run/final\n" in publish
+    assert "--repo-id ann/doel-bangla-0.4b-int4-onnx" in publish
+    assert ModelCard(text).data.to_dict()["library_name"] == "transformers"
+    # Written again without one (the recipe's final card, eval's refresh): the id stays.
+    text = write_model_card(folder, seconds=60.0).read_text(encoding="utf-8")
+    assert 'from_pretrained("ann/doel-bangla-0.4b")' in text and "| time | 1m00s |" in text
+    with pytest.raises(DoelError, match="not a Hugging Face repository id"):
+        write_model_card(folder, repo_id="ann/doel/0.4b")
+
+
+def test_a_training_checkpoint_uploads_without_its_resume_files(folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (folder / "optimizer.safetensors").write_bytes(b"")
+    (folder / "trainer_state.json").write_text("{}")
+    _, publish = _snippets(write_model_card(folder).read_text(encoding="utf-8"))
+    upload = publish.splitlines()[1]
+    assert upload == (
+        'hf upload YOUR-NAME/run run/final --exclude "optimizer.safetensors" "trainer_state.json"'
+    )
+
+
+def test_eval_records_the_repo_id_and_refuses_a_bad_one(folder, sample_paths, capsys):
+    from train.cli import main
+
+    write_model_card(folder)
+    args = ["eval", str(folder), "--text", *sample_paths, "--max-chars", "200", "--quiet"]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--repo-id", "ann/doel--x"])
+    assert "not a Hugging Face repository id" in str(e.value) and "\n" not in str(e.value)
+    main([*args, "--repo-id", "ann/doel-x"])
+    assert 'from_pretrained("ann/doel-x")' in (folder / "README.md").read_text(encoding="utf-8")
+    assert "note:" not in capsys.readouterr().err

@@ -144,8 +144,11 @@ def _cmd_eval(args) -> None:
     from train.data.textio import MissingTextField
     from train.evals.heldout import evaluate_checkpoint, format_eval
     from train.evals.hubtasks import fetch_tasks
+    from train.evals.modelcard import check_repo_id
     from train.evals.tasks import parse_task_specs
 
+    if args.repo_id is not None:
+        check_repo_id(args.repo_id)  # before any work
     tasks = parse_task_specs(args.tasks)
     local = parse_task_specs(args.local) if args.local else {}
     if unknown := sorted(set(local) - set(tasks)):
@@ -162,10 +165,17 @@ def _cmd_eval(args) -> None:
             tasks=tasks,
             limit=args.limit,
             progress=not args.quiet,
+            repo_id=args.repo_id,
         )
     except MissingTextField as e:
         fix = "eval reads the 'text' field: pass .txt files, or .jsonl/.parquet with a 'text' field"
         raise MissingTextField(e.where, fix) from None
+    if args.repo_id is not None and not result["model_card"]:
+        print(
+            f"note: {args.checkpoint} has no doel model card (model_card.json), so --repo-id "
+            "was not recorded",
+            file=sys.stderr,
+        )
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_eval(result))
 
 
@@ -325,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="first N items of each task")
     e.add_argument("--json", action="store_true")
     e.add_argument("--quiet", action="store_true", help="no progress bars (none unless a terminal)")
+    e.add_argument(
+        "--repo-id",
+        help="the model's Hugging Face repository (OWNER/NAME): its card's usage loads it from "
+        "there, and export bundles name it as their base model",
+    )
     e.set_defaults(func=_cmd_eval)
 
     pl = sub.add_parser("plot", help="loss and throughput curves of a run -> PNG")

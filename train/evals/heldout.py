@@ -267,13 +267,15 @@ def evaluate_checkpoint(
     limit: int | None = None,
     card: bool = True,
     progress: bool = True,
+    repo_id: str | None = None,
 ) -> dict:
     """Everything above for a model folder in Hugging Face layout (with its tokenizer.json).
     text_paths is a list of files (grouped by guessed language) or {language: files}; at most
     max_chars characters are read per language; seq_len defaults to the model's context.
     tasks: {name: file or folder} of zero-shot tasks (`train/evals/tasks.py`), the first `limit`
     items of each. With `card`, a folder that has doel's model card gets it written again with
-    these results (its path is the result's "model_card"; a folder without one is left alone).
+    these results (its path is the result's "model_card"; a folder without one is left alone),
+    and with `repo_id` (its Hugging Face repository) in its usage example from then on.
     `progress`: a bar with an ETA for each part (held-out text, tasks, sample texts) on a
     terminal's stderr."""
 
@@ -314,7 +316,7 @@ def evaluate_checkpoint(
             model, tokenizer, prompts, max_new_tokens, seed=seed, progress=progress
         ),
     }
-    path = refresh_model_card(folder, result) if card else None
+    path = refresh_model_card(folder, result, repo_id) if card else None
     return result | {"model_card": str(path) if path else None}
 
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 
-from train.common import atomic_write_bytes, atomic_write_json
+from train.common import DoelError, atomic_write_bytes, atomic_write_json
 from train.data.fertility import fertility, load_any
 from train.data.textio import iter_documents
 from train.evals.scoring import fmt_num, format_tasks
@@ -30,6 +31,14 @@ from train.metrics import format_duration
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample"
 CARD_INPUTS = "model_card.json"  # what README.md was written from
+PLACEHOLDER_OWNER = "YOUR-NAME"  # the usage shows YOUR-NAME/NAME until a --repo-id is given
+# The Hub's rule for a repository id: [owner/]name, letters, digits, '-', '_', '.', at most 96
+# characters each, no '--' or '..', not starting or ending with '-' or '.' (export/card.py
+# checks a bundle's the same way; export and train share no code).
+_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
+REPO_ID = re.compile(rf"(?:{_PART}/)?{_PART}", re.ASCII)
+# A training checkpoint's files that only resuming needs: left out of the upload.
+RESUME_ONLY = ("optimizer.safetensors", "rng.safetensors", "trainer_state.json", "sharded")
 TASK_NAMES = {
     "hellaswag": "HellaSwag",
     "piqa": "PIQA",
@@ -236,6 +245,64 @@ def evaluation_section(eval_result: dict | None, where: str = "FOLDER") -> list[
     return lines
 
 
+def check_repo_id(repo_id: str) -> str:
+    """`repo_id` if the Hub would take it as a model repository's id; DoelError otherwise."""
+    if not REPO_ID.fullmatch(repo_id):
+        raise DoelError(
+            f"--repo-id {repo_id!r} is not a Hugging Face repository id: pass OWNER/NAME, "
+            "letters, digits, '-', '_' and '.' (e.g. YOUR-NAME/doel-bangla-0.4b)"
+        )
+    return repo_id
+
+
+def usage_section(folder: Path, name: str, repo_id: str | None) -> list[str]:
+    """How to load the model (from the Hub once its repository is known, else from the folder)
+    and how to publish it and its export bundles with huggingface_hub's `hf upload`."""
+    where = usage_path(folder)
+    repo = repo_id or f"{PLACEHOLDER_OWNER}/{name}"
+    source = repo_id or where
+    said = (
+        f"From the Hugging Face Hub (`{repo_id}`), or the folder it was uploaded from:"
+        if repo_id
+        else f"The folder is `{where}` from where this card was written (once uploaded to the "
+        "Hugging Face Hub, its repository id instead):"
+    )
+    skip = [
+        f'"{n}/*"' if n == "sharded" else f'"{n}"' for n in RESUME_ONLY if (folder / n).exists()
+    ]
+    exclude = f" --exclude {' '.join(skip)}" if skip else ""
+    return [
+        "## Use",
+        "",
+        said,
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"tok = AutoTokenizer.from_pretrained({_yaml_str(source)})",
+        f"model = AutoModelForCausalLM.from_pretrained({_yaml_str(source)})",
+        "```",
+        "",
+        "## Publish",
+        "",
+        "With huggingface_hub's own command line; the folder's README.md (this card) becomes the "
+        "repository's card. An export bundle is a model repository of its own, with its own card"
+        + (
+            ""
+            if repo_id
+            else " (which names this one as its base model once `doel-train eval "
+            "--repo-id` has recorded it here)"
+        )
+        + ":",
+        "",
+        "```bash",
+        "pip install -U huggingface_hub && hf auth login  # once",
+        f"hf upload {repo} {where}{exclude}",
+        f"doel-export {where} --out bundle-int4 --quant int4 --repo-id {repo}-int4-onnx",
+        f"hf upload {repo}-int4-onnx bundle-int4",
+        "```",
+    ]
+
+
 def usage_path(folder: Path) -> str:
     """The folder as the user who ran the command reaches it: relative to the working
     directory (`demo/run/final`), so it works pasted where the command ran and names no home
@@ -273,13 +340,20 @@ def write_model_card(
     devices: int = 1,
     hourly_price: float | None = None,
     license: str = "apache-2.0",
+    repo_id: str | None = None,
 ) -> Path:
     """Write FOLDER/README.md, and FOLDER/model_card.json with what it was written from.
     meta: the shards' meta.json; train_state: {"step", "tokens_seen", "config"}
     (trainer_state.json); eval_result: `evaluate_checkpoint`'s dict; seconds of training over
     `attempts` attempts on `devices` devices at hourly_price dollars a device-hour give the
-    cost."""
+    cost. repo_id: the model's Hugging Face repository, for the usage example; None keeps the one
+    an earlier card of this folder recorded."""
     folder = Path(folder)
+    if repo_id is None:
+        earlier = (_read_json(folder / CARD_INPUTS) or {}).get("repo_id")
+        repo_id = earlier if isinstance(earlier, str) and REPO_ID.fullmatch(earlier) else None
+    else:
+        check_repo_id(repo_id)
     inputs = {
         "meta": {"sources": meta["sources"]} if meta and meta.get("sources") else None,
         "train_state": train_state,
@@ -290,21 +364,10 @@ def write_model_card(
         "devices": devices,
         "hourly_price": hourly_price,
         "license": license,
+        "repo_id": repo_id,
     }
     name = folder.resolve().name if folder.name != "final" else folder.resolve().parent.name
     where = usage_path(folder)
-    usage = [
-        "## Use",
-        "",
-        f"The folder is `{where}` from where this card was written (once uploaded to the "
-        "Hugging Face Hub, its repository id instead):",
-        "",
-        "```python",
-        "from transformers import AutoTokenizer, LlamaForCausalLM",
-        f"tok = AutoTokenizer.from_pretrained({_yaml_str(where)})",
-        f"model = LlamaForCausalLM.from_pretrained({_yaml_str(where)})",
-        "```",
-    ]
     ev = inputs["eval_result"]
     parts = [
         metadata_block(name, license, ev),
@@ -314,7 +377,7 @@ def write_model_card(
         data_section(inputs["meta"]),
         training_section(folder, train_state, hardware, seconds, hourly_price, attempts, devices),
         evaluation_section(ev, where),
-        usage,
+        usage_section(folder, name, repo_id),
     ]
     path = folder / "README.md"
     atomic_write_bytes(path, ("\n\n".join("\n".join(p) for p in parts) + "\n").encode("utf-8"))
@@ -322,11 +385,15 @@ def write_model_card(
     return path
 
 
-def refresh_model_card(folder: str | Path, eval_result: dict) -> Path | None:
-    """Write the card of a folder again with an evaluation, everything else as it was written
-    (model_card.json). None, and nothing written, for a folder without doel's card."""
+def refresh_model_card(
+    folder: str | Path, eval_result: dict, repo_id: str | None = None
+) -> Path | None:
+    """Write the card of a folder again with an evaluation (and a repository id, if given),
+    everything else as it was written (model_card.json). None, and nothing written, for a folder
+    without doel's card."""
     folder = Path(folder)
     inputs = _read_json(folder / CARD_INPUTS)
     if inputs is None:
         return None
-    return write_model_card(folder, **(inputs | {"eval_result": eval_result}))
+    given = {"eval_result": eval_result} | ({"repo_id": repo_id} if repo_id else {})
+    return write_model_card(folder, **(inputs | given))
