@@ -2,7 +2,7 @@
 repository on its own, published with huggingface_hub's `hf upload` (no doel command needed).
 
 The YAML metadata names the library that runs the files (`onnxruntime` for an ONNX bundle; the
-GGUF export passes `gguf` to `front_matter`), the languages, the license and, when the
+GGUF folder of `--format gguf`: `gguf`), the languages, the license and, when the
 checkpoint's repository is known, `base_model`. The body says what is in the folder, how to serve
 it, its parity figures from manifest.json and the upload line.
 
@@ -183,15 +183,66 @@ def onnx_card(
     return "\n\n".join("\n".join(p) for p in parts) + "\n"
 
 
+def gguf_card(
+    manifest: dict,
+    folder_name: str,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    license: str = DEFAULT_LICENSE,
+) -> str:
+    """README.md of a `--format gguf` folder described by `manifest` (export_gguf's)."""
+    quant, gguf_file = manifest["quant"], manifest["gguf"]
+    repo = repo_id or f"{PLACEHOLDER_OWNER}/{folder_name}"
+    base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "A checkpoint"
+    template = ", its chat template" if manifest.get("chat_template") else ""
+    parts = [
+        front_matter("gguf", license, ["doel", "llama", "bangla", "gguf", quant], base_model),
+        [
+            f"# {repo.split('/')[-1]}",
+            "",
+            f"{base}, a Bangla-first language model trained with doel, as GGUF ({quant}) for "
+            "llama.cpp, Ollama and LM Studio.",
+        ],
+        [
+            "## Files",
+            "",
+            f"`{gguf_file}`: the weights, the tokenizer (llama.cpp's "
+            f"`{manifest.get('pre_tokenizer')}` pre-tokenizer, which splits text as doel does, so "
+            f"llama.cpp encodes text to doel's ids){template}; `Modelfile`: Ollama's, with the "
+            "context and stop token; `manifest.json`: the tensors' types and the sha256 of every "
+            "file.",
+        ],
+        [
+            "## Run",
+            "",
+            "```bash",
+            f"llama-server -hf {repo}  # llama.cpp, an OpenAI-compatible server",
+            f"ollama run hf.co/{repo}",
+            f"ollama create doel -f {folder_name}/Modelfile  # or from the folder itself",
+            "```",
+        ],
+        [
+            "## Publish",
+            "",
+            f"From the folder above `{folder_name}`:",
+            "",
+            *upload_lines(repo, folder_name),
+        ],
+    ]
+    return "\n\n".join("\n".join(p) for p in parts) + "\n"
+
+
 def write_card(
     stage: Path, manifest: dict, folder_name: str, source: Path, repo_id: str | None
 ) -> Path:
-    """Write STAGE/README.md for the bundle that will be named `folder_name`; the checkpoint
-    folder `source` gives the license and, when its card recorded one, the base model's id."""
+    """Write STAGE/README.md for the bundle (ONNX, or GGUF where the manifest's kind says so)
+    that will be named `folder_name`; the checkpoint folder `source` gives the license and,
+    when its card recorded one, the base model's id."""
     recorded = source_card(source)
     base = recorded.get("repo_id") if isinstance(recorded.get("repo_id"), str) else None
     license = recorded.get("license") if isinstance(recorded.get("license"), str) else None
-    text = onnx_card(manifest, folder_name, repo_id, base, license or DEFAULT_LICENSE)
+    write = gguf_card if manifest.get("kind") == "gguf" else onnx_card
+    text = write(manifest, folder_name, repo_id, base, license or DEFAULT_LICENSE)
     path = stage / "README.md"
     path.write_text(text, encoding="utf-8")
     return path

@@ -134,6 +134,7 @@ def _gguf(args) -> None:
             force=args.force,
             tokenizer=args.tokenizer,
             log=lambda msg: print(msg, file=sys.stderr),
+            repo_id=args.repo_id,
         )
     except ModuleNotFoundError as e:
         sys.exit(

@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
+from export import card
 from export.checkpoint import Checkpoint, inspect_checkpoint
 from export.common import ExportError, file_table, staging, write_json
 
@@ -250,10 +251,14 @@ def export_gguf(
     force: bool = False,
     tokenizer: str | Path | None = None,
     log=print,
+    repo_id: str | None = None,
 ) -> dict:
-    """Write OUT/model-<quant>.gguf, OUT/Modelfile and OUT/manifest.json, all or nothing."""
+    """Write OUT/model-<quant>.gguf, OUT/Modelfile, OUT/README.md (the model card, naming the
+    Hub repository `repo_id`: export/card.py) and OUT/manifest.json, all or nothing."""
     if quant not in QUANTS:
         raise ExportError(f"--quant {quant}: a GGUF is one of {', '.join(QUANTS)}")
+    if repo_id is not None:
+        card.check_repo_id(repo_id)
     ckpt = inspect_checkpoint(checkpoint, tokenizer)
     tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
     llama_cpp_pre_type(tok, ckpt.tokenizer)  # refuse before any work
@@ -271,6 +276,7 @@ def export_gguf(
             "config_sha256": ckpt.config_sha256,
             **info,
         }
+        card.write_card(stage, result, out.resolve().name, ckpt.folder, repo_id)
         result["files"] = file_table(stage)
         write_json(stage / "manifest.json", result)
     log(f"wrote {out / name} ({info['pre_tokenizer']} pre-tokenizer) and {out / 'Modelfile'}")

@@ -126,6 +126,7 @@ def test_gguf_reads_back_with_tokenizer_metadata_and_tensors(tmp_path, gguf_toke
     out = tmp_path / "g"
     assert sorted(p.name for p in out.iterdir()) == [
         "Modelfile",
+        "README.md",  # the model card (tests/test_publish.py)
         "manifest.json",
         f"model-{quant}.gguf",
     ]

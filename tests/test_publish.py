@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from export.card import check_repo_id, onnx_card, parity_rows
+from export.card import check_repo_id, gguf_card, onnx_card, parity_rows
 from export.cli import main as export_main
 from export.common import ExportError
 
@@ -123,3 +123,45 @@ def test_repo_id_and_the_checkpoints_recorded_repo_fill_the_card(tiny_bundle, tm
     data = _load(out / "README.md").data.to_dict()
     assert data["base_model"] == ["ann/doel-tiny"] and data["license"] == "cc-by-4.0"
     assert "hf upload ann/doel-tiny-onnx bundle\n" in (out / "README.md").read_text("utf-8")
+
+
+def test_the_gguf_card_says_gguf_and_how_llama_cpp_and_ollama_run_it():
+    manifest = {"kind": "gguf", "quant": "q8_0", "gguf": "model-q8_0.gguf", "pre_tokenizer": "x"}
+    text = gguf_card(manifest, "gguf-q8")
+    data = ModelCard(text).data.to_dict()
+    assert data["library_name"] == "gguf" and data["language"] == ["bn", "en"]
+    assert "base_model" not in data and {"gguf", "q8_0"} <= set(data["tags"])
+    assert "hf upload YOUR-NAME/gguf-q8 gguf-q8\n" in text
+    assert (
+        "llama-server -hf YOUR-NAME/gguf-q8" in text
+        and "ollama run hf.co/YOUR-NAME/gguf-q8" in text
+    )
+    assert "`model-q8_0.gguf`" in text and "chat template" not in text
+
+
+@pytest.mark.slow
+def test_a_gguf_folder_is_a_hub_model_repo_on_its_own(tmp_path, sample_paths, tiny_model_config):
+    pytest.importorskip("gguf")
+    torch = pytest.importorskip("torch")
+    from train.data.textio import resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from train.hf import save_model
+    from train.model import Llama
+
+    cfg = TokenizerConfig(vocab_size=tiny_model_config.vocab_size, min_frequency=1, style="gguf")
+    tok = train_tokenizer(resolve_sources(sample_paths), cfg, tmp_path / "tok", progress=False)
+    torch.manual_seed(0)
+    ckpt = save_model(Llama(tiny_model_config), tmp_path / "final", tokenizer=tok)
+    inputs = {"license": "mit", "repo_id": "ann/doel-tiny"}  # as doel-train eval --repo-id left it
+    (ckpt / "model_card.json").write_text(json.dumps(inputs), encoding="utf-8")
+    out = tmp_path / "gguf-q8"
+    argv = [str(ckpt), "--out", str(out), "--format", "gguf", "--quant", "q8_0"]
+    export_main([*argv, "--repo-id", "ann/doel-tiny-gguf"])
+    card = _load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "gguf" and data["base_model"] == ["ann/doel-tiny"]
+    assert data["license"] == "mit" and "q8_0" in data["tags"]
+    assert "hf upload ann/doel-tiny-gguf gguf-q8\n" in card.text
+    assert "`model-q8_0.gguf`" in card.text
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    assert "README.md" in manifest["files"] and "model-q8_0.gguf" in manifest["files"]
