@@ -267,6 +267,13 @@ def stand_ins(tmp_path_factory) -> dict[str, str]:
         pq.write_table(pa.table({"text": bn[16:25], "id": list(range(9))}), out["fineweb2-bn"])
     except ModuleNotFoundError:  # the train extra brings pyarrow; without it, JSONL
         out["fineweb2-bn"] = write_jsonl(folder / "fineweb2.jsonl", bn[16:25])
+    # One TituLLM hub set in its own columns (hishab/piqa-bn: goal, sol1, sol2, label).
+    piqa = [
+        {"goal": bn[i][:60], "sol1": bn[i + 6][:60], "sol2": bn[i + 12][:60], "label": i % 2}
+        for i in range(6)
+    ]
+    out["piqa_bn"] = folder / "piqa_bn.jsonl"
+    out["piqa_bn"].write_text("".join(json.dumps(r) + "\n" for r in piqa), encoding="utf-8")
     return {k: str(v) for k, v in out.items()}
 
 
@@ -306,7 +313,18 @@ def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, st
     for lang in ("bn", "en"):  # four steps already beat the random twin on held-out text
         x = s["eval"]["languages"][lang]
         assert x["bits_per_char"] < x["random_twin_bits_per_char"]
-    assert set(s["eval"]["tasks"]) == {"bn_tydiqa", "arc_easy"}
+    # The hub set with a stand-in is fetched and scored; the others, offline, are left out.
+    assert set(s["eval"]["tasks"]) == {"bn_tydiqa", "arc_easy", "piqa_bn"}
+    fetched = json.loads((out / "data/tasks.json").read_text())
+    assert fetched["found"] == {
+        "piqa_bn": str(out / "data/tasks/hishab__piqa-bn--validation.jsonl")
+    }
+    assert set(fetched["missing"]) == {
+        "bangla_mmlu",
+        "boolq_bn",
+        "commonsenseqa_bn",
+        "openbookqa_bn",
+    }
     for path in (
         "tokenizer/tokenizer.json",
         "tokenizer/fertility.json",

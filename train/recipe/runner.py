@@ -75,6 +75,8 @@ class RecipeRun:
             whole["local"] = {n: p for n, p in self.plan.local.items() if n in names}
         if stage == "eval":  # the task files found, wherever they came from
             whole["tasks"] = self.plan.tasks
+            hub = {n: [s, self.plan.local.get(n)] for n, s in self.plan.hub_tasks.items()}
+            whole |= {"hub_tasks": hub} if hub else {}
         text = json.dumps([before and self.fingerprint(before), whole], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -111,6 +113,7 @@ class RecipeRun:
             require_answer(plan.yes, self.stdin)
             self._check_devices()
         hub = [s.dataset for s in plan.recipe.sources if s.name not in plan.local]
+        hub += [s for n, s in plan.hub_tasks.items() if n not in plan.local]
         if "data" in todo and hub and not plan.dry_run:
             try:
                 import datasets  # noqa: F401

@@ -267,10 +267,11 @@ class Plan:
     local: dict  # source/task name -> local file (dry run)
     tasks: dict  # task name -> path, the ones found
     missing_tasks: dict  # task name -> path, the ones not found
+    hub_tasks: dict = field(default_factory=dict)  # task name -> hf: spec (the data stage fetches)
 
     def resolved(self) -> dict:
         """What this run was asked to do, saved as RUN/recipe.json."""
-        keep = ("dry_run", "gpus", "train_sets", "local", "tasks", "missing_tasks")
+        keep = ("dry_run", "gpus", "train_sets", "local", "tasks", "missing_tasks", "hub_tasks")
         return (
             {"recipe": resolved(self.recipe), "preset": str(self.preset)}
             | {k: getattr(self, k) for k in keep}
@@ -312,8 +313,11 @@ def make_plan(recipe: Recipe, out, dry_run=False, gpus=1, yes=False, local=None,
     sets += [f"hourly_price={recipe.hourly_price}"]
     local = {**(recipe.dry_run.local if dry_run else {}), **(local or {})}
     task_dir = Path(eval_dir or recipe.eval.task_dir)
-    tasks, missing = {}, {}
+    tasks, missing, hub = {}, {}, {}
     for name, rel in recipe.eval.tasks.items():
+        if rel.startswith("hf:"):  # fetched from the hub (or --local) by the data stage
+            hub[name] = rel
+            continue
         path = Path(local.get(name) or task_dir / rel)
         (tasks if path.exists() else missing)[name] = str(path)
     if recipe.eval.periodic_task in tasks:
@@ -321,5 +325,5 @@ def make_plan(recipe: Recipe, out, dry_run=False, gpus=1, yes=False, local=None,
         sets.append(f"eval_task_limit={recipe.eval.task_limit or 1_000_000}")
     cfg = load_config(TrainConfig, preset, sets)
     return Plan(
-        recipe, Path(out), dry_run, gpus, yes, preset, tuple(sets), cfg, local, tasks, missing
+        recipe, Path(out), dry_run, gpus, yes, preset, tuple(sets), cfg, local, tasks, missing, hub
     )

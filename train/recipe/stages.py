@@ -26,6 +26,7 @@ from train.data.textio import iter_source, resolve_sources
 from train.data.tokenizer import train_tokenizer
 from train.dist import resolve_device
 from train.evals.heldout import evaluate_checkpoint, format_eval
+from train.evals.hubtasks import fetch_tasks
 from train.fit import fit
 from train.loop import batches_on
 from train.metrics import format_duration
@@ -40,6 +41,19 @@ def data(r) -> None:
     if r.plan.dry_run:
         local = standins(r.plan.recipe, r.plan.out / "standins", local)
     fetch_all(r.plan.recipe, local, r.data, r.log, r.on_chunk)
+    hub_tasks(r)
+
+
+def hub_tasks(r) -> dict[str, str]:
+    """The recipe's hub task sets fetched once into RUN/data/tasks (the data stage fetches them
+    before any training is paid for; the eval stage finds them there). A set that cannot be
+    fetched is named and left out; a dry run reads only --local stand-ins."""
+    plan = r.plan
+    found, missing = fetch_tasks(
+        plan.hub_tasks, r.data / "tasks", plan.local, offline=plan.dry_run, log=r.log
+    )
+    atomic_write_json(r.data / "tasks.json", {"found": found, "missing": missing})
+    return found
 
 
 def tokenizer(r) -> None:
@@ -138,7 +152,7 @@ def evaluation(r) -> None:
         max_chars=spec.max_chars,
         device=_device_name(cfg),
         max_new_tokens=spec.max_new_tokens,
-        tasks=r.plan.tasks,
+        tasks=r.plan.tasks | hub_tasks(r),
         limit=spec.task_limit or None,
     )
     atomic_write_json(r.plan.out / "eval.json", result)
