@@ -218,3 +218,30 @@ def test_eval_cli_scores_a_hub_set_from_a_stand_in(tok, tokenizer_path, sample_p
     assert r["tasks"]["bangla_mmlu"]["items"] == 4 and r["tasks"]["bangla_mmlu"]["chance"] == 0.25
     assert r["tasks"]["bangla_mmlu"]["path"].endswith("hishab__bangla-mmlu--test.jsonl")
     assert "left out" in p.stderr and "boolq_bn" in p.stderr
+
+
+def test_the_card_sets_doel_beside_the_published_baselines(tok, tokenizer_path, tmp_path):
+    from train.evals.modelcard import write_model_card
+    from train.evals.published import BASELINES, binomial_stderr
+    from train.hf import save_model
+
+    # The stored counts give back the published fractions (the 0.282, 0.308, 0.53).
+    mmlu, piqa = BASELINES["bangla_mmlu"][2], BASELINES["piqa_bn"][2]
+    assert round(mmlu["Llama-3.2-1B"][0] / mmlu["Llama-3.2-1B"][1], 3) == 0.282
+    assert round(mmlu["Qwen2.5-0.5B"][0] / mmlu["Qwen2.5-0.5B"][1], 3) == 0.308
+    assert round(piqa["Llama-3.2-1B"][0] / piqa["Llama-3.2-1B"][1], 2) == 0.53
+    assert binomial_stderr(50, 100) == pytest.approx(0.05)
+    folder = save_model(tiny(tok.get_vocab_size()), tmp_path / "m", tokenizer_path)
+    r = {"items": 1000, "acc": 0.55, "acc_stderr": 0.0157, "acc_norm": 0.54}
+    r |= {"acc_norm_stderr": 0.0158, "chance": 0.5, "majority": 0.51}
+    card = write_model_card(folder, eval_result={"languages": {}, "tasks": {"piqa_bn": r}})
+    text = card.read_text("utf-8")
+    assert (
+        "| PIQA-BN (`piqa_bn`) | 0.50 | 0.529 ± 0.012 | 0.536 ± 0.012 | 0.550 ± 0.016 (1,000"
+        in text
+    )
+    assert (
+        "| Bangla MMLU (`bangla_mmlu`) | 0.25 | 0.282 ± 0.004 | 0.308 ± 0.004 | not scored |"
+        in text
+    )
+    assert "arXiv:2502.11187" in text and 'name: "PIQA-BN (TituLLM suite)"' in text
