@@ -144,8 +144,8 @@ def _cmd_eval(args) -> None:
     from train.data.textio import MissingTextField
     from train.evals.heldout import evaluate_checkpoint, format_eval
     from train.evals.hubtasks import fetch_tasks
-    from train.evals.modelcard import check_repo_id
     from train.evals.tasks import parse_task_specs
+    from train.evals.usage import check_repo_id
 
     if args.repo_id is not None:
         check_repo_id(args.repo_id)  # before any work
