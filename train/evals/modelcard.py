@@ -24,6 +24,7 @@ from pathlib import Path
 from train.common import atomic_write_bytes, atomic_write_json
 from train.data.fertility import fertility, load_any
 from train.data.textio import iter_documents
+from train.evals.published import BASELINES, comparison_section
 from train.evals.scoring import fmt_num, format_tasks
 from train.evals.usage import REPO_ID, check_repo_id, usage_path, usage_section
 from train.metrics import format_duration
@@ -43,6 +44,7 @@ TASK_NAMES = {
     "boolq": "BoolQ",
     "bn_tydiqa": "TyDi QA GoldP Bengali (4-way)",
     "bn_blanck": "BLanCK (4-way)",
+    **{task: f"{label} (TituLLM suite)" for task, (label, _, _) in BASELINES.items()},
 }
 
 
@@ -232,8 +234,9 @@ def evaluation_section(eval_result: dict | None, where: str = "FOLDER") -> list[
             "divides by the choice's characters):",
             "",
             format_tasks(eval_result["tasks"]),
+            "",
         ]
-    return lines
+    return lines + comparison_section(eval_result.get("tasks"))
 
 
 def _card_eval(result: dict | None) -> dict | None:
