@@ -279,8 +279,11 @@ def test_a_training_checkpoint_uploads_without_its_resume_files(folder, tmp_path
 def test_eval_records_the_repo_id_and_refuses_a_bad_one(folder, sample_paths, capsys):
     from train.cli import main
 
-    write_model_card(folder)
     args = ["eval", str(folder), "--text", *sample_paths, "--max-chars", "200", "--quiet"]
+    main([*args, "--repo-id", "ann/doel-x"])  # no doel card to record it in: said, not lost
+    assert "--repo-id was not recorded" in capsys.readouterr().err
+    assert not (folder / "README.md").exists()
+    write_model_card(folder)
     with pytest.raises(SystemExit) as e:
         main([*args, "--repo-id", "ann/doel--x"])
     assert "not a Hugging Face repository id" in str(e.value) and "\n" not in str(e.value)
