@@ -4,8 +4,9 @@ shards written?
 1. Train tokenizers at 32,768 tokens on the train split of splits.json: doel's, its ablations
    (byte-level BPE; the plain pre-tokenizer fix; the natural language mix) and a GPT-2-style
    byte-level BPE (the trap), all on the same text.
-2. Characters/token and byte-fallback rate on the validation split, per language, for those
-   and for the reference tokenizers in ../shared/data/tokenizers.
+2. Characters/token, tokens/word (the unit most Bangla tokenizer papers give) and byte-fallback
+   rate on the validation split, per language, for those and for the reference tokenizers in
+   ../shared/data/tokenizers.
 3. Shard writing (`doel-train prepare`) against the tokenizers library's plain `encode_batch`
    on the same documents, in the same run: tokens/s and their ratio.
 
@@ -69,6 +70,7 @@ def measure(tok, val: dict[str, list[str]]) -> dict:
                 "chars_per_token",
                 "bytes_per_token",
                 "words_per_token",
+                "tokens_per_word",
                 "byte_fallback_rate",
                 "partial_char_rate",
             )
@@ -219,26 +221,33 @@ def main() -> None:
     print(markdown(report))
 
 
+def _tpw(x: dict) -> str:
+    """Tokens per word; results written before it was measured have words/token only."""
+    tpw = x.get("tokens_per_word") or (1 / x["words_per_token"] if x["words_per_token"] else None)
+    return f"{tpw:.3f}" if tpw else "n/a"
+
+
 def markdown(r: dict) -> str:
     lines = [
         f"# Tokenizer benchmark ({r['date']}, {r['machine']})",
         "",
-        "Characters per token on the validation split of `../shared/data/splits.json` "
-        "(Bangla: Bengali-script text of the bn files; English: Latin-script text of the en "
-        "files). Tokenizers marked * were trained here at "
+        "Characters per token and tokens per word (whitespace-separated) on the validation "
+        "split of `../shared/data/splits.json` (Bangla: Bengali-script text of the bn files; "
+        "English: Latin-script text of the en files). Tokenizers marked * were trained here at "
         f"{r['tokenizers']['doel']['vocab_size']:,} tokens on the train split, Bangla "
         f"{r['bangla_share_of_training_characters']:.0%} of the training characters "
         "(except the natural mix).",
         "",
-        "| tokenizer | vocab | bn chars/token | en chars/token | bn/en | bn byte fallback "
-        "| bn partial-char tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| tokenizer | vocab | bn chars/token | en chars/token | bn/en | bn tokens/word "
+        "| en tokens/word | bn byte fallback | bn partial-char tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, t in r["tokenizers"].items():
         star = "*" if t["trained_here"] else ""
         lines.append(
             f"| {name}{star} | {t['vocab_size']:,} | {t['bn']['chars_per_token']:.3f} | "
             f"{t['en']['chars_per_token']:.3f} | {t['bn_over_en']:.2f} | "
+            f"{_tpw(t['bn'])} | {_tpw(t['en'])} | "
             f"{t['bn']['byte_fallback_rate']:.3%} | {t['bn']['partial_char_rate']:.3%} |"
         )
     m = r["met"]

@@ -47,8 +47,10 @@ def test_tokenizer_fertility_prepare_contract(tmp_path, sample_paths):
             "chars_per_token",
             "bytes_per_token",
             "words_per_token",
+            "tokens_per_word",  # the unit Bangla tokenizer papers report
             "byte_fallback_rate",
         } <= set(r)
+        assert r["tokens_per_word"] == pytest.approx(1 / r["words_per_token"])
     run(
         "prepare",
         "--tokenizer",

@@ -55,6 +55,12 @@ def test_ours_is_fair_and_the_gpt2_split_is_not(tmp_path, sample_paths, tokenize
         assert r["bytes_per_token"] >= r["chars_per_token"]
         assert r["tokens_per_word"] == pytest.approx(1 / r["words_per_token"], rel=1e-9)
     assert "WARNING" in format_report("x", theirs)
+    # The report shows tokens per word beside characters per token, for each script.
+    head, *rows = format_report("x", ours).splitlines()[1:]
+    col = head.split().index("tok/word")
+    for row in rows:
+        script = row.split()[0]
+        assert float(row.split()[col]) == pytest.approx(ours[script]["tokens_per_word"], abs=5e-4)
 
 
 def test_tiktoken_file_of_bare_bytes(tmp_path):
