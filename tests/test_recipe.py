@@ -428,6 +428,8 @@ def test_a_changed_setting_redoes_its_stage_and_the_ones_after_it(tmp_path, stan
     assert redone("hourly_price=9", "train.measure_steps=5") == []  # no artifact changes
     # Another file for the task scored during training too: only the evaluation is redone.
     assert redone(local=stand_ins | {"bn_tydiqa": stand_ins["arc_easy"]}) == ["eval"]
+    # Another stand-in for a hub task set: only the evaluation is redone.
+    assert redone(local=stand_ins | {"piqa_bn": stand_ins["arc_easy"]}) == ["eval"]
 
 
 def test_too_little_disk_stops_before_anything_is_written(tmp_path, stand_ins):

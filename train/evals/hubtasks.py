@@ -107,8 +107,11 @@ def fetch_task(task: HubTask, folder: Path, local: str | None = None) -> Path:
     rows = _local_rows(local) if local else _hub_rows(task)
     try:
         lines = [json.dumps(dict(r), ensure_ascii=False, default=str) + "\n" for r in rows]
-    except (OSError, ConnectionError, TimeoutError) as e:
-        raise DoelError(f"{task.dataset}: the download stopped ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 (a stream can fail mid-way in many ways)
+        raise DoelError(
+            f"{task.dataset}: the download stopped ({type(e).__name__}: {e}); run again to "
+            "fetch it whole"
+        ) from None
     if not lines:
         raise DoelError(f"{task.dataset} split {task.split!r} has no rows")
     folder.mkdir(parents=True, exist_ok=True)
