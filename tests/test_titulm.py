@@ -218,6 +218,10 @@ def test_eval_cli_scores_a_hub_set_from_a_stand_in(tok, tokenizer_path, sample_p
     assert r["tasks"]["bangla_mmlu"]["items"] == 4 and r["tasks"]["bangla_mmlu"]["chance"] == 0.25
     assert r["tasks"]["bangla_mmlu"]["path"].endswith("hishab__bangla-mmlu--test.jsonl")
     assert "left out" in p.stderr and "boolq_bn" in p.stderr
+    from train.evals.heldout import format_eval
+
+    text = format_eval(r)  # the printed report sets it beside the published baselines
+    assert "| Bangla MMLU (`bangla_mmlu`) | 0.25 | 0.282 ± 0.004 | 0.308 ± 0.004 | " in text
 
 
 def test_the_card_sets_doel_beside_the_published_baselines(tok, tokenizer_path, tmp_path):

@@ -32,6 +32,7 @@ from train.data.textio import iter_documents
 from train.data.tokenizer import load_tokenizer
 from train.evals.generate import continuations
 from train.evals.modelcard import refresh_model_card
+from train.evals.published import BASELINES, comparison_table
 from train.evals.scoring import fmt_num, format_tasks, run_tasks
 from train.hf import load_model
 from train.model import IGNORE_INDEX, Llama
@@ -347,6 +348,9 @@ def format_eval(result: dict) -> str:
             "",
             format_tasks(result["tasks"]),
         ]
+    if set(result.get("tasks") or ()) & set(BASELINES):  # a TituLLM set: beside its baselines
+        lines += ["", "Beside published small models (± standard error):", ""]
+        lines.append(comparison_table(result["tasks"]))
     for sample in result.get("continuations", []):
         lines += [
             "",
