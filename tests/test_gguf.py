@@ -191,8 +191,13 @@ def test_llama_cpp_tokenizes_id_for_id_and_its_f32_logits_equal_pytorchs(tmp_pat
     path = gguf_tokenizer[0]
     ckpt, model = _checkpoint(tmp_path / "ckpt", path)
     export_gguf(ckpt, tmp_path / "g", "f32", log=lambda _m: None)
-    llm = llama_cpp.Llama(
-        str(tmp_path / "g" / "model-f32.gguf"), n_ctx=96, logits_all=True, verbose=False
+    llm = llama_cpp.Llama(  # type_k/type_v 0: an f32 KV cache (llama.cpp's default is f16)
+        str(tmp_path / "g" / "model-f32.gguf"),
+        n_ctx=96,
+        logits_all=True,
+        verbose=False,
+        type_k=0,
+        type_v=0,
     )
     tok = load_tokenizer(path)
     for text in TEXTS:
