@@ -57,6 +57,16 @@ def tiny_config():
 
 
 @pytest.fixture(scope="session")
+def tiny_run_config(tiny_config):
+    """`tiny_config` logging every step, for tests that read a run's lines or metrics rows."""
+
+    def make(*sets: str) -> TrainConfig:
+        return tiny_config("log_every=1", *sets)
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_model_config() -> ModelConfig:
     """A random 2-layer Llama on the session tokenizer's vocabulary (the tiny bundle's)."""
     return ModelConfig(

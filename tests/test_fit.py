@@ -16,19 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 from train.checkpoint import latest_checkpoint, list_checkpoints
-from train.config import load_config
 from train.fit import fit
 from train.loop import NonFiniteLossError
 from train.metrics import read_metrics
 from train.plot import plot_run
-from train.trainer import TrainConfig
 
 pytestmark = pytest.mark.slow  # every test here trains a run (tens of seconds on 2 cores)
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny(*sets) -> TrainConfig:
-    return load_config(TrainConfig, ROOT / "configs" / "tiny.toml", ["log_every=1", *sets])
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -47,8 +41,8 @@ class Killed(Exception):
     pass
 
 
-def test_a_run_writes_an_hf_folder_and_resumes_bit_identically(tmp_path, shards):
-    cfg = tiny("steps=8", "checkpoint_every=4", "eval_every=4")
+def test_a_run_writes_an_hf_folder_and_resumes_bit_identically(tmp_path, shards, tiny_run_config):
+    cfg = tiny_run_config("steps=8", "checkpoint_every=4", "eval_every=4")
     whole = fit(cfg, shards, tmp_path / "whole", log=lambda s: None)
     card = (whole / "README.md").read_text()  # the model card, HF metadata block first
     assert card.startswith("---\nlanguage:") and "| steps | 8 |" in card
@@ -73,9 +67,16 @@ def test_a_run_writes_an_hf_folder_and_resumes_bit_identically(tmp_path, shards)
     assert [s for s, _ in train_losses(tmp_path / "resumed")] == list(range(1, 9))
 
 
-def test_keeps_the_last_k_checkpoints_and_ignores_half_written_ones(tmp_path, shards):
+def test_keeps_the_last_k_checkpoints_and_ignores_half_written_ones(
+    tmp_path, shards, tiny_run_config
+):
     run = tmp_path / "run"
-    fit(tiny("steps=6", "checkpoint_every=1", "keep_checkpoints=2"), shards, run, log=lambda s: 0)
+    fit(
+        tiny_run_config("steps=6", "checkpoint_every=1", "keep_checkpoints=2"),
+        shards,
+        run,
+        log=lambda s: 0,
+    )
     assert [p.name for p in list_checkpoints(run)] == ["step-000005", "step-000006"]
     # A save killed before its rename leaves only a hidden temporary folder: never resumed from.
     (run / "checkpoints" / ".tmp-step-000007-123").mkdir()
@@ -85,19 +86,23 @@ def test_keeps_the_last_k_checkpoints_and_ignores_half_written_ones(tmp_path, sh
     assert state["config"]["model"]["hidden_size"] == 64
 
 
-def test_fresh_starts_over(tmp_path, shards):
+def test_fresh_starts_over(tmp_path, shards, tiny_run_config):
     run = tmp_path / "run"
-    fit(tiny("steps=2", "checkpoint_every=2"), shards, run, log=lambda s: 0)
+    fit(tiny_run_config("steps=2", "checkpoint_every=2"), shards, run, log=lambda s: 0)
     lines = []
-    fit(tiny("steps=2", "checkpoint_every=2"), shards, run, fresh=True, log=lines.append)
+    fit(tiny_run_config("steps=2", "checkpoint_every=2"), shards, run, fresh=True, log=lines.append)
     assert not any("resuming" in line for line in lines)
     assert [s for s, _ in train_losses(run)] == [1, 2]
 
 
-def test_a_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, shards):
+def test_a_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
+    tmp_path, shards, tiny_run_config
+):
     run = tmp_path / "run"
     # lr 1e38 makes the first update overflow float32: the step-2 loss is NaN.
-    cfg = tiny("steps=6", "checkpoint_every=1", "lr=1e38", "grad_clip=0", "warmup_steps=0")
+    cfg = tiny_run_config(
+        "steps=6", "checkpoint_every=1", "lr=1e38", "grad_clip=0", "warmup_steps=0"
+    )
     # The suite would refuse these settings before step 1 (its optimizer-parity row overflows
     # too); skipped here so that the run reaches the NaN it must stop at.
     with pytest.raises(NonFiniteLossError, match="step 2") as err:
@@ -107,9 +112,9 @@ def test_a_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoin
     assert not (run / "final").exists()
 
 
-def test_plot_draws_the_curves(tmp_path, shards):
+def test_plot_draws_the_curves(tmp_path, shards, tiny_run_config):
     run = tmp_path / "run"
-    fit(tiny("steps=4", "eval_every=2"), shards, run, log=lambda s: 0)
+    fit(tiny_run_config("steps=4", "eval_every=2"), shards, run, log=lambda s: 0)
     png = plot_run(run)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -153,20 +158,22 @@ def test_kill_9_mid_run_then_rerun_gives_the_uninterrupted_weights(tmp_path, sha
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_compiled_run_gates_the_compiled_model_and_matches_eager(tmp_path, shards):
+def test_a_compiled_run_gates_the_compiled_model_and_matches_eager(
+    tmp_path, shards, tiny_run_config
+):
     lines = []
-    fit(tiny("steps=3", "compile=true"), shards, tmp_path / "compiled", log=lines.append)
+    fit(tiny_run_config("steps=3", "compile=true"), shards, tmp_path / "compiled", log=lines.append)
     if any("torch.compile failed" in line for line in lines):
         pytest.skip("no working inductor toolchain here: the run fell back to eager, loudly")
     assert any("pass gradient_flow" in line for line in lines)
-    fit(tiny("steps=3"), shards, tmp_path / "eager", log=lambda s: 0)
+    fit(tiny_run_config("steps=3"), shards, tmp_path / "eager", log=lambda s: 0)
     compiled, eager = train_losses(tmp_path / "compiled"), train_losses(tmp_path / "eager")
     assert [s for s, _ in compiled] == [1, 2, 3]
     for (_, a), (_, b) in zip(compiled, eager):
         assert a == pytest.approx(b, rel=1e-4)
 
 
-def test_validation_can_score_a_multiple_choice_task(tmp_path, shards):
+def test_validation_can_score_a_multiple_choice_task(tmp_path, shards, tiny_run_config):
     piqa = tmp_path / "piqa"
     piqa.mkdir()
     rows = [
@@ -180,7 +187,7 @@ def test_validation_can_score_a_multiple_choice_task(tmp_path, shards):
     (piqa / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (piqa / "valid-labels.lst").write_text("0\n1\n" * 6)
     lines = []
-    cfg = tiny("steps=4", "eval_every=2", f"eval_task=piqa={piqa}", "eval_task_limit=10")
+    cfg = tiny_run_config("steps=4", "eval_every=2", f"eval_task=piqa={piqa}", "eval_task_limit=10")
     fit(cfg, shards, tmp_path / "run", log=lines.append)
     tasks = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "task"]
     assert [r["step"] for r in tasks] == [2, 4]
@@ -189,7 +196,7 @@ def test_validation_can_score_a_multiple_choice_task(tmp_path, shards):
 
 
 def test_every_checkpoint_carries_a_tokenizer_of_exactly_the_models_vocab_size(
-    tmp_path, shards, sample_paths
+    tmp_path, shards, tiny_run_config, sample_paths
 ):
     from tokenizers import Tokenizer
 
@@ -199,7 +206,7 @@ def test_every_checkpoint_carries_a_tokenizer_of_exactly_the_models_vocab_size(
 
     # A model larger than the shards' tokenizer (2,048) is refused before anything is written.
     with pytest.raises(DoelError, match=r"has 2048 tokens but model.vocab_size is 4096; .*=2048"):
-        fit(tiny("model.vocab_size=4096"), shards, tmp_path / "big", log=lambda s: None)
+        fit(tiny_run_config("model.vocab_size=4096"), shards, tmp_path / "big", log=lambda s: None)
     assert not (tmp_path / "big").exists()
     # So is a tokenizer of the right size that did not make the shards.
     other = train_tokenizer(
@@ -210,8 +217,16 @@ def test_every_checkpoint_carries_a_tokenizer_of_exactly_the_models_vocab_size(
         log=lambda s: None,
     )
     with pytest.raises(DoelError, match="different tokenizer"):
-        fit(tiny("steps=2"), shards, tmp_path / "other", tokenizer=other, log=lambda s: None)
-    final = fit(tiny("steps=2", "checkpoint_every=1"), shards, tmp_path / "run", log=lambda s: 0)
+        fit(
+            tiny_run_config("steps=2"),
+            shards,
+            tmp_path / "other",
+            tokenizer=other,
+            log=lambda s: None,
+        )
+    final = fit(
+        tiny_run_config("steps=2", "checkpoint_every=1"), shards, tmp_path / "run", log=lambda s: 0
+    )
     folders = [final, *list_checkpoints(tmp_path / "run")]
     assert len(folders) == 3
     for folder in folders:

@@ -17,7 +17,7 @@ from train.trainer import TrainConfig
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def tiny_config(**kw) -> ModelConfig:
+def model_config(**kw) -> ModelConfig:
     base = dict(
         vocab_size=300,
         hidden_size=64,
@@ -35,7 +35,7 @@ def test_transformers_loads_our_folder_with_the_same_logits(tmp_path, tied):
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    ours = Llama(tiny_config(tie_word_embeddings=tied)).eval()
+    ours = Llama(model_config(tie_word_embeddings=tied)).eval()
     save_model(ours, tmp_path)
     theirs = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     x = torch.randint(0, 300, (3, 40))
@@ -50,7 +50,7 @@ def test_we_load_a_transformers_folder_with_the_same_logits(tmp_path, tied):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    cfg = tiny_config(tie_word_embeddings=tied)
+    cfg = model_config(tie_word_embeddings=tied)
     hf_cfg = LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
     theirs = LlamaForCausalLM(hf_cfg).eval()
     with torch.no_grad():  # HF initialises norms to 1; make them matter for the test
@@ -68,7 +68,7 @@ def test_we_load_a_transformers_folder_with_the_same_logits(tmp_path, tied):
 
 def test_loss_is_next_token_cross_entropy():
     torch.manual_seed(0)
-    model = Llama(tiny_config())
+    model = Llama(model_config())
     x = torch.randint(0, 300, (2, 16))
     y = torch.randint(0, 300, (2, 16))
     y[0, :5] = -100
@@ -79,13 +79,13 @@ def test_loss_is_next_token_cross_entropy():
 
 
 def test_a_broken_folder_is_refused_with_a_reason(tmp_path):
-    model = Llama(tiny_config())
+    model = Llama(model_config())
     save_model(model, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"hidden_act": "gelu"}))
     with pytest.raises(DoelError, match="hidden_act"):
         load_model(tmp_path)
-    save_model(Llama(tiny_config(num_hidden_layers=1)), tmp_path / "small")
+    save_model(Llama(model_config(num_hidden_layers=1)), tmp_path / "small")
     (tmp_path / "small" / "config.json").write_text(json.dumps(cfg))  # claims 2 layers
     with pytest.raises(DoelError, match="missing tensors"):
         load_model(tmp_path / "small")
@@ -104,7 +104,7 @@ def test_a_broken_folder_is_refused_with_a_reason(tmp_path):
 )
 def test_bad_model_config_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
-        tiny_config(**kw)
+        model_config(**kw)
 
 
 def test_presets_load_and_the_04b_model_is_sized_on_the_meta_device():
@@ -144,7 +144,7 @@ def test_dotted_overrides_reach_the_model_table():
 def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, damage, reason):
     from train.hf import read_safetensors, safetensors_problem
 
-    save_model(Llama(tiny_config()), tmp_path)
+    save_model(Llama(model_config()), tmp_path)
     weights = tmp_path / "model.safetensors"
     assert safetensors_problem(weights) is None
     weights.write_bytes(damage(weights.read_bytes()))
@@ -158,7 +158,7 @@ def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, damage, reason):
 def test_an_unreadable_config_is_refused_naming_it(tmp_path, monkeypatch):
     import errno
 
-    save_model(Llama(tiny_config()), tmp_path)
+    save_model(Llama(model_config()), tmp_path)
     (tmp_path / "config.json").write_bytes(b'{"vocab_size": 3')  # truncated
     with pytest.raises(DoelError, match="config.json"):
         load_model(tmp_path)

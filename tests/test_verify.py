@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,40 +15,37 @@ from torch import nn
 
 from train.checks.base import VerifyConfig
 from train.checks.suite import CHECKS, VerificationError, run_suite, verify_before_training
-from train.config import load_config
 from train.data.loader import TokenLoader
 from train.data.prepare import PrepareConfig, prepare
 from train.data.textio import resolve_sources
 from train.data.tokenizer import TokenizerConfig, train_tokenizer
 from train.model import IGNORE_INDEX, Llama
-from train.trainer import TrainConfig, build_optimizer, lr_at, train_step
+from train.trainer import build_optimizer, lr_at, train_step
 
 pytestmark = pytest.mark.slow  # every test here runs the suite or trains (seconds to minutes)
-ROOT = Path(__file__).resolve().parents[1]
 ALL = list(CHECKS)
-
-
-def tiny(*sets) -> TrainConfig:
-    return load_config(TrainConfig, ROOT / "configs" / "tiny.toml", list(sets))
 
 
 def failed(report) -> set[str]:
     return set(report.failed)
 
 
-def suite(shards, checks=None, cfg=None, **kw):
-    return run_suite(cfg or tiny(), shards, "full", checks=checks, log=lambda s: None, **kw)
+def suite(cfg, shards, checks=None, optimizer_factory=None, **kw):
+    """The full suite on `cfg`; a planted optimizer_factory(model, cfg) gets the run's config."""
+    if optimizer_factory:
+        kw["optimizer_factory"] = lambda model: optimizer_factory(model, cfg)
+    return run_suite(cfg, shards, "full", checks=checks, log=lambda s: None, **kw)
 
 
 def loss_curve(
-    shards, model_factory=None, optimizer_factory=None, loader=None, steps=12, resume_at=None
+    cfg, shards, model_factory=None, optimizer_factory=None, loader=None, steps=12, resume_at=None
 ) -> list[float]:
     """The broken setup trained the normal way: train_step, the run's schedule, real batches.
     With `resume_at`, the loader is saved and restored there, as a resumed run would."""
-    cfg = tiny()
     torch.manual_seed(0)
     model = (model_factory or (lambda c: Llama(c.model)))(cfg)
-    opt = (optimizer_factory or (lambda m: build_optimizer(m, cfg, torch.device("cpu"))))(model)
+    build = optimizer_factory or (lambda m, c: build_optimizer(m, c, torch.device("cpu")))
+    opt = build(model, cfg)
     loader = loader or TokenLoader(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
     losses = []
     for step in range(steps):
@@ -68,8 +64,10 @@ def assert_falls(losses: list[float]) -> None:
 # ---------------------------------------------------------------- the healthy preset
 
 
-def test_healthy_tiny_config_passes_every_check_and_writes_the_report(shards, tmp_path):
-    report = run_suite(tiny(), shards, "full", out_dir=tmp_path, log=lambda s: None)
+def test_healthy_tiny_config_passes_every_check_and_writes_the_report(
+    shards, tmp_path, tiny_config
+):
+    report = run_suite(tiny_config(), shards, "full", out_dir=tmp_path, log=lambda s: None)
     assert [r.name for r in report.results] == ALL
     assert all(r.passed is True for r in report.results), report.format()
     data = json.loads((tmp_path / "verify.json").read_text())
@@ -79,8 +77,8 @@ def test_healthy_tiny_config_passes_every_check_and_writes_the_report(shards, tm
     assert md.count("| **pass** |") == len(ALL) and "| check | status |" in md
 
 
-def test_fast_subset_runs_before_training_and_leaves_no_trace(shards):
-    cfg = tiny()
+def test_fast_subset_runs_before_training_and_leaves_no_trace(shards, tiny_config):
+    cfg = tiny_config()
     torch.manual_seed(0)
     model = Llama(cfg.model)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
@@ -99,8 +97,8 @@ def test_fast_subset_runs_before_training_and_leaves_no_trace(shards):
     assert any("verification (fast" in line for line in lines)
 
 
-def test_before_training_refuses_a_run_whose_optimizer_misses_a_parameter(shards):
-    cfg = tiny()
+def test_before_training_refuses_a_run_whose_optimizer_misses_a_parameter(shards, tiny_config):
+    cfg = tiny_config()
     model = Llama(cfg.model)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     opt.param_groups[1]["params"] = opt.param_groups[1]["params"][1:]  # a norm left out
@@ -178,22 +176,22 @@ def with_kernel(fn, where=lambda m: m.model.layers[0].mlp.down_proj):
         (WrongWeightGrad, {"parity"}),
     ],
 )
-def test_a_kernel_with_a_broken_backward(shards, kernel, expected):
-    factory = with_kernel(kernel)
-    report = suite(shards, model_factory=factory)
+def test_a_kernel_with_a_broken_backward(shards, tiny_config, kernel, expected):
+    cfg, factory = tiny_config(), with_kernel(kernel)
+    report = suite(cfg, shards, model_factory=factory)
     assert failed(report) == expected, report.format()
     row = {r.name: r for r in report.results}["parity"]
     assert "model kernels vs plain model" in row.detail and "down_proj" in row.detail
-    assert_falls(loss_curve(shards, factory))
+    assert_falls(loss_curve(cfg, shards, factory))
 
 
-def test_a_slow_backward_fails_the_throughput_floor(shards):
-    factory = with_kernel(SlowBackward, lambda m: m.lm_head)
-    report = suite(shards, model_factory=factory)
+def test_a_slow_backward_fails_the_throughput_floor(shards, tiny_config):
+    cfg, factory = tiny_config(), with_kernel(SlowBackward, lambda m: m.lm_head)
+    report = suite(cfg, shards, model_factory=factory)
     assert failed(report) == {"throughput"}, report.format()
     numbers = {r.name: r for r in report.results}["throughput"].numbers
     assert numbers["backward_over_forward"] > 5
-    assert_falls(loss_curve(shards, factory))
+    assert_falls(loss_curve(cfg, shards, factory))
 
 
 # ---------------------------------------------------------------- planted model and optimizer
@@ -253,8 +251,8 @@ def bf16_weights(cfg):
 
 
 def leaves_out(name):
-    def factory(model):
-        opt = build_optimizer(model, tiny(), torch.device("cpu"))
+    def factory(model, cfg):
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
         p = dict(model.named_parameters())[name]
         for group in opt.param_groups:
             group["params"] = [q for q in group["params"] if q is not p]
@@ -290,13 +288,16 @@ def leaves_out(name):
     ids=["frozen", "not-in-optimizer", "untied", "leak", "double-shift", "mean-loss", "bf16"],
 )
 def test_a_planted_model_or_optimizer_failure_is_flagged_where_it_belongs(
-    shards, plant, expected, says
+    shards, tiny_config, plant, expected, says
 ):
-    report = suite(shards, **plant)
+    cfg = tiny_config()
+    report = suite(cfg, shards, **plant)
     noise = {"throughput"} if plant.get("model_factory") is bf16_weights else set()
     assert failed(report) - noise == expected, report.format()
     assert says in " ".join(r.detail for r in report.results if r.passed is False)
-    assert_falls(loss_curve(shards, plant.get("model_factory"), plant.get("optimizer_factory")))
+    assert_falls(
+        loss_curve(cfg, shards, plant.get("model_factory"), plant.get("optimizer_factory"))
+    )
     numbers = {r.name: r.numbers for r in report.results}
     if plant.get("model_factory") is leaky:
         assert numbers["causal"]["leak"] > 1e-3
@@ -331,32 +332,33 @@ class TargetsAreInputs(TokenLoader):
         return x, x.copy()
 
 
-def test_a_loader_without_the_shift_fails_the_causal_check(shards):
-    cfg = tiny()
+def test_a_loader_without_the_shift_fails_the_causal_check(shards, tiny_config):
+    cfg = tiny_config()
 
     def make():
         return TargetsAreInputs(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
 
-    row = suite(shards, ["causal"], loader_factory=make).results[0]
+    row = suite(cfg, shards, ["causal"], loader_factory=make).results[0]
     assert row.passed is False and not row.numbers["loader_targets_shifted_by_one"]
-    assert_falls(loss_curve(shards, loader=make()))
+    assert_falls(loss_curve(cfg, shards, loader=make()))
 
 
-def test_a_loader_that_repeats_data_after_resume_fails_resume_only(shards):
-    cfg = tiny()
+def test_a_loader_that_repeats_data_after_resume_fails_resume_only(shards, tiny_config):
+    cfg = tiny_config()
 
     def make():
         return RestartsOnResume(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
 
-    report = suite(shards, loader_factory=make)
+    report = suite(cfg, shards, loader_factory=make)
     assert failed(report) == {"resume"}, report.format()
     assert "different batches from step 3" in report.results[ALL.index("resume")].detail
-    assert_falls(loss_curve(shards, loader=make(), resume_at=6))
+    assert_falls(loss_curve(cfg, shards, loader=make(), resume_at=6))
 
 
-def test_repeated_windows_and_validation_overlap_fail_the_data_check(shards, tmp_path):
-    cfg = tiny()
+def test_repeated_windows_and_validation_overlap_fail_the_data_check(shards, tmp_path, tiny_config):
+    cfg = tiny_config()
     same = suite(
+        cfg,
         shards,
         ["data", "resume"],
         loader_factory=lambda: SameWindows(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed),
@@ -367,27 +369,30 @@ def test_repeated_windows_and_validation_overlap_fail_the_data_check(shards, tmp
     meta = json.loads((leaked / "meta.json").read_text())
     meta["overlap"] |= {"share": 0.04, "exact_duplicates_of_validation_in_train": 2}
     (leaked / "meta.json").write_text(json.dumps(meta))
-    report = suite(leaked, ["data"])
+    report = suite(cfg, leaked, ["data"])
     assert failed(report) == {"data"} and "4.00% of validation" in report.results[0].detail
 
 
-def test_a_gpt2_style_tokenizer_on_bangla_fails_the_tokenizer_check(tmp_path, sample_paths):
-    cfg = TokenizerConfig(vocab_size=2048, min_frequency=1, style="gpt2")
-    tok = train_tokenizer(resolve_sources(sample_paths), cfg, tmp_path / "tok", progress=False)
+def test_a_gpt2_style_tokenizer_on_bangla_fails_the_tokenizer_check(
+    tmp_path, sample_paths, tiny_config
+):
+    tok_cfg = TokenizerConfig(vocab_size=2048, min_frequency=1, style="gpt2")
+    tok = train_tokenizer(resolve_sources(sample_paths), tok_cfg, tmp_path / "tok", progress=False)
     data = tmp_path / "shards"
     prepare(tok, sample_paths, data, PrepareConfig(val_fraction=0.1), progress=False)
-    report = suite(data, ["data", "tokenizer"])
+    cfg = tiny_config()
+    report = suite(cfg, data, ["data", "tokenizer"])
     assert failed(report) == {"tokenizer"}, report.format()
     numbers = report.results[1].numbers
     assert numbers["bengali"]["chars_per_token"] < 0.5 * numbers["latin"]["chars_per_token"]
-    assert_falls(loss_curve(data))
+    assert_falls(loss_curve(cfg, data))
 
 
-def test_verify_config_and_subsets_are_validated(shards):
+def test_verify_config_and_subsets_are_validated(shards, tiny_config):
     with pytest.raises(ValueError, match="resume_steps"):
         VerifyConfig(resume_steps=3)
     with pytest.raises(Exception, match="unknown checks"):
-        suite(shards, ["nonsense"])
+        suite(tiny_config(), shards, ["nonsense"])
 
 
 def test_the_command_writes_the_report_and_exits_1_on_a_failure(shards, tmp_path, capsys):
@@ -413,18 +418,19 @@ def head_sees_a_detached_weight(cfg):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_ties_need_one_tensor_holding_both_uses_gradients(shards, monkeypatch, ranks):
+def test_ties_need_one_tensor_holding_both_uses_gradients(shards, tiny_config, monkeypatch, ranks):
     """At 2 ranks (simulated: no process group) the check takes its DDP/FSDP path, where each
     use's gradient is rebuilt by hooks instead of by splitting the tie."""
     import train.checks.ties
 
     monkeypatch.setattr(train.checks.ties, "_world_size", lambda: ranks)
-    row = suite(shards, ["ties"]).results[0]
+    cfg = tiny_config()
+    row = suite(cfg, shards, ["ties"]).results[0]
     assert row.passed, row.detail
     parts = row.numbers["model.embed_tokens.weight"]
     assert parts["error_vs_sum"] < 1e-5
     assert parts["input_side_share"] > 0.01 and parts["output_side_share"] > 0.01
-    untied = suite(shards, ["ties"], model_factory=untied_head).results[0]
+    untied = suite(cfg, shards, ["ties"], model_factory=untied_head).results[0]
     assert untied.passed is False and "tie was broken" in untied.detail
-    cut = suite(shards, ["ties"], model_factory=head_sees_a_detached_weight).results[0]
+    cut = suite(cfg, shards, ["ties"], model_factory=head_sees_a_detached_weight).results[0]
     assert cut.passed is False and "model.embed_tokens.weight" in cut.detail
