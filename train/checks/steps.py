@@ -244,25 +244,41 @@ def _sync(device: torch.device) -> None:
 
 
 def time_forward_backward(s: Setup, x, y, reps: int) -> tuple[float, float]:
-    """Fastest seconds of the forward (to the loss) and of the backward, timed apart, after two
-    warm-up passes (compilation, kernel selection). The fastest, not the median: other
-    processes only ever add time, and on a busy machine the median of a tiny model's backward
-    once read 4x its forward for a healthy model."""
+    """Fastest seconds of the forward (to the loss) and of the backward, timed apart and
+    interleaved, after two warm-up passes (compilation, kernel selection). The fastest, not the
+    median: other processes only ever add time.
+
+    On a GPU, wall time. On a CPU, the process's CPU time with one intra-op thread. On a loaded
+    CPU, wall time also counts the time other processes hold the cores, and with several threads
+    each parallel region waits until its last thread is scheduled again; the backward has more
+    such regions than the forward, so even the best of the repeats of a healthy model's backward
+    read many times its forward while two other processes kept both cores busy. CPU time counts
+    only the work done, by any thread of the process (a compiled graph may keep threads of its
+    own); one thread leaves none to wait for, nor one spinning at a barrier, which CPU time
+    would count. A slow kernel is as slow on one thread."""
+    cpu = s.device.type == "cpu"
+    clock = time.process_time if cpu else time.perf_counter
+    threads = torch.get_num_threads()
+    if cpu:
+        torch.set_num_threads(1)
     fwd_t, bwd_t = [], []
-    for i in range(reps + 2):
-        _sync(s.device)
-        t0 = time.perf_counter()
-        with s.ctx():
-            loss = s.fwd(x, y, reduction="sum") / y.numel()
-        _sync(s.device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(s.device)
-        t2 = time.perf_counter()
-        s.fwd.zero_grad(set_to_none=True)
-        if i >= 2:
-            fwd_t.append(t1 - t0)
-            bwd_t.append(t2 - t1)
+    try:
+        for i in range(reps + 2):
+            _sync(s.device)
+            t0 = clock()
+            with s.ctx():
+                loss = s.fwd(x, y, reduction="sum") / y.numel()
+            _sync(s.device)
+            t1 = clock()
+            loss.backward()
+            _sync(s.device)
+            t2 = clock()
+            s.fwd.zero_grad(set_to_none=True)
+            if i >= 2:
+                fwd_t.append(t1 - t0)
+                bwd_t.append(t2 - t1)
+    finally:
+        torch.set_num_threads(threads)
     return min(fwd_t), min(bwd_t)
 
 
@@ -274,6 +290,8 @@ def check_throughput(s: Setup) -> CheckResult:
     compute = param_dtype(inner)
     compute = s.dtype if torch.finfo(compute).bits >= 32 else compute
     peak, source = peak_flops(s.device, compute)
+    if peak and s.device.type == "cpu":  # timed on one thread: against one thread's share
+        peak, source = peak / torch.get_num_threads(), f"{source}, a thread's share"
     floor = s.vcfg.mfu_floor or (0.10 if s.device.type == "cuda" else 0.002)
     tokens = x.numel()
     mfu_f = mfu(tokens / t_f, flops / 3, peak)
