@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from train.config import load_config
 from train.data.prepare import PrepareConfig, prepare
@@ -19,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "train" / "sample"
 TINY = ROOT / "configs" / "tiny.toml"
 BUNDLE_CONTEXT = 96  # positions of the tiny bundle's model
+
+# One intra-op thread for the session. The tests' models are tiny, so a second thread buys
+# little; on a 2-core machine busy with other work it costs many times over, as every parallel
+# region waits until both threads are scheduled (README, development notes: the fast run's time).
+# Spawned processes (fit, torchrun, doel-serve) choose their own threads.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
