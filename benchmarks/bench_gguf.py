@@ -10,7 +10,13 @@ llama.cpp runs doel's GGUF export as doel does.
    tokenizes every held-out line, Bangla and English, and its ids are compared with `tokenizers`'
    id for id; llama.cpp's f32 logits on a held-out prompt against PyTorch's.
 
-Writes benchmarks/results/gguf.{json,md}. Run: `python benchmarks/bench_gguf.py`.
+3. Quantization (`--quant-model CKPT`, a trained checkpoint on a gguf tokenizer): held-out loss
+   of this export's q8_0 and q4_0 GGUF files in llama.cpp beside doel's int8 and int4 bundles
+   (defaults) in ONNX Runtime, each against PyTorch fp32 on the same token windows
+   (benchmarks/bench_quant_quality.py's machinery; llama.cpp's KV cache f32).
+
+Writes benchmarks/results/gguf.{json,md}. Run: `python benchmarks/bench_gguf.py` (then
+`--proof-only` / `--quant-model CKPT` add their parts to the same files).
 """
 
 from __future__ import annotations
@@ -172,6 +178,63 @@ def proof(tok_path: Path, lines: dict[str, list[str]], work: Path) -> dict:
     return out
 
 
+QUANT_ROWS = [  # (row, engine, quant)
+    ("PyTorch fp32", "torch", "fp32"),
+    ("doel int8 (block 128)", "doel", "int8"),
+    ("doel int4 (block 128, head int8; default)", "doel", "int4"),
+    ("llama.cpp f32 (this export)", "llama.cpp", "f32"),
+    ("llama.cpp q8_0 (this export)", "llama.cpp", "q8_0"),
+    ("llama.cpp q4_0 (this export, embedding q8_0)", "llama.cpp", "q4_0"),
+]
+
+
+def quant_losses(model: Path, texts: list[Path], eval_tokens: int, work: Path) -> dict:
+    """Held-out loss of every QUANT_ROWS variant against PyTorch fp32, same windows."""
+    import bench_quant_quality as bq
+    import llama_cpp
+
+    from export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint
+    from export.checkpoint import inspect_checkpoint
+    from export.gguf import export_gguf
+    from export.parity import eval_texts, torch_reference
+
+    ckpt = inspect_checkpoint(model)
+    docs = eval_texts(ckpt, texts, eval_tokens)
+    window = min(ckpt.context_length, MAX_WINDOW)
+    sums, secs, files = {}, {}, {}
+    for row, engine, quant in QUANT_ROWS:
+        print(f"scoring {row} ...", flush=True)
+        if engine == "torch":
+            fn = torch_reference(ckpt)
+        elif engine == "doel":
+            out = work / f"bundle-{quant}"
+            opts = ExportOptions(quant=quant, eval_tokens=64, force=True, log=lambda *_: None)
+            export_checkpoint(ckpt.folder, out, opts)
+            files[row] = sum(p.stat().st_size for p in out.glob("model.onnx*"))
+            fn = bq.onnx_logits(out, ckpt)
+        else:
+            out = work / f"gguf-{quant}"
+            export_gguf(ckpt.folder, out, quant, force=True, log=lambda _m: None)
+            files[row] = (out / f"model-{quant}.gguf").stat().st_size
+            fn = bq.llama_logits(out / f"model-{quant}.gguf", window, llama_cpp.GGML_TYPE_F32)
+        sums[row], secs[row] = bq.score_files(fn, docs, window)
+        del fn
+    ref = sums["PyTorch fp32"]
+    rows = []
+    for row, engine, quant in QUANT_ROWS:
+        loss = bq.losses(sums[row], ref, docs)
+        loss.pop("files")
+        rows.append({"variant": row, "engine": engine, "quant": quant, "bytes": files.get(row)})
+        rows[-1] |= loss | {"score_s": round(secs[row], 1)}
+    return {
+        "model": str(ckpt.folder),
+        "texts": [str(t) for t in texts],
+        "tokens": bq.n_tokens(docs),
+        "window": window,
+        "rows": rows,
+    }
+
+
 def markdown(r: dict) -> str:
     m = r["machine"]
     out = [
@@ -230,6 +293,27 @@ def markdown(r: dict) -> str:
         ]
     else:
         out += ["", "llama.cpp parity: not run (llama-cpp-python not installed)."]
+    q = r.get("quant")
+    if q:
+        out += [
+            "",
+            f"Held-out loss of `{Path(q['model']).parent.name}/{Path(q['model']).name}` (a model "
+            f"trained on the 8,192-token gguf tokenizer), {q['tokens']:,} tokens of "
+            f"{', '.join(Path(t).name for t in q['texts'])} in {q['window']}-token windows, "
+            "every engine on the same windows, against PyTorch fp32:",
+            "",
+            "| variant | nats/token | increase (nats/token) | ± s.e. | weights file (MB) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for row in q["rows"]:
+            size = f"{row['bytes'] / 1e6:.1f}" if row["bytes"] else ""
+            out.append(
+                f"| {row['variant']} | {row['nats_per_token']:.4f} | "
+                f"{row['increase_nats_per_token']:+.4f} | "
+                f"{row['increase_nats_per_token_se']:.4f} | {size} |"
+            )
+        if q.get("note"):
+            out += ["", q["note"]]
     return "\n".join(out) + "\n"
 
 
@@ -240,6 +324,10 @@ def main() -> None:
     ap.add_argument("--max-chars", type=int, default=6_000_000, help="training characters")
     ap.add_argument("--bangla-share", type=float, default=0.55)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--quant-model", help="a trained checkpoint on a gguf tokenizer (part 3)")
+    ap.add_argument("--quant-text", nargs="+", help="held-out files (default: validation)")
+    ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--quant-note", help="a sentence on the model, printed under its table")
     ap.add_argument("--ablations", action="store_true", help="also each difference alone")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "bench-gguf"))
     ap.add_argument(
@@ -268,6 +356,22 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
+    if args.quant_model:
+        report = json.loads((out / "gguf.json").read_text())
+        report["quant_machine"] = machine()
+        texts = args.quant_text or []
+        for lang in () if texts else ("bn", "en"):  # the first validation file, as .txt
+            src = data / splits[lang]["validation"][0]
+            texts.append(str(work / f"heldout_{lang}_{src.stem}.txt"))
+            Path(texts[-1]).write_text(src.read_text(encoding="utf-8"), encoding="utf-8")
+        report["quant"] = quant_losses(
+            Path(args.quant_model), [Path(t) for t in texts], args.eval_tokens, work / "quant"
+        )
+        report["quant"]["note"] = args.quant_note
+        (out / "gguf.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        (out / "gguf.md").write_text(markdown(report))
+        print(markdown(report))
+        return
     if args.proof_only:
         report = json.loads((out / "gguf.json").read_text())
         report["proof_machine"] = machine()
