@@ -207,8 +207,9 @@ def gguf_card(
             "## Files",
             "",
             f"`{gguf_file}`: the weights, the tokenizer (llama.cpp's "
-            f"`{manifest.get('pre_tokenizer')}` pre-tokenizer, which splits text as doel does, so "
-            f"llama.cpp encodes text to doel's ids){template}; `Modelfile`: Ollama's, with the "
+            f"`{manifest.get('pre_tokenizer')}` pre-tokenizer, the split of the model's "
+            "`--style gguf` tokenizer, so llama.cpp encodes text to the ids doel's tokenizer.json "
+            f"gives){template}; `Modelfile`: Ollama's, with the "
             "context and stop token; `manifest.json`: the tensors' types and the sha256 of every "
             "file.",
         ],

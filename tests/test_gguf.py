@@ -211,3 +211,16 @@ def test_llama_cpp_tokenizes_id_for_id_and_its_f32_logits_equal_pytorchs(tmp_pat
     with torch.no_grad():
         ref = model(torch.tensor([ids]))[0].double().numpy()
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_doel_train_tokenizer_style_gguf_gives_a_tokenizer_the_gguf_export_accepts(
+    tmp_path, sample_paths
+):
+    from export.gguf import llama_cpp_pre_type
+    from train.cli import main
+
+    main(["tokenizer", "--data", *sample_paths, "--vocab-size", "1024", "--style", "gguf"]
+         + ["--out", str(tmp_path), "--set", "min_frequency=1", "--quiet"])  # fmt: skip
+    path = tmp_path / "tokenizer.json"
+    assert llama_cpp_pre_type(json.loads(path.read_text(encoding="utf-8")), path) == "qwen35"
+    assert load_tokenizer(path).get_vocab_size() == 1024
