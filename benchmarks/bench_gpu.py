@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from train.config import load_config, resolve_config, resolved  # noqa: E402
 from train.dist import autocast, resolve_device, resolve_dtype  # noqa: E402
 from train.gradflow import check_gradient_flow  # noqa: E402
-from train.metrics import mfu, peak_flops  # noqa: E402
+from train.metrics import format_flops, mfu, peak_flops  # noqa: E402
 from train.model import Llama  # noqa: E402
 from train.trainer import TrainConfig, build_optimizer, train_step  # noqa: E402
 
@@ -166,8 +166,8 @@ def markdown(r: dict) -> str:
         f"{pct(r['mfu_6n_only'])} | {pct(r['forward_mfu'])} | {pct(r['backward_mfu'])} | "
         f"{r['backward_over_forward']:.2f} | {r['hours_for_2b_tokens']:.1f} h | "
         f"{r['peak_memory_gib'] or 0:.1f} GiB |\n\n"
-        f"Peak {r['peak_flops'] / 1e12 if r['peak_flops'] else float('nan'):.0f} TFLOP/s "
-        f"({r['peak_source']}); FLOPs/token {r['flops_per_token']['total'] / 1e9:.2f} G "
+        f"Peak {format_flops(r['peak_flops'])} ({r['peak_source']}); FLOPs/token "
+        f"{r['flops_per_token']['total'] / 1e9:.3g} G "
         "(6 per matmul weight incl. the head + causal attention). Compile and warm-up took "
         f"{r['compile_and_warmup_s']:.0f} s.\n"
     )
@@ -181,9 +181,15 @@ def run_verify(cfg: TrainConfig, out: Path) -> bool:
     from train.checks.suite import run_suite
 
     shards = make_shards(Path(tempfile.mkdtemp(prefix="doel-verify-")))
-    # The sample is small: shorter windows and batches, the preset's model, dtype and compile.
+    vocab = json.loads((shards / "meta.json").read_text())["tokenizer"]["vocab_size"]
+    # The sample is small: shorter windows and batches, the preset's model, dtype and compile,
+    # with the embedding at the sample tokenizer's size (a run's model and tokenizer must agree).
     cfg = dataclasses.replace(
-        cfg, seq_len=min(cfg.seq_len, 256), batch_size=min(cfg.batch_size, 4), grad_accum=1
+        cfg,
+        seq_len=min(cfg.seq_len, 256),
+        batch_size=min(cfg.batch_size, 4),
+        grad_accum=1,
+        model=dataclasses.replace(cfg.model, vocab_size=vocab),
     )
     return run_suite(cfg, shards, "full", out_dir=out).ok
 
