@@ -189,3 +189,33 @@ def test_importing_train_outside_the_recipe_loads_no_other_stage():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_readme_file_tree_names_every_module_and_only_modules_that_exist():
+    """The README's file tree (## Files) is the map a newcomer walks: every module of train/,
+    export/, serve/ and benchmarks/ is on it, at its folder, and nothing on it is gone."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    tree = readme.split("## Files", 1)[1].split("```")[1]
+    listed, folders = set(), []
+    for line in tree.splitlines():
+        entry = line.split("#", 1)[0].rstrip()
+        if not entry.strip():
+            continue
+        depth = (len(entry) - len(entry.lstrip())) // 2
+        name = entry.strip()
+        folders = folders[:depth]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        elif name.endswith(".py"):
+            listed.add("/".join([*folders, name]))
+    code = {
+        p.relative_to(ROOT).as_posix()
+        for top in ("train", "export", "serve", "benchmarks")
+        for p in (ROOT / top).rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py") and "results" not in p.parts
+    }
+    listed_code = {
+        p for p in listed if p.split("/")[0] in ("train", "export", "serve", "benchmarks")
+    }
+    assert code - listed_code == set(), "modules missing from the README's file tree"
+    assert listed_code - code == set(), "the README's file tree names modules that do not exist"
