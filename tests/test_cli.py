@@ -18,6 +18,26 @@ SAMPLE = ROOT / "train" / "sample"
 PUNCTUATION_RUN = re.compile(r"[!-/:-@\[-`{-~\u0964\u0965\u2018-\u201f]{3,}")  # ASCII, ।, ॥, quotes
 
 
+def small_model(folder: Path, tokenizer_path) -> Path:
+    """A random one-layer model on the session tokenizer, saved in Hugging Face layout."""
+    import torch
+
+    from train.hf import save_model
+    from train.model import Llama, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=2048,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    return save_model(Llama(cfg), folder, tokenizer=tokenizer_path)
+
+
 def run(*args, check=True, pre=""):
     code = f"{pre}from train.cli import main; main({list(args)!r})"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -219,27 +239,12 @@ def one_line_error(proc, *names) -> str:
 
 
 def test_damaged_files_are_one_line_errors_naming_them(tmp_path, tokenizer_path, sample_paths):
-    import torch
-
-    from train.hf import save_model
-    from train.model import Llama, ModelConfig
-
     cut = tmp_path / "tokenizer.json"
     cut.write_bytes(tokenizer_path.read_bytes()[:5000])
     one_line_error(
         run("fertility", "--tokenizer", str(cut), "--text", *sample_paths, check=False), cut
     )
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=2048,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    folder = save_model(Llama(cfg), tmp_path / "model", tokenizer=tokenizer_path)
+    folder = small_model(tmp_path / "model", tokenizer_path)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])  # a copy cut short
     err = one_line_error(run("eval", str(folder), "--text", *sample_paths, check=False), weights)
@@ -295,10 +300,6 @@ def test_ctrl_c_during_fit_is_one_line_and_a_damaged_checkpoint_is_named(tmp_pat
 
 
 def test_a_missing_text_field_names_the_fix_each_command_takes(tmp_path, tokenizer_path):
-    import torch
-
-    from train.hf import save_model
-    from train.model import Llama, ModelConfig
 
     lines = (ROOT / "train" / "sample" / "bn.txt").read_text(encoding="utf-8").splitlines()
     body = tmp_path / "body.jsonl"
@@ -314,17 +315,7 @@ def test_a_missing_text_field_names_the_fix_each_command_takes(tmp_path, tokeniz
     fert = ["fertility", "--tokenizer", str(tokenizer_path), "--text", str(body)]
     one_line_error(run(*fert, check=False), "no 'text' field", "--text-field NAME")
     assert "fertility of" in run(*fert, "--text-field", "body").stdout
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=2048,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    folder = save_model(Llama(cfg), tmp_path / "model", tokenizer=tokenizer_path)
+    folder = small_model(tmp_path / "model", tokenizer_path)
     err = one_line_error(run("eval", str(folder), "--text", str(body), check=False), body)
     assert "eval reads the 'text' field: pass .txt files" in err and "--set" not in err
 
