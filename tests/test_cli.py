@@ -300,7 +300,6 @@ def test_ctrl_c_during_fit_is_one_line_and_a_damaged_checkpoint_is_named(tmp_pat
 
 
 def test_a_missing_text_field_names_the_fix_each_command_takes(tmp_path, tokenizer_path):
-
     lines = (ROOT / "train" / "sample" / "bn.txt").read_text(encoding="utf-8").splitlines()
     body = tmp_path / "body.jsonl"
     body.write_text("".join(json.dumps({"body": t}) + "\n" for t in lines if t.strip()))
