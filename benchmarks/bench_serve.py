@@ -21,8 +21,10 @@ without AMX (`--install-llama-cpp`, wheel cached in ~/.cache/doel/; see bench_se
 why, and for how our tokenizer gets into the GGUF file). Without it, the llama.cpp rows are
 marked missing and the command that builds it is printed.
 
-Writes benchmarks/results/serve_0.4b_cpu.{json,md,png}. Run: `make bench-serve` (about 5
-minutes on a quiet machine); `--quick` runs a tiny model in under a minute.
+The CPU (model name, ISA flags, class: benchmarks/cpu_class.py) is in every result, and names
+its file: benchmarks/results/serve_0.4b_cpu-<class>.{json,md,png}, one per CPU class (the
+targets' verdicts differ between AVX2 and AVX-512 hosts: issue 22). Run: `make bench-serve`
+(about 5 minutes on a quiet machine); `--quick` runs a tiny model in under a minute.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from bench_serve_llama import (  # noqa: E402
     make_ggufs,
 )
 from bench_serve_report import markdown, plot  # noqa: E402
+from cpu_class import this_cpu  # noqa: E402
 
 THREADS = 2
 BUSY_SHARE = 0.05  # of the machine's CPU time used by others during a row
@@ -375,6 +378,7 @@ def run_all(work: Path, p: dict, with_llama: bool) -> dict:
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}",
+        "cpu": this_cpu(),
         "settings": p | {"threads": THREADS, "n_ctx": spec_n_ctx(cfg)},
         "model": {k: cfg[k] for k in keys},
         "parameters_m": safetensors_bytes(ckpt / "model.safetensors")["total"] / 4 / 1e6,
@@ -386,6 +390,12 @@ def run_all(work: Path, p: dict, with_llama: bool) -> dict:
         "targets": targets(rows, sweeps, p),
         "llama_cpp": llama_info() if with_llama else {"missing": INSTALL_HINT},
     }
+
+
+def result_name(preset: str, cpu_class: str) -> str:
+    """`serve_0.4b_cpu-amd-avx2`: one result file per preset and CPU class."""
+    size = "0.4b" if preset == "bangla-0.4b" else preset
+    return f"serve_{size}_cpu-{cpu_class}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -414,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     default_out = ROOT / ("out/bench_serve_quick" if args.quick else "benchmarks/results")
     out = Path(args.out or default_out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "serve_0.4b_cpu" if p["preset"] == "bangla-0.4b" else f"serve_{p['preset']}_cpu"
+    name = result_name(p["preset"], result["cpu"]["class"])
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{name}.md").write_text(markdown(result))
     plot(result, out / f"{name}.png")

@@ -1,4 +1,5 @@
-"""The serving benchmark's report: Markdown tables and a PNG from bench_serve.py's result."""
+"""The serving benchmark's report: Markdown tables and a PNG from bench_serve.py's result, the
+CPU class it ran on named in both."""
 
 from __future__ import annotations
 
@@ -92,6 +93,18 @@ def sweep_table(sw: dict) -> list[str]:
     return lines
 
 
+def cpu_line(cpu: dict | None) -> str:
+    """The CPU the run measured (results from before it was recorded say so)."""
+    if cpu is None:
+        return "CPU: not recorded by this run."
+    have = [name for name, on in cpu["isa"].items() if on]
+    return (
+        f"CPU: {cpu['model_name']}, class **{cpu['class']}** (ISA extensions present: "
+        f"{', '.join(have) or 'none of those checked'}; absent: "
+        f"{', '.join(n for n, on in cpu['isa'].items() if not on) or 'none'})."
+    )
+
+
 def markdown(result: dict) -> str:
     p, m, bw = result["settings"], result["model"], result["bandwidth"]
     busy = [r["variant"] for r in result["rows"] if r.get("busy")]
@@ -108,6 +121,8 @@ def markdown(result: dict) -> str:
         f"{p['repeats']['long']} ({p['long']} tokens) runs; each engine in its own process. "
         f"llama.cpp: context {p['n_ctx']}, flash attention off and on (each target takes the "
         f"better); our engine: one slot of {p['n_ctx']} positions.",
+        "",
+        cpu_line(result.get("cpu")),
         "",
     ]
     if busy:
@@ -199,7 +214,8 @@ def plot(result: dict, path: Path) -> None:
         axes[2].legend(fontsize=8)
     axes[2].set_xlabel("concurrent streams")
     axes[2].set_title("our engine: aggregate tokens/s, end to end", fontsize=10)
-    fig.suptitle(f"Serving, {p['preset']}, {p['threads']} threads ({result['date']})")
+    cpu = result.get("cpu", {}).get("class", "CPU class not recorded")
+    fig.suptitle(f"Serving, {p['preset']}, {p['threads']} threads, {cpu} ({result['date']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,7 +18,7 @@ but 100 MB of a 0.4B server's memory. Quantized builder graphs can keep their KV
 (`--kv-cache fp16`, export/kvcache.py): half its memory, but on x86 ONNX Runtime's attention
 runs slower in fp16 (it converts the cache to fp32 as it reads it), which costs batched
 decoding most (the measurement is in the commit that made fp32 the default, 80a6f6d; serving
-figures: benchmarks/results/serve_0.4b_cpu.md).
+figures: benchmarks/results/serve_0.4b_cpu-<CPU class>.md).
 """
 
 from __future__ import annotations

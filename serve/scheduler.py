@@ -5,7 +5,7 @@ advances every sequence whose prompt is in the cache by one token in a single ba
 weights are read once per step for all of them and throughput grows with load; then it feeds one
 chunk (the engine's prefill chunk, 128 tokens) of the oldest prompt not yet in. A prompt of any
 length thus delays the running streams by one chunk's time per token, not by its whole prefill
-(prefill times by prompt length: benchmarks/results/serve_0.4b_cpu.md). A finished
+(prefill times by prompt length: benchmarks/results/serve_0.4b_cpu-*.md). A finished
 or abandoned sequence frees its slot at the next step, and a waiting request takes it. Engine
 work and sampling run in a worker thread; slots, queues and cancellation are handled on the
 event loop alone.

@@ -107,6 +107,7 @@ def test_serve_benchmark_times_our_engine_and_its_sweep_in_their_own_processes(
 def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
     bench = _serve_bench()
     from bench_serve_report import markdown, plot
+    from cpu_class import describe
 
     def row(variant, engine, decode, ttft, mem):
         run = {"ttft_s": ttft, "decode_tok_s": decode, "runs": []}
@@ -168,6 +169,7 @@ def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
     result = {
         "date": "today",
         "machine": "m",
+        "cpu": describe(_cpuinfo("AuthenticAMD", "AMD EPYC 7B13", ZEN3), "x86_64"),
         "parameters_m": 1.0,
         "tokenizer_size": 2048,
         "settings": p | {"threads": 2, "n_ctx": 2048, "preset": "tiny"},
@@ -192,8 +194,60 @@ def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
     assert "sweep int8" in md.split("busy machine")[1].split("\n")[0]
     assert md.count("| 8 | 8 | 70.0 | 3.50 |") == 2  # a table for each variant
     assert "pip wheel --no-deps" in md and "-mno-amx-tile" in md
+    assert "CPU: AMD EPYC 7B13, class **amd-avx2**" in md and "absent: AVX-512F" in md
+    assert markdown(result | {"cpu": None}).count("CPU: not recorded") == 1  # older results
     plot(result, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------- the CPU class of a result
+
+BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma f16c"
+ZEN3 = f"{BASE} avx2 bmi2"
+ALDER_LAKE = f"{BASE} avx2 avx_vnni"
+ZEN5 = f"{BASE} avx2 avx512f avx512bw avx_vnni avx512_bf16 avx512_vnni"
+SAPPHIRE_RAPIDS = f"{ZEN5} amx_bf16 amx_tile amx_int8"
+
+
+def _cpuinfo(vendor: str, name: str, flags: str) -> str:
+    one = f"processor\t: {{}}\nvendor_id\t: {vendor}\nmodel name\t: {name}\nflags\t\t: {flags}\n"
+    return one.format(0) + "\n" + one.format(1).replace(flags, "")  # only the first is read
+
+
+@pytest.mark.parametrize(
+    "vendor, flags, slug",
+    [
+        ("AuthenticAMD", ZEN3, "amd-avx2"),
+        ("GenuineIntel", ALDER_LAKE, "intel-avx2-vnni"),
+        ("AuthenticAMD", ZEN5, "amd-avx512-vnni"),
+        ("GenuineIntel", SAPPHIRE_RAPIDS, "intel-avx512-amx"),
+        ("GenuineIntel", SAPPHIRE_RAPIDS.replace(" amx_int8", ""), "intel-avx512-vnni"),
+        ("GenuineIntel", f"{BASE} avx2 avx512f", "intel-avx512"),
+        ("CentaurHauls", "fpu sse sse2", "x86-sse"),
+    ],
+)
+def test_cpu_class_names_the_best_int8_path_from_cpuinfo_flags(vendor, flags, slug):
+    _serve_bench()
+    from cpu_class import describe
+
+    cpu = describe(_cpuinfo(vendor, "Some CPU", flags), "x86_64")
+    assert cpu["class"] == slug and cpu["model_name"] == "Some CPU"
+    assert cpu["isa"]["AVX2"] == ("avx2" in flags) and not cpu["isa"]["ARM i8mm"]
+    assert cpu["isa"]["AVX-VNNI"] == ("avx_vnni" in flags)
+
+
+def test_cpu_class_reads_arm_features_and_names_the_result_file():
+    bench = _serve_bench()
+    from cpu_class import describe, this_cpu
+
+    graviton3 = "processor\t: 0\nFeatures\t: fp asimd crc32 atomics asimddp sve i8mm bf16\n"
+    cpu = describe(graviton3 + "CPU part\t: 0xd40\n", "aarch64")
+    assert cpu["class"] == "arm-i8mm" and cpu["isa"]["ARM dotprod"] and not cpu["isa"]["AVX2"]
+    assert describe("Features\t: fp asimd asimddp\n", "aarch64")["class"] == "arm-dotprod"
+    assert describe("Features\t: fp asimd\n", "aarch64")["class"] == "arm"
+    assert describe("", "x86_64")["model_name"] == "x86_64"  # no /proc/cpuinfo: still a name
+    assert bench.result_name("bangla-0.4b", "amd-avx2") == "serve_0.4b_cpu-amd-avx2"
+    assert bench.result_name("tiny", this_cpu()["class"]).startswith("serve_tiny_cpu-")
 
 
 def test_gguf_tokenizer_lists_every_embedding_row_and_encodes_as_before(tokenizer_path):
