@@ -1,5 +1,6 @@
 """`make demo`: the whole path on the built-in sample, in about 50 s on 2 CPU cores (49.5 s
-measured on a 2-core AMD EPYC, AVX2 only, quiet, 2026-12-01; training 38 s of it).
+measured on a 2-core AMD EPYC with AVX-512 and VNNI, no AMX, quiet, 2026-12-01; training 38 s
+of it).
 
 tokenizer → fertility → held-out split → shards → gradient-flow gate → training → evaluation
 against the random twin and xz/bzip2 → samples → an int4 export bundle → that bundle served on
