@@ -78,20 +78,11 @@ def test_gguf_style_tokenizes_into_the_units_of_its_character_level_bpe(gguf_tok
     assert len(bangla) < len(TEXTS[0]) / 2  # whole Bengali units, not bytes
 
 
-def _checkpoint(folder, tokenizer, chat_template=None):
+def _checkpoint(folder, tokenizer, cfg, chat_template=None):
+    """A random model of `cfg` (conftest's tiny_model_config) saved with `tokenizer`."""
     from train.hf import save_model
-    from train.model import Llama, ModelConfig
+    from train.model import Llama
 
-    cfg = ModelConfig(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=96,
-        tie_word_embeddings=True,
-    )
     torch.manual_seed(0)
     model = Llama(cfg)
     ckpt = save_model(model, folder, tokenizer=tokenizer)
@@ -104,11 +95,11 @@ def _checkpoint(folder, tokenizer, chat_template=None):
 
 
 def test_a_tokenizer_llama_cpp_cannot_reproduce_is_refused_in_one_line(
-    tmp_path, tokenizer_path, capsys
+    tmp_path, tokenizer_path, tiny_model_config, capsys
 ):
     from export.cli import main
 
-    ckpt, _ = _checkpoint(tmp_path / "ckpt", tokenizer_path)  # doel's default style
+    ckpt, _ = _checkpoint(tmp_path / "ckpt", tokenizer_path, tiny_model_config)  # doel's style
     with pytest.raises(SystemExit) as e:
         main([str(ckpt), "--out", str(tmp_path / "g"), "--format", "gguf", "--quant", "f32"])
     msg = str(e.value.code)
@@ -117,11 +108,15 @@ def test_a_tokenizer_llama_cpp_cannot_reproduce_is_refused_in_one_line(
 
 
 @pytest.mark.parametrize("quant", ["f32", "f16", "q8_0", "q4_0"])
-def test_gguf_reads_back_with_tokenizer_metadata_and_tensors(tmp_path, gguf_tokenizer, quant):
+def test_gguf_reads_back_with_tokenizer_metadata_and_tensors(
+    tmp_path, gguf_tokenizer, tiny_model_config, quant
+):
     from export.cli import main
 
     path = gguf_tokenizer[0]
-    ckpt, model = _checkpoint(tmp_path / "ckpt", path, chat_template="{{ messages }}")
+    ckpt, model = _checkpoint(
+        tmp_path / "ckpt", path, tiny_model_config, chat_template="{{ messages }}"
+    )
     main([str(ckpt), "--out", str(tmp_path / "g"), "--format", "gguf", "--quant", quant])
     out = tmp_path / "g"
     assert sorted(p.name for p in out.iterdir()) == [
@@ -180,7 +175,9 @@ def _hf_weight(ckpt, key):
     return load_file(str(ckpt / "model.safetensors"))[key].astype(np.float32)
 
 
-def test_llama_cpp_tokenizes_id_for_id_and_its_f32_logits_equal_pytorchs(tmp_path, gguf_tokenizer):
+def test_llama_cpp_tokenizes_id_for_id_and_its_f32_logits_equal_pytorchs(
+    tmp_path, gguf_tokenizer, tiny_model_config
+):
     llama_cpp = pytest.importorskip(
         "llama_cpp",
         reason="llama-cpp-python is a benchmark-only dependency, built from source in 6-9 min "
@@ -189,7 +186,7 @@ def test_llama_cpp_tokenizes_id_for_id_and_its_f32_logits_equal_pytorchs(tmp_pat
     from export.gguf import export_gguf
 
     path = gguf_tokenizer[0]
-    ckpt, model = _checkpoint(tmp_path / "ckpt", path)
+    ckpt, model = _checkpoint(tmp_path / "ckpt", path, tiny_model_config)
     export_gguf(ckpt, tmp_path / "g", "f32", log=lambda _m: None)
     llm = llama_cpp.Llama(  # type_k/type_v 0: an f32 KV cache (llama.cpp's default is f16)
         str(tmp_path / "g" / "model-f32.gguf"),

@@ -5,6 +5,7 @@ can run for seconds (about 2,000 tokens a second here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -25,23 +26,15 @@ PROMPT = "নদীর ধারে একটি ছোট গ্রাম"
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tokenizer_path):
+def bundle(tmp_path_factory, tokenizer_path, tiny_model_config):
     pytest.importorskip("onnxruntime_genai")
     torch = pytest.importorskip("torch")
     from export.bundle import ExportOptions, export_checkpoint
     from train.hf import save_model
-    from train.model import Llama, ModelConfig
+    from train.model import Llama
 
-    cfg = ModelConfig(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        tie_word_embeddings=True,
-    )
+    # The tiny bundle's model with a long context (conftest).
+    cfg = dataclasses.replace(tiny_model_config, max_position_embeddings=CONTEXT)
     root = tmp_path_factory.mktemp("abuse")
     torch.manual_seed(0)
     ckpt = save_model(Llama(cfg), root / "ckpt", tokenizer=tokenizer_path)
