@@ -16,11 +16,16 @@ from train.common import DoelError
 from train.config import load_config
 from train.data.textio import resolve_sources
 from train.data.tokenizer import (
+    ASSISTANT,
     BOS,
+    CHAT_TOKENS,
+    END,
     EOS,
     PAD,
     PATTERNS,
     SPECIAL_TOKENS,
+    SYSTEM,
+    USER,
     TokenizerConfig,
     load_tokenizer,
     train_tokenizer,
@@ -131,6 +136,47 @@ def test_loads_unchanged_in_transformers(tokenizer_path, tok):
     assert (auto.bos_token, auto.eos_token, auto.pad_token) == (BOS, EOS, PAD)
     assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == unicodedata.normalize(
         "NFC", text
+    )
+
+
+def test_the_chat_template_renders_the_turn_markers_as_their_ids_in_transformers(
+    tokenizer_path, tok
+):
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(tokenizer_path.parent))
+    marker = {t: tok.token_to_id(t) for t in CHAT_TOKENS}
+    assert list(marker.values()) == [3, 4, 5, 6]  # the ids reserved before chat existed
+    messages = [
+        {"role": "system", "content": "তুমি একজন সাহায্যকারী।"},
+        {"role": "user", "content": "নদীর নাম কী?"},
+        {"role": "assistant", "content": "পদ্মা। The Padma."},
+        {"role": "user", "content": "আর একটি?"},
+    ]
+
+    def body(text):
+        return tok.encode(text, add_special_tokens=False).ids
+
+    want = [tok.token_to_id(BOS)]
+    for m, role in zip(messages, (SYSTEM, USER, ASSISTANT, USER), strict=True):
+        want += [marker[role], *body(m["content"]), marker[END]]
+    for prompt in (False, True):
+        got = auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)
+        assert got == want + ([marker[ASSISTANT]] if prompt else [])
+
+
+def test_an_older_vocabulary_without_the_turn_markers_gets_no_template(tmp_path, tokenizer_path):
+    from train.data.tokenizer import write_hf_side_files
+
+    data = json.loads(tokenizer_path.read_text(encoding="utf-8"))
+    for i in range(len(CHAT_TOKENS)):  # as tokenizers made before chat named them
+        data["added_tokens"][3 + i]["content"] = f"<|reserved_{i}|>"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    write_hf_side_files(tmp_path)
+    conf = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert "chat_template" not in conf
+    assert "chat_template" in json.loads(
+        (tokenizer_path.parent / "tokenizer_config.json").read_text(encoding="utf-8")
     )
 
 

@@ -41,8 +41,20 @@ from train.data.bytelevel import QWEN35, respell_byte_level
 from train.data.textio import Source, iter_source
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# Chat turn markers. They hold ids 3-6, the ones tokenizers made before chat named
+# <|reserved_0|> to <|reserved_3|>, so every doel vocabulary has them at the same ids.
+SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
+CHAT_TOKENS = (SYSTEM, USER, ASSISTANT, END)
 N_RESERVED = 5
-SPECIAL_TOKENS = [BOS, EOS, PAD] + [f"<|reserved_{i}|>" for i in range(N_RESERVED)]
+SPECIAL_TOKENS = [BOS, EOS, PAD, *CHAT_TOKENS, f"<|reserved_{N_RESERVED - 1}|>"]
+# The one chat template (a Jinja string, as transformers' apply_chat_template and llama.cpp
+# read it): <|bos|>, then <|role|>content<|end|> a message, then <|assistant|> when a reply is
+# wanted. The model stops a reply by writing <|end|>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 N_BYTES = 256
 
@@ -335,6 +347,10 @@ def write_hf_side_files(out: Path) -> None:
     right special tokens, doel's ids (<|bos|> once) and only the inputs a Llama takes. Also
     written into every checkpoint (train/hf.py), whatever the tokenizer folder held."""
     specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    vocab = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    # Only a vocabulary that names the turn markers gets the template (an older one has them
+    # as <|reserved_N|> at the same ids: its template would name tokens it lacks).
+    chat = set(CHAT_TOKENS) <= {t["content"] for t in vocab}
     atomic_write_json(
         out / "tokenizer_config.json",
         {
@@ -346,6 +362,7 @@ def write_hf_side_files(out: Path) -> None:
             "clean_up_tokenization_spaces": False,
             "model_max_length": 1_000_000_000,
             **specials,
+            **({"chat_template": CHAT_TEMPLATE} if chat else {}),
         },
     )
     atomic_write_json(out / "special_tokens_map.json", specials)
