@@ -1,8 +1,8 @@
 """`doel-train` (or `python -m train`): a thin command line over train's functions.
 
-Commands: tokenizer, fertility, prepare, fit, check-gradients, verify, eval, plot, demo, recipe.
-Heavy imports happen inside each command, so a missing extra is reported with the `pip install`
-line that fixes it.
+Commands: tokenizer, fertility, prepare, fit, sft, check-gradients, verify, eval, plot, demo,
+recipe. Heavy imports happen inside each command, so a missing extra is reported with the `pip
+install` line that fixes it.
 """
 
 from __future__ import annotations
@@ -108,6 +108,20 @@ def _cmd_fit(args) -> None:
         fresh=args.fresh,
         skip_verify=args.skip_verify,
     )
+
+
+def _cmd_sft(args) -> None:
+    from train.config import load_config, resolve_config
+    from train.data.chat import SFTConfig
+
+    sets = list(args.set)
+    for flag in ("steps", "checkpoint_every"):
+        if getattr(args, flag) is not None:
+            sets.append(f"{flag}={getattr(args, flag)}")
+    cfg = load_config(SFTConfig, resolve_config(args.config), sets)  # before torch loads
+    from train.sft import sft
+
+    sft(cfg, args.data, args.base, args.out, fresh=args.fresh, skip_verify=args.skip_verify)
 
 
 def _cmd_check_gradients(args) -> None:
@@ -288,6 +302,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the verification suite before step 1 (loudly; the gradient gate still runs)",
     )
     fi.set_defaults(func=_cmd_fit)
+
+    sf = sub.add_parser("sft", help="chat fine-tuning of a base checkpoint (resumes RUN_DIR)")
+    sf.add_argument(
+        "--config",
+        required=True,
+        help="TOML file or preset of training and chat-data settings (its [model] is the base's)",
+    )
+    sf.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help='conversations: .jsonl/.parquet ({"messages": [...]} a row), folders, hf:NAME',
+    )
+    sf.add_argument("--from", dest="base", required=True, help="the base model folder (RUN/final)")
+    sf.add_argument("--out", required=True, help="run folder (checkpoints/, final/, metrics)")
+    sf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sf.add_argument("--steps", type=int)
+    sf.add_argument("--checkpoint-every", type=int)
+    sf.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    sf.add_argument(
+        "--skip-verify",
+        action="store_true",
+        help="skip the checks before step 1 (loudly; the gradient gate still runs)",
+    )
+    sf.set_defaults(func=_cmd_sft)
 
     cg = sub.add_parser("check-gradients", help="run the gradient-flow gate alone")
     _train_args(cg)

@@ -55,6 +55,7 @@ class RunLoop:
         self.bad_step = torch.full((), -1, dtype=torch.long, device=run.device)
         self.last_ckpt = None
         self._task_items, self._task_tok, self._task_warned = None, None, False
+        self.card_extra: dict = {}  # more of write_model_card's inputs (sft: the base model)
 
     def loop(self, step: int, tokens_seen: int, meta: dict) -> None:
         cfg = self.cfg
@@ -257,6 +258,7 @@ class RunLoop:
                 attempts=self.metrics.attempt if self.metrics else 1,
                 devices=self.info.world_size,
                 hourly_price=self.cfg.hourly_price if self.device.type == "cuda" else None,
+                **self.card_extra,
             )
         except Exception as e:  # noqa: BLE001
             self.log(f"WARNING: no model card written in {folder}: {type(e).__name__}: {e}")

@@ -239,6 +239,43 @@ def evaluation_section(eval_result: dict | None, where: str = "FOLDER") -> list[
     return lines + comparison_section(eval_result.get("tasks"))
 
 
+def _summary_line(finetune: dict | None) -> str:
+    if not finetune:
+        return "A Bangla-first language model trained with doel."
+    return (
+        f"A Bangla-first chat model: `{finetune['base_model']}` fine-tuned with doel "
+        "(`doel-train sft`) on conversations."
+    )
+
+
+def finetune_section(ft: dict) -> list[str]:
+    """What a chat model was fine-tuned from and on, and how its chat is written."""
+    stats = ft.get("stats") or {}
+    lines = [
+        "## Chat fine-tuning",
+        "",
+        f"- Base model: `{ft['base_model']}`"
+        + (f" ({ft['base_repo']})" if ft.get("base_repo") else ""),
+        f"- Data: {', '.join(f'`{d}`' for d in ft.get('data', []))}",
+    ]
+    if stats:
+        lines.append(
+            f"- {stats.get('conversations', 0):,} conversations ({stats.get('train', 0):,} trained "
+            f"on, {stats.get('heldout', 0):,} held out), {stats.get('assistant_tokens', 0):,} "
+            f"assistant tokens; {stats.get('truncated', 0):,} truncated to the context, "
+            f"{stats.get('dropped', 0):,} dropped"
+        )
+        for name, n in (stats.get("sources") or {}).items():
+            lines.append(f"  - `{name}`: {n:,} conversations")
+    lines += [
+        "- Loss on the assistant's tokens only (each reply and its closing `<|end|>`), one "
+        "conversation a padded row",
+        "- Chat template (`tokenizer_config.json`): `<|bos|>`, then `<|role|>content<|end|>` a "
+        "message, `<|assistant|>` to ask for a reply; the model ends a reply with `<|end|>`",
+    ]
+    return lines
+
+
 def _card_eval(result: dict | None) -> dict | None:
     """What the card shows of an evaluation: the figures, not the paths of the files."""
     if not result:
@@ -267,13 +304,15 @@ def write_model_card(
     hourly_price: float | None = None,
     license: str = "apache-2.0",
     repo_id: str | None = None,
+    finetune: dict | None = None,
 ) -> Path:
     """Write FOLDER/README.md, and FOLDER/model_card.json with what it was written from.
     meta: the shards' meta.json; train_state: {"step", "tokens_seen", "config"}
     (trainer_state.json); eval_result: `evaluate_checkpoint`'s dict; seconds of training over
     `attempts` attempts on `devices` devices at hourly_price dollars a device-hour give the
     cost. repo_id: the model's Hugging Face repository, for the usage example; None keeps the one
-    an earlier card of this folder recorded."""
+    an earlier card of this folder recorded. finetune: a chat fine-tuning's base model and data
+    (train/sft.py); `meta` is then the base model's pre-training data."""
     folder = Path(folder)
     if repo_id is None:
         earlier = (_read_json(folder / CARD_INPUTS) or {}).get("repo_id")
@@ -291,15 +330,17 @@ def write_model_card(
         "hourly_price": hourly_price,
         "license": license,
         "repo_id": repo_id,
+        "finetune": finetune,
     }
     name = folder.resolve().name if folder.name != "final" else folder.resolve().parent.name
     where = usage_path(folder)
     ev = inputs["eval_result"]
     parts = [
         metadata_block(name, license, ev),
-        [f"# {name}", "", "A Bangla-first language model trained with doel."],
+        [f"# {name}", "", _summary_line(finetune)],
         architecture_section(folder),
         tokenizer_section(folder),
+        *([finetune_section(finetune)] if finetune else []),
         data_section(inputs["meta"]),
         training_section(folder, train_state, hardware, seconds, hourly_price, attempts, devices),
         evaluation_section(ev, where),
