@@ -1,4 +1,5 @@
-"""The HTTP server: `create_app(settings)` → a FastAPI app with OpenAI-compatible completions.
+"""The HTTP server: `create_app(settings)` → a FastAPI app with OpenAI-compatible completions and
+chat completions.
 
 The model loads in `lifespan`, in a worker thread, so the port answers at once: `/health` says
 503 while loading (as llama.cpp's server does) and 200 when ready. Every refusal is a 4xx with
@@ -23,12 +24,15 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve import chat
 from serve.completions import first_piece, stream, unless_gone, whole
 from serve.guard import AllowedHosts, Guard
 from serve.metrics import CountRequests, Metrics
 from serve.protocol import (
     CONTEXT_LENGTH,
     MAX_ERRORS_SHOWN,
+    ChatCompletion,
+    ChatCompletionRequest,
     Completion,
     CompletionRequest,
     DetokenizeRequest,
@@ -200,6 +204,14 @@ def add_routes(app: FastAPI) -> None:
         # connection but this; from then on the streaming response does.
         pieces = await unless_gone(request, first_piece(svc.complete(req)))
         return StreamingResponse(stream(svc, req, pieces), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        svc = service(request, req.model)
+        if not req.stream:
+            return await unless_gone(request, chat.whole(svc, req))
+        pieces = await unless_gone(request, first_piece(chat.pieces(svc, req)))
+        return StreamingResponse(chat.stream(svc, req, pieces), media_type="text/event-stream")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):

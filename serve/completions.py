@@ -32,17 +32,13 @@ async def stream(svc: Service, req: CompletionRequest, pieces) -> AsyncIterator[
         async for p in pieces:
             usage = None
             if p.finish_reason:
-                usage = Usage(
-                    prompt_tokens=p.prompt_tokens,
-                    completion_tokens=p.completion_tokens,
-                    total_tokens=p.prompt_tokens + p.completion_tokens,
-                )
+                usage = Usage.of(p.prompt_tokens, p.completion_tokens, p.cached_tokens)
             choice = Choice(text=p.text, finish_reason=p.finish_reason)
             chunk = Completion(
                 id=rid, created=created, model=svc.name, choices=[choice], usage=usage
             )
             yield _sse(chunk.model_dump(exclude_none=True) | {"choices": [choice.model_dump()]})
-            if usage and req.stream_options and req.stream_options.include_usage:
+            if usage and req.include_usage():
                 last = Completion(id=rid, created=created, model=svc.name, choices=[], usage=usage)
                 yield _sse(last.model_dump())
     yield "data: [DONE]\n\n"
@@ -92,9 +88,9 @@ async def unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
 
 async def one_choice(
     svc: Service, req: CompletionRequest, index: int, prompt, slots: asyncio.Semaphore
-) -> tuple[Choice, int, int]:
+) -> tuple[Choice, int, int, int]:
     """One prompt's choice, whole: its pieces joined (behind the prompt with echo), and its
-    prompt and completion token counts."""
+    prompt, completion and cached prompt token counts."""
     record = None if req.logprobs is None else Record(req.logprobs, req.echo)
     async with slots:
         pieces = svc.complete(req, prompt, record)
@@ -112,7 +108,7 @@ async def one_choice(
     choice = Choice(
         text="".join(text), index=index, logprobs=logprobs, finish_reason=last.finish_reason
     )
-    return choice, last.prompt_tokens, last.completion_tokens
+    return choice, last.prompt_tokens, last.completion_tokens, last.cached_tokens
 
 
 async def whole(svc: Service, req: CompletionRequest) -> Completion:
@@ -131,8 +127,7 @@ async def whole(svc: Service, req: CompletionRequest) -> Completion:
             j.cancel()
         await asyncio.wait(jobs)
         raise
-    prompt, made = sum(d[1] for d in done), sum(d[2] for d in done)
-    usage = Usage(prompt_tokens=prompt, completion_tokens=made, total_tokens=prompt + made)
+    usage = Usage.of(*(sum(d[i] for d in done) for i in (1, 2, 3)))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     choices = [d[0] for d in done]
     return Completion(id=rid, created=created, model=svc.name, choices=choices, usage=usage)

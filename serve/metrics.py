@@ -9,7 +9,16 @@ import bisect
 from collections import Counter
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/tokenize", "/detokenize")
+ROUTES = (
+    "/",
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 class Histogram:
@@ -35,6 +44,7 @@ class Metrics:
     def __init__(self):
         self.requests: Counter[tuple[str, int]] = Counter()
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of those, taken from a slot's cache (serve/prefix.py)
         self.generated_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.decode_seconds = 0.0  # time spent on tokens after the first
@@ -43,8 +53,11 @@ class Metrics:
         self.connections_open = 0
         self.refused: Counter[str] = Counter()  # by kind, counted by serve.limits.Refusals
 
-    def completion(self, prompt: int, generated: int, ttft: float, total: float) -> None:
+    def completion(
+        self, prompt: int, generated: int, ttft: float, total: float, cached: int = 0
+    ) -> None:
         self.prompt_tokens += prompt
+        self.cached_tokens += cached
         self.generated_tokens += generated
         if generated > 1 and total > ttft:
             self.decode_seconds += total - ttft
@@ -67,6 +80,12 @@ class Metrics:
                 "counter",
                 "prompt tokens processed",
                 [f"doel_prompt_tokens_total {self.prompt_tokens}"],
+            ),
+            *block(
+                "doel_prompt_tokens_cached_total",
+                "counter",
+                "prompt tokens found in a slot's KV cache instead of being prefilled",
+                [f"doel_prompt_tokens_cached_total {self.cached_tokens}"],
             ),
             *block(
                 "doel_generation_tokens_total",

@@ -24,6 +24,9 @@ MAX_ERRORS_SHOWN = 5  # a refusal lists this many problems, then counts the rest
 # Prompts in one request (each one choice): a scorer batches (lm-eval's batch_size), and each
 # prompt's logits and KV cache are the server's, so the batch is bounded as the body is.
 MAX_PROMPTS = 64
+# Messages in one chat request: each renders to 2 tokens at least (its role and end markers),
+# so more than this cannot fit any context a doel model has.
+MAX_MESSAGES = 1 << 12
 # Token ids in one list: the serving model's context, set by the app for each request
 # (serve/app.py). It is checked before the items, so that a long list of bad ids is one error,
 # not one each (250,000 took 5.9 s to refuse, with a 24 MB answer).
@@ -93,21 +96,12 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
-class CompletionRequest(Request):
-    """POST /v1/completions. Extensions beyond OpenAI's fields (as vLLM and llama.cpp name
-    them): top_k, repetition_penalty."""
+class SamplingRequest(Request):
+    """The fields completions and chat share, and `to_sampling_params`, the one place where a
+    request becomes the engine's parameters. Extensions beyond OpenAI's fields (as vLLM and
+    llama.cpp name them): top_k, repetition_penalty."""
 
     model: str | None = None
-    prompt: (
-        str
-        | list[int]
-        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
-    ) = Field(
-        description="text, or token ids (the BOS id is not added), or a list of either: one "
-        "choice each"
-    )
-    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS, description="0: only score (with echo)")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=1 << 20, description="0 or -1: off")
@@ -119,13 +113,9 @@ class CompletionRequest(Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one completion per request")
-    best_of: int | None = Field(None, ge=1, le=1)
-    echo: bool = Field(False, description="the prompt goes in front of the completion")
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP, description="top log-probabilities")
     user: str | None = None
 
-    _prompt_within_context = field_validator("prompt", mode="before")(prompts_within_context)
-    _unicode = field_validator("prompt", "stop")(unicode_text)
+    _unicode_stop = field_validator("stop")(unicode_text)
 
     @field_validator("stop")
     @classmethod
@@ -138,6 +128,50 @@ class CompletionRequest(Request):
                     {"n": len(s), "limit": MAX_STOP_CHARS},
                 )
         return stop
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(self, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+        """The engine's parameters; `max_tokens` is the request's, already fitted to the
+        context by the caller, and `stop_ids` the ids that end it (EOS; chat adds <|end|>)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop_token_ids=stop_ids,
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: (
+        str
+        | list[int]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(
+        description="text, or token ids (the BOS id is not added), or a list of either: one "
+        "choice each"
+    )
+    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS, description="0: only score (with echo)")
+    best_of: int | None = Field(None, ge=1, le=1)
+    echo: bool = Field(False, description="the prompt goes in front of the completion")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP, description="top log-probabilities")
+
+    _prompt_within_context = field_validator("prompt", mode="before")(prompts_within_context)
+    _unicode = field_validator("prompt")(unicode_text)
 
     @model_validator(mode="after")
     def _scoring(self):
@@ -158,25 +192,80 @@ class CompletionRequest(Request):
             return [self.prompt]  # type: ignore[list-item]
         return list(self.prompt)  # type: ignore[arg-type]
 
-    def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def to_sampling_params(self, max_tokens: int, eos_id: int | None) -> SamplingParams:
-        """The engine's parameters; `max_tokens` is the request's, already fitted to the
-        context by the caller."""
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_k=max(self.top_k, 0),
-            top_p=self.top_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
-            stop_token_ids=() if eos_id is None else (eos_id,),
-        )
+def text_parts_only(content):
+    """Message content as a string or OpenAI's list of parts, of which this model reads only
+    the text ones: another kind (an image, audio) is refused by name before the union's
+    validation would list one error for each of its arms."""
+    if isinstance(content, list):
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise PydanticCustomError(
+                    "content_part",
+                    "content part {i} is of type '{kind}'; this model reads text only: send "
+                    "a string or parts of type 'text'",
+                    {"i": i, "kind": str(kind)[:40]},
+                )
+    return content
+
+
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+    _unicode = field_validator("text")(unicode_text)
+
+
+class ChatMessage(Request):
+    """One turn. `name` is accepted (clients send it) and not shown to the model: the
+    template has no place for it."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    _parts = field_validator("content", mode="before")(text_parts_only)
+    _unicode = field_validator("content")(unicode_text)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions. The reply ends at the end-of-turn token or EOS."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="default: the rest")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
+
+    @model_validator(mode="after")
+    def _one_limit(self):
+        both = (self.max_tokens, self.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            raise PydanticCustomError(
+                "two_limits",
+                "max_tokens ({a}) and max_completion_tokens ({b}) differ; send one of them",
+                {"a": both[0], "b": both[1]},
+            )
+        if self.logprobs or self.top_logprobs:
+            raise PydanticCustomError(
+                "chat_logprobs",
+                "log-probabilities are served by /v1/completions only; unset logprobs",
+            )
+        return self
+
+    def limit(self) -> int | None:
+        """The most tokens asked for; None: up to the context's end."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def turns(self) -> list[dict[str, str]]:
+        """The messages as the chat template reads them."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 class TokenizeRequest(Request):
@@ -194,10 +283,25 @@ class DetokenizeRequest(Request):
     _tokens_within_context = field_validator("tokens", mode="before")(within_context)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV entries a slot already held (prefix cache)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt: int, made: int, cached: int = 0) -> Usage:
+        details = PromptTokensDetails(cached_tokens=cached)
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=made,
+            total_tokens=prompt + made,
+            prompt_tokens_details=details,
+        )
 
 
 class Logprobs(BaseModel):
@@ -223,6 +327,48 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[Choice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
     usage: Usage | None = None
 
 

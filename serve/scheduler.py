@@ -6,9 +6,10 @@ weights are read once per step for all of them and throughput grows with load; t
 chunk (the engine's prefill chunk, 128 tokens) of the oldest prompt not yet in. A prompt of any
 length thus delays the running streams by one chunk's time per token, not by its whole prefill
 (prefill times by prompt length: benchmarks/results/serve_0.4b_cpu-*.md). A finished
-or abandoned sequence frees its slot at the next step, and a waiting request takes it. Engine
-work and sampling run in a worker thread; slots, queues and cancellation are handled on the
-event loop alone.
+or abandoned sequence frees its slot at the next step, and a waiting request takes it: the free
+slot whose cache already holds the longest start of its prompt, whose prefill then begins after
+it (serve/prefix.py keeps that account). Engine work and sampling run in a worker thread; slots,
+queues and cancellation are handled on the event loop alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from serve.engine import Engine
 from serve.logprobs import Record, score_rows
+from serve.prefix import Hit, Prefixes
 from serve.sampling import SamplingParams, sample
 
 DONE = -1  # end of a sequence in its queue
@@ -43,6 +45,7 @@ class Seq:
     cancelled: bool = False
     fed: int = 0  # prompt ids in the slot's cache; the sequence decodes once all are
     record: Record | None = None  # log-probabilities asked for, written as the steps go
+    hit: Hit = field(default_factory=Hit)  # prompt ids found in the slot's cache
 
     @property
     def filling(self) -> bool:
@@ -62,21 +65,30 @@ class Scheduler:
         self.engine, self.max_queue = engine, max_queue
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: dict[int, Seq] = {}  # slot → sequence
+        self.prefixes = Prefixes(
+            engine.slots, engine.context_length, enabled=engine.bundle.share_buffer
+        )
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, record: Record | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        record: Record | None = None,
+        hit: Hit | None = None,
     ) -> AsyncIterator[int]:
         """Token ids of one request as they come; raises QueueFull when too many wait. With
         `record`, each new id's log-probabilities are in it before the id is yielded (and the
-        prompt's once it is in the cache, when the record asks for them)."""
+        prompt's once it is in the cache, when the record asks for them); `hit` gets the
+        number of prompt ids taken from a slot's cache before the first id comes."""
         if len(self.waiting) >= self.max_queue and len(self.running) >= self.engine.slots:
             raise QueueFull(len(self.waiting))
         context = np.zeros(self.engine.context_length, np.int64)
         context[: len(prompt)] = prompt
         rng = np.random.default_rng(params.seed)
         seq = Seq(list(prompt), params, context, rng, n=len(prompt), record=record)
+        seq.hit = hit if hit is not None else seq.hit
         self.waiting.append(seq)
         self._start()
         try:
@@ -142,8 +154,12 @@ class Scheduler:
         free = [i for i in range(self.engine.slots) if i not in self.running]
         while self.waiting and free:
             seq = self.waiting.popleft()
-            seq.slot = free.pop(0)  # lowest first: the batched run covers slots 0..max
-            self.running[seq.slot] = seq  # its prompt goes in over the next steps
+            # A prompt scored from its first token is computed whole.
+            reuse = seq.record is None or not seq.record.prompt
+            seq.slot, seq.fed = self.prefixes.assign(seq.prompt, free, reuse)
+            seq.hit.tokens = seq.fed
+            free.remove(seq.slot)
+            self.running[seq.slot] = seq  # the rest of its prompt goes in over the next steps
 
     def _step(self, stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
         """In a worker thread: one batched step of the decoding sequences, then one prompt
@@ -154,15 +170,18 @@ class Scheduler:
         decoding = [s for s in stepping if not s.filling]
         if decoding:
             top = max(s.slot for s in decoding) + 1
-            # Other slots below top take a dummy row. It writes one cache entry: at position 0
-            # of an idle slot, or at the next position of a filling one, which that prompt's
-            # next chunk overwrites before anything reads it.
-            tokens, totals = [0] * top, [1] * top
+            # Other slots below top take a dummy row. It writes one cache entry, past what the
+            # slot holds: after an idle slot's cached prefix, or at the next position of a
+            # filling one, which that prompt's next chunk overwrites before anything reads it.
+            tokens = [0] * top
+            totals = [self.prefixes.idle_total(i) for i in range(top)]
             for s in stepping:
                 if s.slot < top:
                     tokens[s.slot] = int(s.context[s.n - 1]) if not s.filling else 0
                     totals[s.slot] = s.n if not s.filling else s.fed + 1
             logits = self.engine.decode(tokens, totals)
+            for s in decoding:
+                self.prefixes.wrote(s.slot, s.n - 1, [int(s.context[s.n - 1])])
             events += [self._pick(s, logits[s.slot]) for s in decoding]
         filling = [s for s in stepping if s.filling]
         if filling:
@@ -170,6 +189,7 @@ class Scheduler:
             chunk = s.prompt[s.fed : s.fed + self.engine.prefill_chunk]
             scored = s.record is not None and s.record.prompt
             logits = self.engine.forward(chunk, s.fed, slot=s.slot, every=scored)
+            self.prefixes.wrote(s.slot, s.fed, chunk)
             if scored:
                 # Row r predicts prompt token fed + r + 1; the last row of the last chunk
                 # predicts the first new token instead (scored when it is picked).

@@ -20,8 +20,11 @@ from tokenizers import Tokenizer, normalizers
 from serve.engine import Engine, read_bundle
 from serve.logprobs import Record, openai_logprobs
 from serve.metrics import Metrics
+from serve.prefix import Hit
 from serve.protocol import CompletionRequest
+from serve.sampling import SamplingParams
 from serve.scheduler import QueueFull, Scheduler
+from serve.template import ChatTemplate
 from serve.textstream import TextStream
 
 CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream)
@@ -52,6 +55,7 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ids: list[int] | None = None  # at the end of a scored one: prompt + completion ids
+    cached_tokens: int = 0  # prompt tokens that a slot's cache held (serve/prefix.py)
 
 
 class Service:
@@ -59,6 +63,7 @@ class Service:
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.scheduler = Scheduler(engine, max_queue)
         self.metrics = Metrics()  # the app puts its own here, shared with its middleware
+        self.chat: ChatTemplate | None = None  # the bundle's, if its tokenizer has one
         # No token covers more characters than the longest vocabulary entry (byte tokens and
         # byte-level entries cover fewer), which bounds a text's token count from below.
         self.max_token_chars = max(map(len, tokenizer.get_vocab()))
@@ -76,7 +81,9 @@ class Service:
         tok = Tokenizer.from_file(str(b.tokenizer))
         engine = Engine(b, threads, slots if b.share_buffer else 1)
         engine.warm_up()
-        return cls(engine, tok, name or b.folder.resolve().name, max_queue)
+        svc = cls(engine, tok, name or b.folder.resolve().name, max_queue)
+        svc.chat = ChatTemplate.load(b.folder)
+        return svc
 
     @property
     def context_length(self) -> int:
@@ -142,16 +149,22 @@ class Service:
             if not ids:
                 raise RequestError(400, "the prompt has no tokens", "prompt")
             self.check_ids(ids, "prompt")
-        n = len(ids)
-        if n + req.max_tokens > ctx:
+        self.check_fits(len(ids), req.max_tokens)
+        return ids
+
+    def check_fits(
+        self, n: int, max_tokens: int, prompt: str = "prompt", param: str = "prompt"
+    ) -> None:
+        """A prompt of `n` tokens and `max_tokens` more fit the context, or a 400 saying so."""
+        ctx = self.context_length
+        if n + max_tokens > ctx:
             raise RequestError(
                 400,
-                f"the prompt is {n} tokens and max_tokens is {req.max_tokens}: {n + req.max_tokens}"
-                f" tokens, but the model's context is {ctx} tokens; shorten the prompt or ask for "
-                f"at most {max(ctx - n, 0)} tokens",
-                "max_tokens" if n < ctx else "prompt",
+                f"the {prompt} is {n} tokens and max_tokens is {max_tokens}: {n + max_tokens}"
+                f" tokens, but the model's context is {ctx} tokens; shorten the {prompt} or ask "
+                f"for at most {max(ctx - n, 0)} tokens",
+                "max_tokens" if n < ctx else param,
             )
-        return ids
 
     async def complete(
         self,
@@ -163,11 +176,25 @@ class Service:
         and the token counts (and with `record`, which the scheduler fills with
         log-probabilities, the ids). Raises RequestError before the first piece."""
         ids = await self.in_thread(self.prompt_ids, req, prompt)
-        params = req.to_sampling_params(req.max_tokens, self.engine.bundle.eos_id)
-        stream = TextStream(self.tokenizer.decode, req.stops(), ids[-CONTEXT_IDS:])
-        made, t0, ttft, out = 0, time.perf_counter(), 0.0, list(ids)
+        eos = self.engine.bundle.eos_id
+        params = req.to_sampling_params(req.max_tokens, () if eos is None else (eos,))
+        # Closed with this generator (a client gone), not left to the garbage collector.
+        async with contextlib.aclosing(self.run(ids, params, req.stops(), record)) as pieces:
+            async for piece in pieces:
+                yield piece
+
+    async def run(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        stops: list[str],
+        record: Record | None = None,
+    ) -> AsyncIterator[Piece]:
+        """`complete` from the prompt's ids on (chat comes in here with its rendered ids)."""
+        stream = TextStream(self.tokenizer.decode, stops, ids[-CONTEXT_IDS:])
+        made, t0, ttft, out, hit = 0, time.perf_counter(), 0.0, list(ids), Hit()
         try:
-            generating = self.scheduler.generate(ids, params, record)
+            generating = self.scheduler.generate(ids, params, record, hit)
             async with contextlib.aclosing(generating) as tokens:
                 async for token in tokens:
                     out.append(token)
@@ -186,10 +213,11 @@ class Service:
                 429, f"{waiting} requests are waiting; retry shortly", kind="rate_limit_exceeded"
             ) from None
         finally:
-            self.metrics.completion(len(ids), made, ttft, time.perf_counter() - t0)
-        full = made >= req.max_tokens or len(ids) + made >= self.context_length
+            self.metrics.completion(len(ids), made, ttft, time.perf_counter() - t0, hit.tokens)
+        full = made >= params.max_tokens or len(ids) + made >= self.context_length
         reason = "stop" if stream.stopped or not full else "length"
-        yield Piece(stream.finish(), reason, len(ids), made, out if record else None)
+        ids_out = out if record else None
+        yield Piece(stream.finish(), reason, len(ids), made, ids_out, hit.tokens)
 
     def logprobs(self, ids: list[int], prompt_tokens: int, record: Record, echo: bool) -> dict:
         """`choices[i].logprobs` of prompt + completion `ids`, the prompt's tokens included

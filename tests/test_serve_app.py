@@ -72,7 +72,12 @@ def test_greedy_completion_is_the_engines_text_with_usage(client, tiny_bundle, t
     assert body["choices"][0]["text"] == _engine_text(tiny_bundle, tok, prompt, 12)
     assert body["choices"][0]["finish_reason"] == "length"
     n = len(tok.encode(prompt).ids)
-    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
+    assert body["usage"] == {
+        "prompt_tokens": n,
+        "completion_tokens": 12,
+        "total_tokens": n + 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def _events(r) -> list:

@@ -170,6 +170,7 @@ def test_echo_logprobs_score_every_prompt_token_in_a_batch(client, engine):
         "prompt_tokens": len(ids) + bn_tokens,
         "completion_tokens": 2,
         "total_tokens": len(ids) + bn_tokens + 2,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

@@ -1,0 +1,116 @@
+"""Serving a chat completion: messages rendered with the bundle's chat template
+(serve/template.py), the reply generated as completions are (the same scheduler, limits and
+disconnect watch, serve/completions.py) until the end-of-turn token or EOS, and answered in
+OpenAI's chat shapes: one `chat.completion`, or `chat.completion.chunk` events whose first
+delta names the role and whose last carries the finish reason (then, with
+`stream_options.include_usage`, a chunk with the usage and no choices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Usage,
+)
+from serve.service import Piece, RequestError, Service
+from serve.template import ChatError
+
+
+def prompt_ids(svc: Service, req: ChatCompletionRequest) -> list[int]:
+    """The conversation's ids, refused with a 400 when it cannot be rendered or cannot fit
+    (a text too long for the context is refused before it is encoded, as completions do)."""
+    if svc.chat is None:
+        raise RequestError(
+            400,
+            f"the model {svc.name!r} has no chat template (its tokenizer_config.json names "
+            "none), so it cannot answer chat requests; use /v1/completions",
+            "messages",
+        )
+    turns = req.turns()
+    least = svc.least_tokens("".join(t["content"] for t in turns))
+    if least >= svc.context_length:
+        raise RequestError(
+            400,
+            f"the messages are at least {least:,} tokens, but the model's context is "
+            f"{svc.context_length} tokens; send fewer or shorter messages",
+            "messages",
+        )
+    try:
+        return svc.chat.ids(turns)
+    except ChatError as e:
+        raise RequestError(400, str(e), "messages") from None
+
+
+async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piece]:
+    """The reply's pieces, as Service.complete gives a completion's; RequestError before the
+    first one."""
+    ids = await svc.in_thread(prompt_ids, svc, req)
+    n, ctx = len(ids), svc.context_length
+    limit = req.limit()
+    if limit is None and n >= ctx:
+        raise RequestError(
+            400,
+            f"the conversation is {n} tokens, which leaves no room for a reply in the model's "
+            f"context of {ctx} tokens; send fewer or shorter messages",
+            "messages",
+        )
+    limit = ctx - n if limit is None else limit
+    svc.check_fits(n, limit, "conversation", "messages")
+    params = req.to_sampling_params(limit, svc.chat.stop_ids)
+    async with contextlib.aclosing(svc.run(ids, params, req.stops())) as run:
+        async for p in run:
+            yield p
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def stream(
+    svc: Service, req: ChatCompletionRequest, pieces: AsyncIterator[Piece]
+) -> AsyncIterator[str]:
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.name}
+    with_usage = req.include_usage()
+    # As OpenAI: with include_usage every chunk has a null usage, and one more carries it.
+    empty = {"usage": None} if with_usage else {}
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _sse(head | {"choices": [choice]} | empty)
+
+    yield chunk({"role": "assistant", "content": ""})
+    async with contextlib.aclosing(pieces):
+        async for p in pieces:
+            if p.text:
+                yield chunk({"content": p.text})
+            if p.finish_reason:
+                yield chunk({}, p.finish_reason)
+                if with_usage:
+                    usage = Usage.of(p.prompt_tokens, p.completion_tokens, p.cached_tokens)
+                    yield _sse(head | {"choices": [], "usage": usage.model_dump()})
+    yield "data: [DONE]\n\n"
+
+
+async def whole(svc: Service, req: ChatCompletionRequest) -> ChatCompletion:
+    text, last = [], None
+    async with contextlib.aclosing(pieces(svc, req)) as reply:
+        async for last in reply:
+            text.append(last.text)
+    message = AssistantMessage(content="".join(text))
+    return ChatCompletion(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=svc.name,
+        choices=[ChatChoice(message=message, finish_reason=last.finish_reason)],
+        usage=Usage.of(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
+    )

@@ -1,0 +1,156 @@
+"""The bundle's chat template: messages → the prompt's token ids, as transformers'
+`apply_chat_template` renders them, without letting a message inject a control token.
+
+The template is the one in the bundle's tokenizer_config.json (`chat_template`); a request never
+brings its own. It is rendered as transformers renders it, in jinja2's immutable sandbox with
+trim_blocks and lstrip_blocks, and the text is tokenized as a tokenizer.json tokenizes any text:
+split at the added tokens, each piece between them encoded on its own. The difference is where a
+message's content spells a special token ("<|end|>"): transformers would encode that as the
+control token, so a user could close their turn and write the assistant's; here the content is
+rendered as a placeholder, the template's own text is split at its special tokens, and the
+content goes in as text (checked: the content in the placeholders' places is what the template
+renders from it), which for content without such spellings gives transformers' ids
+exactly (tests/test_serve_chat.py). A template that does not place content verbatim (it trims
+or edits it) is rendered with the content itself, and content that spells a special token is
+then refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+END = "<|end|>"  # the end of a turn: the model closes its reply with it
+
+
+class ChatError(Exception):
+    """A conversation the template cannot render; the message says why."""
+
+
+def _raise(message: str):
+    raise TemplateError(message)  # templates call raise_exception(...) to refuse a conversation
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or a dict with content."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def read_template(folder: Path) -> str | None:
+    """The bundle's chat template, or None: a missing file, key, or unreadable config alike."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):  # transformers' named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+class ChatTemplate:
+    """Renders conversations for one bundle; `stop_ids` end a reply (<|end|> and EOS)."""
+
+    def __init__(self, source: str, tokenizer_file: Path, config: dict):
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(source)
+        # Its own instance: encode_special_tokens is the tokenizer's state, and the service's
+        # tokenizer encodes completions' prompts, where a spelled token is the token.
+        self.text = Tokenizer.from_file(str(tokenizer_file))
+        self.text.encode_special_tokens = True
+        added = self.text.get_added_tokens_decoder()
+        self.specials = {t.content: i for i, t in added.items()}
+        # Longest first: where two added tokens start at one place the longer one is taken.
+        alternatives = sorted(self.specials, key=len, reverse=True)
+        self.split = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+        self.tokens = {
+            k: _token_text(config.get(k)) or "" for k in ("bos_token", "eos_token", "pad_token")
+        }
+        eos = self.specials.get(self.tokens["eos_token"])
+        self.stop_ids = tuple(i for i in (self.specials.get(END), eos) if i is not None)
+
+    @classmethod
+    def load(cls, folder: Path) -> ChatTemplate | None:
+        source = read_template(folder)
+        if source is None:
+            return None
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        return cls(source, folder / "tokenizer.json", config)
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        try:
+            shown = self.template.render(
+                messages=messages, add_generation_prompt=True, **self.tokens
+            )
+        except TemplateError as e:
+            raise ChatError(f"the model's chat template refused the conversation: {e}") from e
+        return shown
+
+    def ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt's ids, ending with the assistant's turn marker."""
+        marks = [f"\x00{secrets.token_hex(8)}:{i}\x00" for i in range(len(messages))]
+        shown = self.render([m | {"content": k} for m, k in zip(messages, marks)])
+        where = [shown.find(k) for k in marks]
+        cuts = re.split("(" + "|".join(map(re.escape, marks)) + ")", shown)
+        # Verbatim: each placeholder once, in order, and the content itself in their places
+        # gives what the template renders from it (a template may trim or edit content).
+        placed = "".join(messages[marks.index(c)]["content"] if j % 2 else c
+                         for j, c in enumerate(cuts))  # fmt: skip
+        if (
+            any(shown.count(k) != 1 for k in marks)
+            or where != sorted(where)
+            or placed != self.render(messages)
+        ):
+            return self._ids_verbatim(messages)
+        # The template's text between the placeholders, split at its special tokens; the
+        # content joins the text around it (which a tokenizer would not split from it either).
+        pieces: list[str | int] = [""]
+        for j, part in enumerate(cuts):
+            if j % 2:
+                pieces[-1] += messages[marks.index(part)]["content"]
+            else:
+                self._split(part, pieces)
+        return self._encode(pieces)
+
+    def _ids_verbatim(self, messages: list[dict[str, str]]) -> list[int]:
+        for i, m in enumerate(messages):
+            found = self.split.search(m["content"]) if self.split else None
+            if found:
+                raise ChatError(
+                    f"message {i} spells the special token {found.group()!r}, which this "
+                    "model's chat template cannot keep as text; remove it"
+                )
+        pieces: list[str | int] = [""]
+        self._split(self.render(messages), pieces)
+        return self._encode(pieces)
+
+    def _split(self, text: str, pieces: list[str | int]) -> None:
+        """Append `text` to `pieces`: its special tokens as ids, the text between them joined
+        to the last text piece."""
+        pos = 0
+        for m in self.split.finditer(text) if self.split else ():
+            pieces[-1] += text[pos : m.start()]
+            pieces += [self.specials[m.group()], ""]
+            pos = m.end()
+        pieces[-1] += text[pos:]
+
+    def _encode(self, pieces: list[str | int]) -> list[int]:
+        texts = [p for p in pieces if isinstance(p, str) and p]
+        encoded = iter(self.text.encode_batch_fast(texts, add_special_tokens=False))
+        ids: list[int] = []
+        for p in pieces:
+            if isinstance(p, int):
+                ids.append(p)
+            elif p:
+                ids += next(encoded).ids
+        return ids
