@@ -2,6 +2,8 @@
 
     BUNDLE/model.onnx (+ model.onnx.data)   the decoder with KV cache
     BUNDLE/model.ort                        with --mobile: the same graph for ONNX Runtime Mobile
+    BUNDLE/required_operators_and_types.config  with --mobile: its operators and types, what a
+                                            reduced-size ONNX Runtime build takes
     BUNDLE/tokenizer.json                   the checkpoint's tokenizer, unchanged
     BUNDLE/config.json                      the checkpoint's, unchanged; with the next three, what
     BUNDLE/tokenizer_config.json            transformers' AutoTokenizer and optimum's
@@ -137,6 +139,7 @@ def manifest(
         "format_version": FORMAT_VERSION,
         "model": "model.onnx",
         "mobile_model": "model.ort" if opts.mobile else None,
+        "mobile_ops_config": graph.OPS_CONFIG if opts.mobile else None,
         "engine": engine,
         "architecture": ckpt.architecture,
         **io_table(lm),

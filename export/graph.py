@@ -41,6 +41,9 @@ BITS = {"fp32": None, "int8": 8, "int4": 4}
 ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: fastest on CPUs with VNNI
 TASK = "text-generation-with-past"
 LOGITS_TO_KEEP = "logits_to_keep"
+# What ONNX Runtime's reduced-size build takes (build.sh --minimal_build --include_ops_by_config):
+# every operator of model.ort with the types its kernels need (the tool's type reduction).
+OPS_CONFIG = "required_operators_and_types.config"
 
 
 def optimum_supports(ckpt: Checkpoint) -> bool:
@@ -245,18 +248,23 @@ def build_graph(
 
 def convert_to_ort(model: Path, out: Path) -> Path:
     """The ORT-format model that ONNX Runtime Mobile loads (optimizations fixed at conversion,
-    ARM kernels' layouts: the same file serves Android and iOS)."""
+    ARM kernels' layouts: the same file serves Android and iOS), and beside it OPS_CONFIG."""
     work = out / ".ort"
     cmd = [sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", str(model)]
     cmd += ["--output_dir", str(work), "--optimization_style", "Fixed", "--target_platform", "arm"]
+    cmd += ["--enable_type_reduction"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     made = work / (model.stem + ".ort")
-    if proc.returncode != 0 or not made.is_file():
+    configs = list(work.glob("*.required_operators_and_types.config"))
+    if proc.returncode != 0 or not made.is_file() or len(configs) != 1:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
         raise ExportError(f"ORT-format conversion failed (exit {proc.returncode}):\n{tail}")
     shutil.move(str(made), str(out / made.name))
-    # The op list a reduced-size ONNX Runtime Mobile build needs.
-    for config in work.glob("*.required_operators.config"):
-        shutil.move(str(config), str(out / config.name))
+    # The tool heads the config with the path of the model it read, a folder of this machine's
+    # (see export/bundle.py's manifest, which names none): the bundle's file names its model.
+    lines = configs[0].read_text(encoding="utf-8").splitlines()
+    ops = [line for line in lines if line.strip() and not line.startswith("#")]
+    head = [f"# Operators and types of {made.name}: ONNX Runtime's --include_ops_by_config"]
+    (out / OPS_CONFIG).write_text("\n".join(head + ops) + "\n", encoding="utf-8")
     shutil.rmtree(work, ignore_errors=True)
     return out / made.name

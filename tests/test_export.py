@@ -211,6 +211,14 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
     # One row through the head instead of 40: the kernel may sum in another order.
     assert _rel(ort_last, _lm(out).logits(ids)[:, -1:]) < 1e-5
     assert m["parity"]["ort_format_vs_onnx"]["max_rel_err"] <= 1e-5
+    # The reduced-size build's config lists every operator model.ort runs, at its opset, and
+    # nothing else; the ONNX operators carry the types their kernels need (type reduction).
+    config = m["mobile_ops_config"]
+    assert config == "required_operators_and_types.config" and config in m["files"]
+    text = (out / config).read_text(encoding="utf-8")
+    assert _config_ops(text) == _ort_ops(out / "model.ort")
+    assert ("com.microsoft", 1, "MatMulNBits") in _config_ops(text)
+    assert 'Cast{"inputs": {"0": [' in text and str(tmp_path) not in text
     size = sum(f["bytes"] for n, f in m["files"].items() if n.startswith("model.onnx"))
     fp32 = sum(p.stat().st_size for p in fp32_bundle.glob("model.onnx*"))
     assert size < fp32  # the fp32 embedding table is most of a model this small
@@ -234,6 +242,30 @@ def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp3
     assert _lm(out).greedy_shared(prompt, 12)[0] == greedy
     full = _lm(out).logits(np.array([prompt + greedy[:-1]]))[0, len(prompt) - 1 :]
     assert full.argmax(-1).tolist() == greedy
+
+
+def _config_ops(text: str) -> set[tuple[str, int, str]]:
+    """(domain, opset, operator) of each entry of a reduced-build config; its lines read
+    `domain;opset;Op1,Op2{"inputs": {...}},...` (types in braces where reduced)."""
+    ops = set()
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            domain, opset, names = line.split(";", 2)
+            while "{" in names:  # drop the type constraints, innermost braces first
+                names = re.sub(r"\{[^{}]*\}", "", names)
+            ops |= {(domain, int(opset), name) for name in names.split(",")}
+    return ops
+
+
+def _ort_ops(model: Path) -> set[tuple[str, int, str]]:
+    """(domain, opset, operator) of each node of an ORT-format model, read from its flatbuffer."""
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py import fbs
+
+    g = fbs.InferenceSession.InferenceSession.GetRootAs(model.read_bytes()).Model().Graph()
+    nodes = [g.Nodes(i) for i in range(g.NodesLength())]
+    return {
+        (n.Domain().decode() or "ai.onnx", n.SinceVersion(), n.OpType().decode()) for n in nodes
+    }
 
 
 def _graph(model: Path):
