@@ -39,6 +39,31 @@ def test_top_p_keeps_the_smallest_set_that_reaches_p():
     assert set(_draws(SamplingParams(top_p=0.75), 500)) == {1, 3}
 
 
+def _top_p_by_full_sort(probs: np.ndarray, p: float) -> np.ndarray:
+    order = np.argsort(-probs, kind="stable")
+    mass = np.cumsum(probs[order])
+    keep = order[(mass - probs[order]) < p]
+    out = np.zeros_like(probs)
+    out[keep] = probs[keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_top_p_sorting_only_the_likeliest_equals_the_full_sort(seed):
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.integers(2, 5000))
+    # Peaked, flat, and coarse (many exact ties) distributions; few candidates force widening.
+    logits = rng.standard_normal(vocab) * rng.choice([0.1, 1.0, 8.0])
+    if seed % 3 == 0:
+        logits = np.round(logits)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    for p in (0.01, 0.5, 0.9, 0.999, rng.random()):
+        for candidates in (1, 3, 256):
+            got = top_p_probs(probs, p, candidates=candidates)
+            assert np.array_equal(got, _top_p_by_full_sort(probs, p)), (p, candidates)
+
+
 def test_temperature_sharpens_and_flattens():
     cold = np.bincount(_draws(SamplingParams(temperature=0.3)), minlength=4)[1] / 3000
     hot = np.bincount(_draws(SamplingParams(temperature=3.0)), minlength=4)[1] / 3000
