@@ -93,7 +93,7 @@ class Engine:
     (the caller serialises requests); `forward(slot=)` and `decode` let a scheduler prefill a
     slot while others wait and then step all slots 0..n-1 in one batched run."""
 
-    def __init__(self, bundle: Bundle, threads: int = 0, slots: int = 1):
+    def __init__(self, bundle: Bundle, threads: int = 0, slots: int = 1, profile: bool = False):
         if slots > 1 and not bundle.share_buffer:
             raise BundleError("batched slots need a graph with a shared KV buffer (genai engine)")
         self.bundle, self.slots = bundle, slots
@@ -105,6 +105,7 @@ class Engine:
         # Errors only: ONNX Runtime warns at every load that the overridable logits_to_keep
         # input is not folded as a constant, which is its point.
         opts.log_severity_level = 3
+        opts.enable_profiling = profile  # per-operator times (benchmarks/profile_serve.py)
         self.session = ort.InferenceSession(
             str(bundle.model), opts, providers=["CPUExecutionProvider"]
         )

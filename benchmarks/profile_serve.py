@@ -1,0 +1,310 @@
+"""Where a served token's time goes, per operator, on this CPU (issue 22).
+
+On the 0.4B bundles that bench_serve.py builds (random weights, int4 and int8, `--work` reuses
+them), with 2 threads as in the serving benchmark:
+- ONNX Runtime's own profiler over decode steps at 1 and 8 rows (every row 128 tokens into its
+  sequence) and over a 128-token prefill: milliseconds per step by operator type, the run's total
+  as ONNX Runtime sees it, and the wall time of the same steps without the profiler, whose
+  difference is what the Python side (binding, the mask, the copy of the logits) costs;
+- the sampling functions on one row of logits (greedy, and temperature with top-p);
+- MatMulNBits alone, at the model's widest shape, for 1, 2, 4, 8, 16 and 128 rows: milliseconds
+  per row, against the same at one row, which is the most batching can gain in that operator
+  (a kernel that is compute-bound at 8 rows costs per row what it costs at 128).
+
+Writes benchmarks/results/profile_serve_0.4b_cpu-<class>.{json,md}. Run after bench_serve.py
+(`--work DIR` of a kept run) or alone (it builds the bundles: about 3 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_export import foreign_cpu  # noqa: E402
+from bench_serve import FULL, setup  # noqa: E402
+from cpu_class import this_cpu  # noqa: E402
+
+from serve.engine import Engine, read_bundle  # noqa: E402
+from serve.sampling import SamplingParams, sample  # noqa: E402
+
+THREADS = 2
+PROMPT = 128
+STEPS = 48
+
+
+def engine(bundle_dir: Path, rows: int, profile: bool) -> Engine:
+    e = Engine(read_bundle(bundle_dir), threads=THREADS, slots=rows, profile=profile)
+    e.warm_up()
+    rng = np.random.default_rng(0)
+    for slot in range(rows):
+        e.forward(rng.integers(10, 1000, PROMPT).tolist(), 0, slot=slot)
+    return e
+
+
+def decode_steps(e: Engine, rows: int, steps: int) -> tuple[float, float]:
+    """Seconds per batched decode step of `rows` rows, wall and this process's CPU time (their
+    ratio is how many threads were busy on average)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(steps):
+        e.decode([17] * rows, [PROMPT + 1 + i] * rows)
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+
+
+def by_operator(trace: Path, runs: int) -> dict:
+    """Milliseconds per run by operator type, and per run in all (ONNX Runtime's model_run)."""
+    events = json.loads(trace.read_text())
+    # The profile covers warm-up and the prompts too: keep only the last `runs` model runs' share.
+    runs_seen = [ev for ev in events if ev.get("name") == "model_run"]
+    last = runs_seen[-runs:]
+    lo = last[0]["ts"]
+    ops = defaultdict(float)
+    for ev in events:
+        if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time") and ev["ts"] >= lo:
+            ops[ev["args"]["op_name"]] += ev["dur"] / 1000 / runs
+    run_ms = sum(ev["dur"] for ev in last) / 1000 / runs
+    return {"run_ms": run_ms, "ops_ms": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+
+
+def profile_decode(bundle_dir: Path, rows: int) -> dict:
+    plain = engine(bundle_dir, rows, profile=False)
+    decode_steps(plain, rows, 4)
+    wall, cpu = min(decode_steps(plain, rows, STEPS) for _ in range(3))
+    del plain
+    prof = engine(bundle_dir, rows, profile=True)
+    decode_steps(prof, rows, STEPS)
+    trace = Path(prof.session.end_profiling())
+    out = by_operator(trace, STEPS) | {"wall_ms": wall * 1000, "cpu_ms": cpu * 1000, "rows": rows}
+    trace.unlink()
+    return out
+
+
+def profile_decodes(bundle_dir: Path) -> dict:
+    return {rows: profile_decode(bundle_dir, rows) for rows in (1, 8)}
+
+
+def profile_prefill(bundle_dir: Path) -> dict:
+    prof = engine(bundle_dir, 1, profile=True)
+    ids = list(range(10, 10 + PROMPT))
+    t0 = time.perf_counter()
+    for _ in range(3):
+        prof.forward(ids, 0)
+    wall = (time.perf_counter() - t0) / 3
+    trace = Path(prof.session.end_profiling())
+    out = by_operator(trace, 3) | {"wall_ms_profiled": wall * 1000, "tokens": PROMPT}
+    trace.unlink()
+    return out
+
+
+def sampling_cost(vocab: int) -> dict:
+    logits = np.random.default_rng(0).standard_normal(vocab).astype(np.float32) * 3
+    rng = np.random.default_rng(1)
+    ctx = np.arange(200, dtype=np.int64)
+    cases = {
+        "greedy": SamplingParams(temperature=0),
+        "temperature 0.8": SamplingParams(temperature=0.8),
+        "temperature 0.8, top_p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
+        "top_p 0.95 + repetition 1.1": SamplingParams(
+            temperature=0.8, top_p=0.95, repetition_penalty=1.1
+        ),
+    }
+    out = {}
+    for name, p in cases.items():
+        t0 = time.perf_counter()
+        for _ in range(200):
+            sample(logits, p, rng, ctx, ctx[100:])
+        out[name] = (time.perf_counter() - t0) / 200 * 1000
+    return out
+
+
+def matmul_nbits_model(k: int, n: int, bits: int, block: int, level: int) -> bytes:
+    """One MatMulNBits node, [M, k] @ [k, n], random symmetric weights."""
+    rng = np.random.default_rng(0)
+    blocks = k // block
+    data = rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8)
+    scales = (rng.random(n * blocks, dtype=np.float32) * 0.01).astype(np.float32)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["a", "b", "scales"],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block,
+        accuracy_level=level,
+    )
+    graph = helper.make_graph(
+        [node],
+        "one",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+        [
+            onnx.numpy_helper.from_array(data, "b"),
+            onnx.numpy_helper.from_array(scales, "scales"),
+        ],
+    )
+    opset = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opset).SerializeToString()
+
+
+def matmul_rows(k: int, n: int, bits: int, block: int, rows=(1, 2, 4, 8, 16, 128)) -> dict:
+    """Milliseconds per row of one MatMulNBits at each row count (best of several runs)."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = THREADS
+    opts.inter_op_num_threads = 1
+    s = ort.InferenceSession(matmul_nbits_model(k, n, bits, block, 4), opts)
+    out = {}
+    for m in rows:
+        a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+        reps = max(8, 256 // m)
+        for _ in range(3):
+            s.run(None, {"a": a})
+        best = min(_timed(s, a, reps) for _ in range(5))
+        out[m] = {"ms": best * 1000, "ms_per_row": best * 1000 / m}
+    one = out[1]["ms"]
+    for m, r in out.items():
+        r["speedup_over_one_row"] = m * one / r["ms"]  # rows served per one-row time
+        r["gmac_s"] = m * k * n / r["ms"] / 1e6
+    return out
+
+
+def _timed(s, a, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        s.run(None, {"a": a})
+    return (time.perf_counter() - t0) / reps
+
+
+def run(work: Path) -> dict:
+    setup(work, FULL, with_llama=False)
+    t0 = time.time()
+    result = {
+        "date": date.today().isoformat(),
+        "cpu": this_cpu(),
+        "threads": THREADS,
+        "prompt": PROMPT,
+        "steps": STEPS,
+        "bundles": {},
+    }
+    for q in ("int4", "int8"):
+        b = work / f"bundle-{q}"
+        print(f"profiling {q} ...", flush=True)
+        decode, foreign = foreign_cpu(profile_decodes, b)
+        result["bundles"][q] = {
+            "decode": decode,
+            "prefill": profile_prefill(b),
+            "foreign_cpu_s": foreign,
+        }
+    m = json.loads((work / "bundle-int4" / "config.json").read_text())
+    h, inter = m["hidden_size"], m["intermediate_size"]
+    result["sampling_ms"] = sampling_cost(m["vocab_size"])
+    result["matmul_nbits"], result["matmul_foreign_cpu_s"] = foreign_cpu(
+        lambda: {
+            f"int{bits} {k}x{n}": matmul_rows(k, n, bits, 128)
+            for bits in (4, 8)
+            for k, n in ((h, inter), (inter, h))
+        }
+    )
+    result["wall_s"] = time.time() - t0
+    return result
+
+
+def markdown(r: dict) -> str:
+    cpu = r["cpu"]
+    lines = [
+        f"# Where a served token's time goes, bangla-0.4b (random weights), {r['date']}",
+        "",
+        f"CPU: {cpu.get('model_name', '?')}, class **{cpu['class']}**; {r['threads']} threads; "
+        f"decode steps {r['prompt']} tokens into each row's sequence. Made by "
+        "`benchmarks/profile_serve.py` (ONNX Runtime's profiler).",
+        "",
+        "## Decode step and prefill, milliseconds by operator",
+        "",
+    ]
+    cols = []
+    for q, b in r["bundles"].items():
+        for rows, d in b["decode"].items():
+            cols.append((f"{q} decode {rows} row{'s' if int(rows) > 1 else ''}", d))
+        cols.append((f"{q} prefill {b['prefill']['tokens']}", b["prefill"]))
+    ops = sorted(
+        {op for _, d in cols for op in d["ops_ms"]}, key=lambda op: -cols[0][1]["ops_ms"].get(op, 0)
+    )
+    lines += ["| operator | " + " | ".join(c for c, _ in cols) + " |"]
+    lines += ["|---|" + "---:|" * len(cols)]
+    for op in ops:
+        lines.append(
+            f"| {op} | " + " | ".join(f"{d['ops_ms'].get(op, 0):.2f}" for _, d in cols) + " |"
+        )
+    lines.append(
+        "| **ONNX Runtime run** | " + " | ".join(f"{d['run_ms']:.2f}" for _, d in cols) + " |"
+    )
+    walls = [f"{d['wall_ms']:.2f}" if "wall_ms" in d else "–" for _, d in cols]
+    lines.append("| **wall, unprofiled** | " + " | ".join(walls) + " |")
+    cpus = [f"{d['cpu_ms']:.2f}" if "cpu_ms" in d else "–" for _, d in cols]
+    lines.append("| CPU time of the process, unprofiled | " + " | ".join(cpus) + " |")
+    lines += [
+        "",
+        "Foreign CPU during the decode profiles: "
+        + ", ".join(f"{q} {b['foreign_cpu_s']:.0f} s" for q, b in r["bundles"].items())
+        + f" (whole run {r['wall_s']:.0f} s).",
+        "",
+        "## Sampling one row of logits, milliseconds",
+        "",
+        "| sampling | ms |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {v:.3f} |" for k, v in r["sampling_ms"].items()]
+    lines += [
+        "",
+        "## MatMulNBits alone (block 128, accuracy level 4): rows served per one-row time",
+        "",
+        "| weights | "
+        + " | ".join(f"{m} rows" for m in next(iter(r["matmul_nbits"].values())))
+        + " |",
+        "|---|" + "---:|" * len(next(iter(r["matmul_nbits"].values()))),
+    ]
+    for name, rows in r["matmul_nbits"].items():
+        cells = [f"{v['speedup_over_one_row']:.2f}× ({v['ms']:.3f} ms)" for v in rows.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Foreign CPU during the MatMulNBits rows: {r['matmul_foreign_cpu_s']:.0f} s.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", help="bench_serve's scratch folder (kept and reused)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    work = Path(args.work or tempfile.mkdtemp(prefix="profile_serve_"))
+    result = run(work)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"profile_serve_0.4b_cpu-{result['cpu']['class']}"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
