@@ -15,6 +15,8 @@
     BUNDLE/manifest.json                    I/O names and shapes, vocabulary, special ids, context
                                             length, quantization, sha256 of every file, the
                                             source config's hash and the parity figures
+    BUNDLE/web/                             with --web: a static page that runs the model in a
+                                            browser, and the weights in hashed pieces (web.py)
 
 Everything is written into a hidden folder beside BUNDLE and renamed at the end, after every check
 passed, so a failed export leaves nothing behind.
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export import card, graph, parity
+from export import card, graph, parity, web
 from export.checkpoint import Checkpoint, inspect_checkpoint
 from export.common import ExportError, file_table, sha256_file, staging, write_json
 from export.runner import OnnxLM
@@ -65,6 +67,7 @@ class ExportOptions:
     force: bool = False
     tokenizer: str | None = None
     repo_id: str | None = None  # the bundle's Hub repository, for its card
+    web: bool = False  # also BUNDLE/web: the static page that runs it in a browser (export/web.py)
     log: object = field(default=print, compare=False)
 
     def __post_init__(self):
@@ -224,6 +227,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     ckpt = inspect_checkpoint(checkpoint, opts.tokenizer)
     engine = graph.choose_engine(ckpt, opts.engine)
     texts = parity.eval_texts(ckpt, opts.texts, opts.eval_tokens)  # bad --text fails here, early
+    if opts.web:
+        web.runtime_modules(log)  # no npm, no page: said before the export's minutes, not after
     t0 = time.perf_counter()
     with staging(out, opts.force) as stage:
         log(f"building the {opts.quant} graph of {ckpt.architecture} with the {engine} engine")
@@ -249,6 +254,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
         timing = {"build_s": build_s, "total_s": time.perf_counter() - t0}
         result = manifest(ckpt, opts, engine, lm, model, parity=figures, timing=timing)
         card.write_card(stage, result, out.resolve().name, ckpt.folder, opts.repo_id)
+        if opts.web:
+            log("writing the browser page into web/ (onnxruntime-web)")
+            page = web.write_web(
+                stage, stage / "web", log, manifest=result, name=out.resolve().name
+            )
+            result["web"] = {
+                "folder": "web",
+                "bytes": page["bytes"],
+                "pieces": len(page["data"]),
+                "runtime": page["runtime"],
+            }
         result["files"] = file_table(stage)  # manifest.json itself is the one file not listed
         write_json(stage / "manifest.json", result)
     return result
@@ -285,6 +301,11 @@ def summary(out: Path, m: dict) -> str:
         + _against(loss["increase_nats_per_token"], loss.get("bound_nats_per_token"), "g")
         + f", {loss['increase_bits_per_char']:+.4f} bits/char over {loss['tokens']} tokens",
     ]
+    if "web" in m:
+        lines.append(
+            f"  browser page: {out / 'web'} ({m['web']['bytes'] / 1e6:.1f} MB); try it with "
+            f"python -m export.web serve {out / 'web'}"
+        )
     if "ort_format_vs_onnx" in p:
         ort = p["ort_format_vs_onnx"]
         lines.append(

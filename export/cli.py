@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="onnx: fp32, int8, int4 (default); gguf: f32, f16, q8_0 (default), q4_0",
     )
     p.add_argument("--mobile", action="store_true", help="also write model.ort (ORT Mobile)")
+    p.add_argument(
+        "--web",
+        action="store_true",
+        help="also write web/: a static page that runs the model in a browser (onnxruntime-web)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument(
         "--block-size", type=int, help="weights per scale (default 128; 32 for a little less loss)"
@@ -97,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         opts = ExportOptions(
             quant=args.quant or "int4",
             mobile=args.mobile,
+            web=args.web,
             block_size=args.block_size,
             engine=args.engine,
             texts=tuple(args.text),

@@ -1,0 +1,275 @@
+"""`doel-export --web`: BUNDLE/web/, a static page that runs the bundle inside a browser.
+
+Any phone or laptop with a current browser opens it, offline once loaded, with no app store and
+no server beyond static files: the model runs in a Web Worker on onnxruntime-web's WebAssembly
+build (SIMD; threads where the page is cross-origin isolated), the text is tokenized by
+tokenizers.js reading the bundle's tokenizer.json, and whole Bengali clusters stream into the
+page (export/web/worker.js ports serve/textstream.py's rule).
+
+    web/index.html, web/worker.js       doel's page and its worker (export/web/)
+    web/web.json                        what the worker loads (below)
+    web/model.onnx                      the bundle's graph; logits_to_keep made a plain input
+    web/model-<sha256[:16]>.bin ...     model.onnx.data cut into pieces of at most CHUNK_BYTES
+    web/tokenizer.json, tokenizer_config.json
+    web/ort.wasm.min.js, ort-wasm-simd-threaded.{mjs,wasm}   onnxruntime-web (npm, MIT)
+    web/tokenizers.min.js               @huggingface/tokenizers (npm, Apache-2.0; CommonJS build)
+
+Why so:
+- onnxruntime-web's wasm build carries ONNX Runtime's CPU contrib operators, so the bundle's own
+  graph runs (GroupQueryAttention, MatMulNBits, GatherBlockQuantized, SkipSimplifiedLayer-
+  Normalization), its weights byte for byte. Two things differ from doel-serve. The page lists
+  only inputs without an initializer and refuses other feeds, so `logits_to_keep` (an
+  overridable initializer, export/graph.py) becomes a plain input. And the cache grows one
+  position a step (GroupQueryAttention's concatenating mode, present = past + new) instead of
+  serve's buffer at the full context written in place: wasm copies every input and output
+  across the JavaScript boundary on each run, and a full-context buffer would copy the whole
+  context's cache twice a token.
+- The weights are pieces named by their hash, so the page keeps each in Cache Storage and a new
+  export never reads a stale one; the worker checks each fresh piece's sha256.
+- The runtime comes from the npm registry at export time (export/web/package-lock.json pins it),
+  installed once into a cache folder (DOEL_WEB_RUNTIME names a node_modules folder instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+
+from export.common import ExportError, fresh_dir, sha256_file, write_json
+
+PAGE = Path(__file__).with_name("web")  # index.html, worker.js, package.json, package-lock.json
+PAGE_FILES = ("index.html", "worker.js")
+CHUNK_BYTES = 32 << 20  # a piece of the weights: small enough for any cache and a phone's fetch
+LOGITS_TO_KEEP = "logits_to_keep"
+# node_modules path -> name in the web folder
+RUNTIME_FILES = {
+    "onnxruntime-web/dist/ort.wasm.min.js": "ort.wasm.min.js",
+    "onnxruntime-web/dist/ort-wasm-simd-threaded.mjs": "ort-wasm-simd-threaded.mjs",
+    "onnxruntime-web/dist/ort-wasm-simd-threaded.wasm": "ort-wasm-simd-threaded.wasm",
+    "@huggingface/tokenizers/dist/tokenizers.min.cjs": "tokenizers.min.js",
+    "@huggingface/tokenizers/LICENSE": "LICENSE.tokenizers-js.txt",
+}
+NPM_HINT = (
+    "install Node.js's npm (e.g. apt-get install npm), which fetches them from the npm "
+    "registry once, or set DOEL_WEB_RUNTIME to a node_modules folder holding them"
+)
+
+
+def runtime_versions() -> dict[str, str]:
+    return json.loads((PAGE / "package.json").read_text(encoding="utf-8"))["dependencies"]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "doel"
+
+
+def runtime_modules(log=print) -> Path:
+    """A node_modules folder with RUNTIME_FILES: DOEL_WEB_RUNTIME's, or the cached `npm ci` of
+    export/web/package-lock.json (made here on first use)."""
+    wanted = ", ".join(f"{k}@{v}" for k, v in runtime_versions().items())
+    if os.environ.get("DOEL_WEB_RUNTIME"):
+        mods = Path(os.environ["DOEL_WEB_RUNTIME"])
+        missing = [f for f in RUNTIME_FILES if not (mods / f).is_file()]
+        if missing:
+            raise ExportError(f"DOEL_WEB_RUNTIME={mods} lacks {missing[0]}; it needs {wanted}")
+        return mods
+    cache = cache_root() / f"web-runtime-{sha256_file(PAGE / 'package-lock.json')[:12]}"
+    mods = cache / "node_modules"
+    if all((mods / f).is_file() for f in RUNTIME_FILES):
+        return mods
+    npm = shutil.which("npm")
+    if npm is None:
+        raise ExportError(f"--web needs {wanted}: {NPM_HINT}")
+    log(f"installing {wanted} from the npm registry into {cache} (once)")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    work = fresh_dir(cache.parent, f".{cache.name}.", ".tmp")
+    try:
+        for name in ("package.json", "package-lock.json"):
+            shutil.copyfile(PAGE / name, work / name)
+        cmd = [npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"]
+        proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-10:])
+            raise ExportError(f"npm ci for {wanted} failed (exit {proc.returncode}):\n{tail}")
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(work, cache)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return mods
+
+
+def web_graph(src: Path, dst: Path) -> bool:
+    """Write the graph of `src` to `dst` (its weights stay in the external file, same names) with
+    logits_to_keep a plain input; True when the graph has that input."""
+    m = onnx.load(str(src), load_external_data=False)
+    g = m.graph
+    inputs = {i.name for i in g.input}
+    found = [t for t in g.initializer if t.name == LOGITS_TO_KEEP and t.name in inputs]
+    for t in found:
+        g.initializer.remove(t)
+    onnx.save(m, str(dst))
+    return bool(found)
+
+
+def data_locations(model: Path) -> set[str]:
+    """The external data files the graph's initializers name."""
+    m = onnx.load(str(model), load_external_data=False)
+    return {
+        e.value
+        for t in m.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for e in t.external_data
+        if e.key == "location"
+    }
+
+
+def split_data(data: Path, out: Path, chunk: int = CHUNK_BYTES) -> list[dict]:
+    """`data` cut into pieces of at most `chunk` bytes, each named by its sha256."""
+    pieces = []
+    with open(data, "rb") as f:
+        while block := f.read(chunk):
+            digest = hashlib.sha256(block).hexdigest()
+            name = f"model-{digest[:16]}.bin"
+            (out / name).write_bytes(block)
+            pieces.append({"file": name, "bytes": len(block), "sha256": digest})
+    return pieces
+
+
+def stop_ids(special: dict) -> list[int]:
+    """EOS, and the chat turn's end where the vocabulary has it (the model ends a reply so)."""
+    ids = [special["eos"]["id"]] if "eos" in special else []
+    end = special.get("added", {}).get("<|end|>")
+    return ids + ([end] if end is not None and end not in ids else [])
+
+
+def write_web(
+    bundle: Path,
+    out: Path | None = None,
+    log=print,
+    chunk: int = CHUNK_BYTES,
+    manifest: dict | None = None,
+    name: str | None = None,
+) -> dict:
+    """Write the web folder of `bundle` (default BUNDLE/web); return its web.json and size.
+    `manifest` and `name` stand in for the bundle's manifest.json and folder name while
+    doel-export is still writing it."""
+    bundle = Path(bundle)
+    out = Path(out) if out is not None else bundle / "web"
+    if manifest is None:
+        manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    model = bundle / manifest["model"]
+    mods = runtime_modules(log)
+    out.mkdir(parents=True, exist_ok=True)
+    keep = web_graph(model, out / "model.onnx")
+    locations = data_locations(model)
+    if len(locations) > 1:
+        raise ExportError(f"{model} keeps its weights in {len(locations)} files; expected one")
+    data_path = next(iter(locations), None)
+    pieces = split_data(bundle / data_path, out, chunk) if data_path else []
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (bundle / file).is_file():
+            shutil.copyfile(bundle / file, out / file)
+    for src, file in RUNTIME_FILES.items():
+        shutil.copyfile(mods / src, out / file)
+    for file in PAGE_FILES:
+        shutil.copyfile(PAGE / file, out / file)
+    notices = []
+    for pkg in runtime_versions():
+        meta = json.loads((mods / pkg / "package.json").read_text(encoding="utf-8"))
+        notices.append(
+            f"{pkg} {meta['version']}: {meta.get('license')} license, {meta.get('homepage', '')}"
+        )
+    (out / "THIRD_PARTY.txt").write_text("\n".join(notices) + "\n", encoding="utf-8")
+    kv = manifest["kv_cache"]
+    special = manifest.get("special_tokens", {})
+    spec = {
+        "format": "doel-web",
+        "format_version": 1,
+        "bundle": name or bundle.resolve().name,
+        "model": "model.onnx",
+        "data_path": data_path,
+        "data": pieces,
+        "data_bytes": sum(p["bytes"] for p in pieces),
+        "past_names": [i["name"] for i in manifest["inputs"] if i["name"].startswith("past_")],
+        "kv_heads": kv["kv_heads"],
+        "head_dim": kv["head_dim"],
+        "kv_dtype": kv.get("dtype", "float32"),
+        "position_ids": bool(kv.get("position_ids_input")),
+        "logits_to_keep": keep,
+        "vocab_size": manifest["vocab_size"],
+        "context_length": manifest["context_length"],
+        "stop_ids": stop_ids(special),
+        "quantization": manifest["quantization"]["scheme"],
+        "runtime": runtime_versions(),
+    }
+    write_json(out / "web.json", spec)
+    return spec | {"bytes": sum(p.stat().st_size for p in out.iterdir() if p.is_file())}
+
+
+class IsolatedHandler(http.server.SimpleHTTPRequestHandler):
+    """Static files with the two headers that make a page cross-origin isolated, which browsers
+    require before they give it SharedArrayBuffer, and so WebAssembly threads."""
+
+    extensions_map = {
+        **http.server.SimpleHTTPRequestHandler.extensions_map,
+        ".mjs": "text/javascript",
+        ".js": "text/javascript",
+        ".wasm": "application/wasm",
+    }
+
+    def end_headers(self):
+        self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+        self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
+        super().end_headers()
+
+    def log_message(self, *args):  # one line a file would bury the address
+        pass
+
+
+def static_server(folder: Path, port: int = 0, host: str = "127.0.0.1"):
+    """A threading HTTP server of `folder` with IsolatedHandler (call serve_forever)."""
+    handler = functools.partial(IsolatedHandler, directory=str(folder))
+    return http.server.ThreadingHTTPServer((host, port), handler)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m export.web",
+        description="write BUNDLE/web for an existing bundle, or serve a web folder locally",
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write", help="write the web folder of a doel-export bundle")
+    w.add_argument("bundle")
+    w.add_argument("--out", help="default BUNDLE/web")
+    s = sub.add_parser("serve", help="serve a web folder on loopback, threads enabled")
+    s.add_argument("folder")
+    s.add_argument("--port", type=int, default=8080)
+    args = ap.parse_args(argv)
+    if args.cmd == "write":
+        try:
+            spec = write_web(Path(args.bundle), args.out and Path(args.out))
+        except ExportError as e:
+            sys.exit(f"error: {e}")
+        print(f"wrote {args.out or Path(args.bundle) / 'web'} ({spec['bytes'] / 1e6:.1f} MB)")
+        return
+    server = static_server(Path(args.folder), args.port)
+    print(f"serving {args.folder} at http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C stops)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+// doel's Web Worker: the bundle's graph on onnxruntime-web (WebAssembly), its tokenizer.json in
+// tokenizers.js, a prefill and one run a token through the KV cache, sampling, and text streamed
+// to the page in whole characters and whole Bengali clusters. Written by doel-export --web
+// (export/web.py says why the page works as it does); no server beyond static files.
+"use strict";
+
+// tokenizers.js ships as CommonJS only: give it a `module` to fill, then read its export.
+self.module = { exports: {} };
+self.exports = self.module.exports;
+importScripts("tokenizers.min.js"); // the .cjs file renamed: static hosts serve .js as script
+const { Tokenizer } = self.module.exports;
+importScripts("ort.wasm.min.js"); // the global `ort`
+
+const PREFILL_CHUNK = 128; // prompt tokens a run, as doel-serve (serve/engine.py)
+const CACHE = "doel-web-v1";
+let spec, session, tokenizer, stopping = false;
+
+const post = (msg) => self.postMessage(msg);
+
+async function sha256(buf) {
+  const d = new Uint8Array(await crypto.subtle.digest("SHA-256", buf));
+  return Array.from(d, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+// One piece of the weights: from Cache Storage when it is there (offline), else fetched,
+// checked against its sha256 and kept. Without a secure context neither exists: fetch only.
+async function piece(p, cache) {
+  const hit = cache && (await cache.match(p.file));
+  if (hit) return hit.arrayBuffer();
+  const resp = await fetch(p.file);
+  if (!resp.ok) throw new Error(`${p.file}: HTTP ${resp.status}`);
+  const buf = await resp.arrayBuffer();
+  if (self.crypto && crypto.subtle && (await sha256(buf)) !== p.sha256)
+    throw new Error(`${p.file} is damaged (sha256 differs): reload the page`);
+  if (cache) await cache.put(p.file, new Response(buf));
+  return buf;
+}
+
+async function load(threads) {
+  const t0 = performance.now();
+  spec = await (await fetch("web.json")).json();
+  const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
+  // Pieces go straight into one buffer: the weights are held once, plus one piece.
+  const data = new Uint8Array(spec.data_bytes);
+  let at = 0;
+  for (const p of spec.data) {
+    data.set(new Uint8Array(await piece(p, cache)), at);
+    at += p.bytes;
+    post({ type: "progress", loaded: at, total: spec.data_bytes });
+  }
+  const [graph, tokJson, tokConfig] = await Promise.all([
+    fetch(spec.model).then((r) => r.arrayBuffer()),
+    fetch("tokenizer.json").then((r) => r.json()),
+    fetch("tokenizer_config.json").then((r) => (r.ok ? r.json() : {})),
+  ]);
+  tokenizer = new Tokenizer(tokJson, tokConfig);
+  // Threads need SharedArrayBuffer, which a browser gives only a cross-origin isolated page.
+  const most = self.crossOriginIsolated ? navigator.hardwareConcurrency || 1 : 1;
+  ort.env.wasm.numThreads = Math.max(1, Math.min(threads || Math.min(most, 4), most));
+  ort.env.wasm.wasmPaths = new URL("./", self.location.href).href;
+  const external = spec.data_path ? [{ path: spec.data_path, data }] : [];
+  session = await ort.InferenceSession.create(new Uint8Array(graph), {
+    executionProviders: ["wasm"],
+    graphOptimizationLevel: "all",
+    externalData: external,
+  });
+  post({
+    type: "ready",
+    threads: ort.env.wasm.numThreads,
+    isolated: !!self.crossOriginIsolated,
+    load_ms: performance.now() - t0,
+    bundle: spec.bundle,
+    quantization: spec.quantization,
+    data_bytes: spec.data_bytes,
+    runtime: spec.runtime,
+  });
+}
+
+const int64 = (xs, dims) => new ort.Tensor("int64", BigInt64Array.from(xs, BigInt), dims);
+
+function emptyPast() {
+  const past = {};
+  const dims = [1, spec.kv_heads, 0, spec.head_dim];
+  for (const name of spec.past_names)
+    past[name] =
+      spec.kv_dtype === "float16"
+        ? new ort.Tensor("float16", new Uint16Array(0), dims)
+        : new ort.Tensor("float32", new Float32Array(0), dims);
+  return past;
+}
+
+// Feed `ids` after the state's cached tokens; returns the logits of the last one. The cache
+// grows by the run's present outputs (present = past + new).
+async function forward(state, ids) {
+  let logits;
+  for (let lo = 0; lo < ids.length; lo += PREFILL_CHUNK) {
+    const chunk = ids.slice(lo, lo + PREFILL_CHUNK);
+    const total = state.n + chunk.length;
+    const feeds = {
+      input_ids: int64(chunk, [1, chunk.length]),
+      attention_mask: int64(new Array(total).fill(1), [1, total]),
+      ...state.past,
+    };
+    if (spec.position_ids)
+      feeds.position_ids = int64(
+        chunk.map((_, i) => state.n + i),
+        [1, chunk.length],
+      );
+    if (spec.logits_to_keep) feeds.logits_to_keep = int64([1], [1]);
+    const out = await session.run(feeds);
+    for (const name of spec.past_names)
+      state.past[name] = out[name.replace("past_key_values.", "present.")];
+    state.n = total;
+    const [, rows, vocab] = out.logits.dims;
+    logits = out.logits.data.slice((rows - 1) * vocab, rows * vocab);
+  }
+  return logits;
+}
+
+// ---------------------------------------------------------------- sampling (serve/sampling.py)
+
+function mulberry32(seed) {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = Math.imul(a ^ (a >>> 15), 1 | a);
+    t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+
+// Penalty on the raw logits, then temperature, top-k, top-p, one draw; temperature 0: argmax.
+function sample(logits, p, rand, seen) {
+  const z = Float64Array.from(logits);
+  if (p.repetition_penalty !== 1)
+    for (const id of seen)
+      z[id] = z[id] > 0 ? z[id] / p.repetition_penalty : z[id] * p.repetition_penalty;
+  if (!(p.temperature >= 1e-5)) {
+    let best = 0;
+    for (let i = 1; i < z.length; i++) if (z[i] > z[best]) best = i;
+    return best;
+  }
+  let order = Array.from(z.keys()).sort((a, b) => z[b] - z[a] || a - b);
+  if (p.top_k > 0 && p.top_k < order.length) {
+    const kth = z[order[p.top_k - 1]];
+    order = order.filter((i) => z[i] >= kth);
+  }
+  const top = z[order[0]] / p.temperature;
+  let probs = order.map((i) => Math.exp(z[i] / p.temperature - top));
+  const sum = probs.reduce((a, b) => a + b, 0);
+  probs = probs.map((x) => x / sum);
+  let keep = probs.length;
+  if (p.top_p < 1) {
+    let mass = 0;
+    keep = 0;
+    while (keep < probs.length && mass < p.top_p) mass += probs[keep++];
+  }
+  const kept = probs.slice(0, keep);
+  let r = rand() * kept.reduce((a, b) => a + b, 0);
+  for (let i = 0; i < kept.length; i++) if ((r -= kept[i]) < 0) return order[i];
+  return order[kept.length - 1];
+}
+
+// ------------------------------------------------- streamed text (serve/textstream.py's rule)
+
+const REPLACEMENT = "\ufffd";
+const VIRAMA = "\u09cd";
+const isBengaliLetter = (ch) => ch >= "\u0980" && ch <= "\u09ff" && /\p{Lo}/u.test(ch);
+const extendsCluster = (ch) => /\p{M}/u.test(ch) || ch === "\u200c" || ch === "\u200d";
+
+// Where the last grapheme cluster starts if a later character may still join it, else length.
+function openClusterStart(text) {
+  const i = text.length;
+  if (i === 0) return 0;
+  const last = text[i - 1];
+  if (!(isBengaliLetter(last) || extendsCluster(last))) return i;
+  let j = i - 1;
+  while (j > 0) {
+    if (extendsCluster(text[j])) j -= 1;
+    else if (isBengaliLetter(text[j]) && [VIRAMA, "\u200c", "\u200d"].includes(text[j - 1])) j -= 1;
+    else break;
+  }
+  return isBengaliLetter(text[j]) || extendsCluster(text[j]) ? j : i;
+}
+
+class TextStream {
+  constructor(decode) {
+    this.decode = decode;
+    this.ids = [];
+    this.text = ""; // decoded so far
+    this.sent = 0; // characters of `text` sent
+  }
+  push(id) {
+    this.ids.push(id);
+    const text = this.decode(this.ids);
+    // Half a UTF-8 character (byte tokens) decodes to U+FFFD until its other bytes arrive.
+    if (text.endsWith(REPLACEMENT)) return "";
+    this.text = text;
+    const tail = text.slice(-32); // a Bengali cluster has under 10 characters
+    const open = text.length - tail.length + openClusterStart(tail);
+    const safe = open === text.length - tail.length && text.length > 32 ? text.length : open;
+    return this.emit(Math.max(safe, this.sent));
+  }
+  finish() {
+    this.text = this.decode(this.ids);
+    return this.emit(this.text.length);
+  }
+  emit(upto) {
+    const out = this.text.slice(this.sent, upto);
+    this.sent = upto;
+    return out;
+  }
+}
+
+// ---------------------------------------------------------------- a request
+
+async function generate(req) {
+  const prompt = tokenizer.encode(req.prompt).ids;
+  if (prompt.length >= spec.context_length)
+    throw new Error(`the prompt is ${prompt.length} tokens; the context holds ${spec.context_length}`);
+  const p = {
+    temperature: req.temperature ?? 0,
+    top_k: req.top_k ?? 0,
+    top_p: req.top_p ?? 1,
+    repetition_penalty: req.repetition_penalty ?? 1,
+  };
+  const rand = mulberry32(req.seed ?? (Math.random() * 2 ** 32) >>> 0);
+  const max = Math.min(req.max_tokens ?? 64, spec.context_length - prompt.length);
+  const decode = (ids) => tokenizer.decode(ids, { skip_special_tokens: true });
+  const stream = new TextStream(decode);
+  const state = { past: emptyPast(), n: 0 };
+  const seen = new Set(prompt);
+  const ids = [];
+  stopping = false;
+  const t0 = performance.now();
+  let logits = await forward(state, prompt);
+  const t1 = performance.now();
+  let reason = "length";
+  while (ids.length < max) {
+    const id = sample(logits, p, rand, seen);
+    if (spec.stop_ids.includes(id)) {
+      reason = "stop";
+      break;
+    }
+    ids.push(id);
+    seen.add(id);
+    const text = stream.push(id);
+    if (text) post({ type: "text", text });
+    if (stopping) {
+      reason = "cancelled";
+      break;
+    }
+    if (ids.length < max) logits = await forward(state, [id]);
+  }
+  const rest = stream.finish();
+  if (rest) post({ type: "text", text: rest });
+  const t2 = performance.now();
+  const steps = Math.max(ids.length - 1, 0); // runs after the prefill
+  post({
+    type: "done",
+    prompt_ids: prompt,
+    ids,
+    text: stream.text,
+    reason,
+    prefill_ms: t1 - t0,
+    decode_ms: t2 - t1,
+    decode_tok_s: steps > 0 ? (1000 * steps) / (t2 - t1) : null,
+  });
+}
+
+self.onmessage = async (e) => {
+  const msg = e.data;
+  try {
+    if (msg.type === "load") await load(msg.threads);
+    else if (msg.type === "encode")
+      post({ type: "ids", ids: msg.texts.map((t) => tokenizer.encode(t).ids) });
+    else if (msg.type === "generate") await generate(msg);
+    else if (msg.type === "stop") stopping = true;
+  } catch (err) {
+    post({ type: "error", message: String(err && err.message ? err.message : err) });
+  }
+};
