@@ -3,8 +3,8 @@
 Same weights (`configs/bangla-0.4b.toml`'s [model], random: speed does not depend on them, made
 by bench_export's `make_checkpoint`), same 2 threads, each engine alone in its own process
 (benchmarks/bench_serve_engines.py) one after another:
-- ours: serve/engine.py on `doel-export` bundles at int4 and int8 (MatMulNBits at the export default blocks), and
-  the scheduler (continuous batching) for the concurrency sweep at int4;
+- ours: serve/engine.py on `doel-export` bundles at int4 and int8 (MatMulNBits at the export's
+  default blocks), and the scheduler (continuous batching) for the concurrency sweeps;
 - llama.cpp through llama-cpp-python on the same checkpoint converted by the `convert_hf_to_gguf.py`
   inside its source package (f32), then quantized to q4_0 and q8_0 by `llama_model_quantize`
   (the wheel does not build the llama-quantize binary);
