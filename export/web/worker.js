@@ -13,7 +13,7 @@ importScripts("ort.wasm.min.js"); // the global `ort`
 
 const PREFILL_CHUNK = 128; // prompt tokens a run, as doel-serve (serve/engine.py)
 const CACHE = "doel-web-v1";
-let spec, session, tokenizer, stopping = false;
+let spec, session, tokenizer, vocabSize, stopping = false;
 
 const post = (msg) => self.postMessage(msg);
 
@@ -54,6 +54,10 @@ async function load(threads) {
     fetch("tokenizer_config.json").then((r) => (r.ok ? r.json() : {})),
   ]);
   tokenizer = new Tokenizer(tokJson, tokConfig);
+  // A model's embedding may be larger than its tokenizer (padding); such ids decode to nothing,
+  // as in tokenizers.
+  const ids = [...Object.values(tokJson.model.vocab), ...tokJson.added_tokens.map((t) => t.id)];
+  vocabSize = Math.max(...ids) + 1;
   // Threads need SharedArrayBuffer, which a browser gives only a cross-origin isolated page.
   const most = self.crossOriginIsolated ? navigator.hardwareConcurrency || 1 : 1;
   ort.env.wasm.numThreads = Math.max(1, Math.min(threads || Math.min(most, 4), most));
@@ -214,8 +218,11 @@ class TextStream {
 
 // ---------------------------------------------------------------- a request
 
+// req: prompt (text) or prompt_ids, max_tokens, temperature, top_k, top_p, repetition_penalty,
+// seed; stop_ids replaces the bundle's (a benchmark passes [] to time a fixed length).
 async function generate(req) {
-  const prompt = tokenizer.encode(req.prompt).ids;
+  const prompt = req.prompt_ids ?? tokenizer.encode(req.prompt).ids;
+  const stops = req.stop_ids ?? spec.stop_ids;
   if (prompt.length >= spec.context_length)
     throw new Error(`the prompt is ${prompt.length} tokens; the context holds ${spec.context_length}`);
   const p = {
@@ -226,7 +233,11 @@ async function generate(req) {
   };
   const rand = mulberry32(req.seed ?? (Math.random() * 2 ** 32) >>> 0);
   const max = Math.min(req.max_tokens ?? 64, spec.context_length - prompt.length);
-  const decode = (ids) => tokenizer.decode(ids, { skip_special_tokens: true });
+  const decode = (ids) =>
+    tokenizer.decode(
+      ids.filter((i) => i < vocabSize),
+      { skip_special_tokens: true },
+    );
   const stream = new TextStream(decode);
   const state = { past: emptyPast(), n: 0 };
   const seen = new Set(prompt);
@@ -238,7 +249,7 @@ async function generate(req) {
   let reason = "length";
   while (ids.length < max) {
     const id = sample(logits, p, rand, seen);
-    if (spec.stop_ids.includes(id)) {
+    if (stops.includes(id)) {
       reason = "stop";
       break;
     }
