@@ -21,6 +21,7 @@ import torch
 from train.cli import build_parser, main, train_config
 from train.common import DoelError
 from train.config import load_config
+from train.data.chat import SFTConfig
 from train.data.prepare import prepare
 from train.data.textio import iter_documents
 from train.model import Llama, ModelConfig
@@ -60,6 +61,19 @@ def test_the_shipped_recipe_trains_its_budget_bangla_first(tmp_path, gpus):
     bangla = sum(s.share for s in recipe.sources if s.language == "bn")
     assert bangla > 0.5 and {"int4", "int8"} <= set(recipe.export.quants)
     assert sum(recipe.corpus_chars.values()) >= recipe.token_budget * 4 - len(recipe.sources)
+
+
+def test_the_shipped_recipe_fine_tunes_for_chat_on_bangla_hub_data(tmp_path):
+    recipe = load_recipe(RECIPE)
+    plan = make_plan(recipe, tmp_path)
+    assert recipe.sft.enabled and all(d.startswith("hf:") for d in recipe.sft.data)
+    cfg = load_config(SFTConfig, plan.preset, list(recipe.sft.set))  # valid on the preset
+    assert cfg.prompt_field and cfg.keep_rows.endswith("=ben") and cfg.skip_malformed
+    assert cfg.seq_len <= plan.train_cfg.model.max_position_embeddings
+    dry = load_recipe(RECIPE, dry_run=True)
+    sets = [*dry.sft.set, *dry.sft.dry_run_set]  # the dry run's, on the tiny preset
+    cfg = load_config(SFTConfig, make_plan(dry, tmp_path, dry_run=True).preset, sets)
+    assert cfg.device == "cpu" and cfg.steps < 10
 
 
 def test_the_dry_run_is_the_same_recipe_at_tiny_scale(tmp_path):
@@ -302,7 +316,8 @@ def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, st
         "recipe", "dry_run", "hardware", "gpus", "stages", "wall_seconds", "training", "cost",
         "data", "eval", "exports", "artifacts",
     }  # fmt: skip
-    assert list(s["stages"]) == ["data", "tokenizer", "shards", "verify", "train", "eval", "export"]
+    stages = ["data", "tokenizer", "shards", "verify", "train", "eval", "sft", "export"]
+    assert list(s["stages"]) == stages
     assert all(m["done"] and m["attempts"] == 1 for m in s["stages"].values())
     cfg = plan.train_cfg
     assert s["training"]["steps"] == cfg.steps
@@ -331,6 +346,7 @@ def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, st
         "shards/meta.json",
         "verify/verify.json",
         "run/final/model.safetensors",
+        "sft/final/model.safetensors",  # the chat model, fine-tuned on the shipped sample
         "bundle-int4/manifest.json",
         "bundle-int4/model.ort",
         "summary.md",
@@ -338,6 +354,10 @@ def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, st
     ):
         assert (out / path).is_file(), path
     assert "Held-out bits per character" in (out / "run/final/README.md").read_text("utf-8")
+    # The bundles are of the chat model, and carry its template.
+    assert s["artifacts"]["chat_model"] == str(out / "sft" / "final")
+    assert "chat.jsonl" in (out / "sft/final/README.md").read_text("utf-8")
+    assert json.loads((out / "bundle-int4/tokenizer_config.json").read_text())["chat_template"]
     meta = json.loads((out / "shards/meta.json").read_text())
     assert meta["sources"]["fineweb2-bn"]["requested_char_share"] == pytest.approx(0.2)
     assert meta["sources"]["sangraha"]["paths"][0].startswith(str(out / "data"))
@@ -418,13 +438,14 @@ def test_a_changed_setting_redoes_its_stage_and_the_ones_after_it(tmp_path, stan
         return [stage for stage in DEPENDS if new[stage] != base[stage]]
 
     base = fingerprints()
-    after_tokenizer = ["tokenizer", "shards", "verify", "train", "eval", "export"]
+    after_tokenizer = ["tokenizer", "shards", "verify", "train", "eval", "sft", "export"]
     assert redone("tokenizer.vocab_size=600") == after_tokenizer
     assert redone("data.heldout_every=6") == ["data", *after_tokenizer]
     assert redone("prepare.overlap_sample=2") == after_tokenizer[1:]
     assert redone("verify.parity_factor=6") == ["verify"]
     assert redone("token_budget=2048") == ["data", *after_tokenizer]  # more steps, more text
     assert redone("export.eval_tokens=300") == ["export"]
+    assert redone("sft.enabled=false") == ["sft", "export"]  # the bundles hold the base model
     assert redone("hourly_price=9", "train.measure_steps=5") == []  # no artifact changes
     # Another file for the task scored during training too: only the evaluation is redone.
     assert redone(local=stand_ins | {"bn_tydiqa": stand_ins["arc_easy"]}) == ["eval"]

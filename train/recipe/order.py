@@ -2,7 +2,7 @@
 recipe, shared by the runner, its summary and the command line (standard library only, so
 `doel-train --help` stays quick)."""
 
-STAGES = ("data", "tokenizer", "shards", "verify", "train", "eval", "export", "summary")
+STAGES = ("data", "tokenizer", "shards", "verify", "train", "eval", "sft", "export", "summary")
 DEPENDS = {  # stage -> (the stage before it in the chain, the plan parts it reads)
     "data": (None, ("sources", "data", "token_budget")),
     "tokenizer": ("data", ("tokenizer",)),
@@ -10,5 +10,6 @@ DEPENDS = {  # stage -> (the stage before it in the chain, the plan parts it rea
     "verify": ("shards", ("train", "gpus", "verify")),
     "train": ("shards", ("train", "gpus")),
     "eval": ("train", ("eval",)),
-    "export": ("train", ("export",)),
+    "sft": ("train", ("sft",)),  # off unless [sft] enabled: then export bundles the chat model
+    "export": ("sft", ("export",)),
 }

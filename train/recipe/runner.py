@@ -1,10 +1,11 @@
 """`doel-train recipe`: the stages of a recipe, each skipped when its outputs are complete.
 
-data → tokenizer (+ fertility) → shards → verify → train → eval (+ model card) → export →
-summary, all in RUN (default out/NAME). RUN/stages/STAGE.json records a stage: the fingerprint
-of the settings it depends on (chained through the stages before it, so a new tokenizer redoes
-the shards, training and what follows), whether it finished, and the seconds spent on it over
-every attempt (the summary's time and cost are what was paid, interruptions included).
+data → tokenizer (+ fertility) → shards → verify → train → eval (+ model card) → sft (the
+optional chat fine-tuning) → export → summary, all in RUN (default out/NAME).
+RUN/stages/STAGE.json records a stage: the fingerprint of the settings it depends on (chained
+through the stages before it, so a new tokenizer redoes the shards, training and what follows),
+whether it finished, and the seconds spent on it over every attempt (the summary's time and
+cost are what was paid, interruptions included).
 
 Training runs in this process on one device. On several GPUs only the training stage goes
 under torchrun, as a child process (`torchrun --no-python ... doel-train fit`): the
@@ -48,6 +49,7 @@ class RecipeRun:
         out = plan.out
         self.data, self.tok_path = out / "data", out / "tokenizer" / "tokenizer.json"
         self.shards, self.run, self.stages = out / "shards", out / "run", out / "stages"
+        self.chat = out / "sft"  # the chat fine-tuning's run folder, when [sft] is enabled
         cfg = plan.train_cfg
         quants = {q: q in plan.recipe.export.mobile for q in plan.recipe.export.quants}
         self.needs = estimate_needs(
@@ -62,6 +64,11 @@ class RecipeRun:
             plan.recipe.prepare.overlap_sample,
             plan.recipe.data.chunk_chars,
         )
+        self.needs["sft"] = self.needs["train"]  # checkpoints of the same model
+
+    def model_folder(self) -> Path:
+        """What the export stage bundles: the chat model when the recipe fine-tunes one."""
+        return self.chat / "final" if self.plan.recipe.sft.enabled else self.run / "final"
 
     def _fetched(self, name: str) -> int:
         state = _read(self.plan.out / "data" / name / "progress.json") or {}
@@ -94,6 +101,7 @@ class RecipeRun:
             "verify": [self.plan.out / "verify" / "verify.json"],
             "train": [self.run / "final" / "model.safetensors"],
             "eval": [self.plan.out / "eval.json"],
+            "sft": [self.model_folder() / "model.safetensors"],
             "export": [
                 self.plan.out / f"bundle-{q}" / "manifest.json"
                 for q in self.plan.recipe.export.quants
@@ -114,7 +122,9 @@ class RecipeRun:
             self._check_devices()
         hub = [s.dataset for s in plan.recipe.sources if s.name not in plan.local]
         hub += [s for n, s in plan.hub_tasks.items() if n not in plan.local]
-        if "data" in todo and hub and not plan.dry_run:
+        if "sft" in todo and plan.recipe.sft.enabled:
+            hub += [d for d in plan.recipe.sft.data if d.startswith("hf:")]
+        if ("data" in todo or "sft" in todo) and hub and not plan.dry_run:
             try:
                 import datasets  # noqa: F401
             except ModuleNotFoundError:

@@ -154,6 +154,25 @@ class ExportSpec:
 
 
 @dataclass(frozen=True)
+class SftSpec:
+    """The optional chat fine-tuning after pre-training (`doel-train sft`): conversations from
+    the hub, the training preset with `set` overrides (train/data/chat.py SFTConfig fields too).
+    A dry run reads the shipped sample (train/sample/chat.jsonl) instead of `data`."""
+
+    enabled: bool = False
+    data: tuple[str, ...] = ()  # hf:NAME[:CONFIG] or files, as `doel-train sft --data` takes
+    set: tuple[str, ...] = ()  # KEY=VALUE overrides of the training preset for the SFT run
+    dry_run_set: tuple[str, ...] = ()  # added in a dry run
+
+    def __post_init__(self):
+        for name in ("data", "set", "dry_run_set"):
+            _tuple(self, name)
+        _key_values(self.set + self.dry_run_set, "sft.set/dry_run_set")
+        if self.enabled and not self.data:
+            raise ValueError("sft.data: name the conversations (hf:NAME or files) or disable sft")
+
+
+@dataclass(frozen=True)
 class DryRunSpec:
     set: tuple[str, ...] = ()  # recipe overrides, e.g. "train.preset=tiny"
     train_set: tuple[str, ...] = ()  # added to train.set
@@ -178,6 +197,7 @@ class Recipe:
     verify: VerifyConfig = field(default_factory=VerifyConfig)  # the suite's thresholds
     eval: EvalSpec = field(default_factory=EvalSpec)
     export: ExportSpec = field(default_factory=ExportSpec)
+    sft: SftSpec = field(default_factory=SftSpec)
     dry_run: DryRunSpec = field(default_factory=DryRunSpec)
 
     def __post_init__(self):

@@ -19,6 +19,8 @@ import torch
 from train.checkpoint import latest_checkpoint
 from train.checks.suite import fit_subset, run_suite, select
 from train.common import DoelError, atomic_write_json
+from train.config import load_config
+from train.data.chat import SFTConfig
 from train.data.fertility import fertility, format_report, load_any
 from train.data.loader import TokenLoader
 from train.data.prepare import parse_weights, prepare
@@ -33,6 +35,9 @@ from train.metrics import format_duration
 from train.recipe.budget import confirm, format_projection, measure_steps, projection
 from train.recipe.fetch import fetch_all, standins
 from train.recipe.summary import write_card, write_summary
+from train.sft import sft
+
+SAMPLE_CHAT = Path(__file__).resolve().parents[1] / "sample" / "chat.jsonl"  # the dry run's
 
 
 def data(r) -> None:
@@ -162,6 +167,22 @@ def evaluation(r) -> None:
     write_card(r, result)
 
 
+def chat(r) -> None:
+    """The optional chat fine-tuning of the trained model into RUN/sft (`doel-train sft`, on
+    one device): the export stage then bundles the chat model."""
+    plan, spec = r.plan, r.plan.recipe.sft
+    if not spec.enabled:
+        r.log("sft: off in this recipe ([sft] enabled = true turns it on)")
+        return
+    data = [str(SAMPLE_CHAT)] if plan.dry_run else list(spec.data)
+    sets = [*spec.set, *(spec.dry_run_set if plan.dry_run else ())]
+    cfg = load_config(SFTConfig, plan.preset, [*sets, f"hourly_price={plan.recipe.hourly_price}"])
+    # Another recipe's run (or none) starts over; an interrupted one with these settings resumes.
+    mark = _read_json(r.stages / "sft.json") or {}
+    fresh = mark.get("fingerprint") != r.fingerprint("sft")
+    sft(cfg, data, r.run / "final", r.chat, fresh=fresh, log=r.log)
+
+
 def export(r) -> None:
     from export.bundle import ExportOptions, bundle_bytes, export_checkpoint, summary
 
@@ -177,7 +198,7 @@ def export(r) -> None:
             force=True,
             log=lambda m: r.log(f"  {m}"),
         )
-        manifest = export_checkpoint(r.run / "final", out, opts)
+        manifest = export_checkpoint(r.model_folder(), out, opts)
         r.log(summary(out, manifest))
         rows[quant] = {
             "path": str(out),
@@ -234,6 +255,7 @@ STAGE_FUNCTIONS = {
     "verify": verify,
     "train": train,
     "eval": evaluation,
+    "sft": chat,
     "export": export,
     "summary": summary,
 }

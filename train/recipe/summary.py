@@ -130,6 +130,7 @@ def summary(r) -> dict:
             "tokenizer": str(r.tok_path),
             "shards": str(r.shards),
             "model": str(r.run / "final"),
+            **({"chat_model": str(r.chat / "final")} if r.plan.recipe.sft.enabled else {}),
             "bundles": [str(plan.out / f"bundle-{q}") for q in plan.recipe.export.quants],
         },
     }
