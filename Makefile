@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality clean
+.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality check-arm64 clean
 
 # The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
 # selenium, transformers for the parity tests).
@@ -62,6 +62,21 @@ bench-serve: $(BIN)/.installed
 # Held-out loss of doel's int4/int8 bundles against llama.cpp's q4_0/q8_0 on a trained checkpoint
 bench-quant-quality: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench_quant_quality.py
+
+# serve/'s engine on the int4 and int8 bundles (model.onnx and model.ort) in an emulated ARM64
+# userland against x86 (qemu; the first run builds ~/.cache/doel/arm64 with apt-get and pip,
+# later runs need no network). Default: make demo's model, exported with --mobile; or
+# ARM_BUNDLES='DIR ...'. Takes minutes under emulation, so CI runs only its unit tests.
+ARM_BUNDLES ?=
+check-arm64: $(BIN)/.installed
+ifeq ($(strip $(ARM_BUNDLES)),)
+	test -d $(OUT)/run/final || $(MAKE) demo
+	for q in int4 int8; do test -f $(OUT)/arm64-$$q/model.ort || $(BIN)/doel-export \
+	  $(OUT)/run/final --out $(OUT)/arm64-$$q --quant $$q --mobile --force || exit 1; done
+	$(BIN)/python benchmarks/check_arm64.py $(OUT)/arm64-int4 $(OUT)/arm64-int8 $(ARGS)
+else
+	$(BIN)/python benchmarks/check_arm64.py $(ARM_BUNDLES) $(ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) out
