@@ -6,7 +6,7 @@ build (SIMD; threads where the page is cross-origin isolated), the text is token
 tokenizers.js reading the bundle's tokenizer.json, and whole Bengali clusters stream into the
 page (export/web/worker.js ports serve/textstream.py's rule).
 
-    web/index.html, web/worker.js       doel's page and its worker (export/web/)
+    web/index.html, worker.js, sw.js    doel's page, its worker, its service worker (export/web/)
     web/web.json                        what the worker loads (below)
     web/model.onnx                      the bundle's graph; logits_to_keep made a plain input
     web/model-<sha256[:16]>.bin ...     model.onnx.data cut into pieces of at most CHUNK_BYTES
@@ -26,6 +26,9 @@ Why so:
   context's cache twice a token.
 - The weights are pieces named by their hash, so the page keeps each in Cache Storage and a new
   export never reads a stale one; the worker checks each fresh piece's sha256.
+- Threads: a browser gives WebAssembly threads only to a cross-origin isolated page (two response
+  headers). `python -m export.web serve` sends them; on a host that cannot (GitHub Pages), the
+  page's service worker (sw.js) adds them and the page reloads once. Without either: one thread.
 - The runtime comes from the npm registry at export time (export/web/package-lock.json pins it),
   installed once into a cache folder (DOEL_WEB_RUNTIME names a node_modules folder instead).
 """
@@ -48,7 +51,7 @@ import onnx
 from export.common import ExportError, fresh_dir, sha256_file, write_json
 
 PAGE = Path(__file__).with_name("web")  # index.html, worker.js, package.json, package-lock.json
-PAGE_FILES = ("index.html", "worker.js")
+PAGE_FILES = ("index.html", "worker.js", "sw.js")
 CHUNK_BYTES = 32 << 20  # a piece of the weights: small enough for any cache and a phone's fetch
 LOGITS_TO_KEEP = "logits_to_keep"
 # node_modules path -> name in the web folder
@@ -217,9 +220,8 @@ def write_web(
     return spec | {"bytes": sum(p.stat().st_size for p in out.iterdir() if p.is_file())}
 
 
-class IsolatedHandler(http.server.SimpleHTTPRequestHandler):
-    """Static files with the two headers that make a page cross-origin isolated, which browsers
-    require before they give it SharedArrayBuffer, and so WebAssembly threads."""
+class StaticHandler(http.server.SimpleHTTPRequestHandler):
+    """Static files, scripts and WebAssembly with the types browsers insist on, quietly."""
 
     extensions_map = {
         **http.server.SimpleHTTPRequestHandler.extensions_map,
@@ -228,19 +230,27 @@ class IsolatedHandler(http.server.SimpleHTTPRequestHandler):
         ".wasm": "application/wasm",
     }
 
+    def log_message(self, *args):  # one line a file would bury the address
+        pass
+
+
+class IsolatedHandler(StaticHandler):
+    """With the two headers that make a page cross-origin isolated, which browsers require
+    before they give it SharedArrayBuffer, and so WebAssembly threads (without them, the page's
+    sw.js adds them and reloads once)."""
+
     def end_headers(self):
         self.send_header("Cross-Origin-Opener-Policy", "same-origin")
         self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
         super().end_headers()
 
-    def log_message(self, *args):  # one line a file would bury the address
-        pass
 
-
-def static_server(folder: Path, port: int = 0, host: str = "127.0.0.1"):
-    """A threading HTTP server of `folder` with IsolatedHandler (call serve_forever)."""
-    handler = functools.partial(IsolatedHandler, directory=str(folder))
-    return http.server.ThreadingHTTPServer((host, port), handler)
+def static_server(folder: Path, port: int = 0, host: str = "127.0.0.1", isolated: bool = True):
+    """A threading HTTP server of `folder` (call serve_forever); `isolated` sends the headers."""
+    handler = IsolatedHandler if isolated else StaticHandler
+    return http.server.ThreadingHTTPServer(
+        (host, port), functools.partial(handler, directory=str(folder))
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

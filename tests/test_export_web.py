@@ -205,3 +205,31 @@ def test_page_continues_greedily_as_doel_serve_and_streams_whole_clusters(
     png = driver.get_screenshot_as_png()
     (tmp_path / "web.png").write_bytes(png)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_page_isolates_itself_where_the_host_sends_no_headers(page, web_bundle):
+    """On a plain static server (as GitHub Pages), sw.js makes the page cross-origin isolated
+    after one reload, so it still gets threads; with ?no-sw it runs one thread, and says so."""
+    from export.web import static_server
+
+    driver, _ = page
+    server = static_server(web_bundle / "web", isolated=False)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    try:
+        driver.get(url + "?no-sw")
+        plain = _script(driver, "return await doel.ready;")
+        assert not plain["isolated"] and plain["threads"] == 1
+        from selenium.common.exceptions import WebDriverException
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        driver.get(url)  # registers sw.js, then reloads itself once
+        wait = WebDriverWait(driver, 30, ignored_exceptions=(WebDriverException,))
+        wait.until(lambda d: d.execute_script("return self.crossOriginIsolated && !!window.doel"))
+        facts = _script(driver, "return await doel.ready;")
+        cores = driver.execute_script("return navigator.hardwareConcurrency")
+        assert facts["isolated"] and facts["threads"] == min(cores, 4)
+        assert driver.execute_script("return !!navigator.serviceWorker.controller")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -233,11 +233,10 @@ async function generate(req) {
   };
   const rand = mulberry32(req.seed ?? (Math.random() * 2 ** 32) >>> 0);
   const max = Math.min(req.max_tokens ?? 64, spec.context_length - prompt.length);
-  const decode = (ids) =>
-    tokenizer.decode(
-      ids.filter((i) => i < vocabSize),
-      { skip_special_tokens: true },
-    );
+  const decode = (ids) => {
+    const known = ids.filter((i) => i < vocabSize);
+    return known.length ? tokenizer.decode(known, { skip_special_tokens: true }) : "";
+  };
   const stream = new TextStream(decode);
   const state = { past: emptyPast(), n: 0 };
   const seen = new Set(prompt);
