@@ -125,3 +125,41 @@ def test_the_playground_streams_a_bangla_completion_and_screenshots(
     width, height, values = png_facts(png)
     assert width >= 800 and height >= 500 and len(png) > 10_000
     assert values > 20, "a blank screenshot"  # text is drawn with many shades of grey
+
+
+def test_the_playgrounds_chat_mode_keeps_the_conversation(server, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{server.url}/")
+    wait = WebDriverWait(browser, 20)
+    browser.find_element(By.ID, "mode-chat").click()
+    assert browser.find_element(By.ID, "go").text == "Send"
+    system = "তুমি একজন সহায়ক। ছোট করে উত্তর দাও, বাংলায়।"
+    browser.find_element(By.ID, "system").send_keys(system)
+    _set(browser.find_element(By.ID, "max_tokens"), "16")
+    _set(browser.find_element(By.ID, "seed"), "5")
+    status, sent = browser.find_element(By.ID, "status"), []
+    done = r"\d+ tokens, \w+; \d+ of \d+ prompt tokens cached|error: .*"
+    for message in ("নমস্কার!", "একটা গল্প বলো।"):
+        browser.find_element(By.ID, "prompt").send_keys(message)
+        browser.find_element(By.ID, "go").click()
+        wait.until(lambda _d: re.fullmatch(done, status.text) and not _d.find_element(
+            By.ID, "go").get_property("disabled"))  # fmt: skip
+        assert not status.text.startswith("error"), status.text
+        sent.append({"role": "user", "content": message})
+        reply = browser.find_element(By.ID, "reply").get_property("textContent")
+        # The page sent the whole conversation with its defaults; seeded, the server gives the
+        # same reply whole.
+        req = {"messages": [{"role": "system", "content": system}, *sent], "max_tokens": 16}
+        req |= {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "repetition_penalty": 1.1}
+        url = f"{server.url}/v1/chat/completions"
+        want = httpx2.post(url, json=req | {"seed": 5}, trust_env=False, timeout=30).json()
+        assert reply == want["choices"][0]["message"]["content"]
+        sent.append({"role": "assistant", "content": reply})
+    turns = browser.find_elements(By.CSS_SELECTOR, "#transcript .turn")
+    assert [t.get_attribute("class") for t in turns] == ["turn user", "turn assistant"] * 2
+    cached = int(re.search(r"(\d+) of \d+ prompt tokens cached", status.text).group(1))
+    assert cached >= 16, status.text  # turn 2 began where turn 1's cache was
+    browser.find_element(By.ID, "reset").click()
+    assert browser.find_elements(By.CSS_SELECTOR, "#transcript .turn") == []

@@ -106,6 +106,40 @@ def test_refusals_are_the_clients_own_exceptions_with_the_servers_message(client
     assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
 
 
+def test_the_client_chats_streamed_and_not_and_the_second_turn_comes_from_the_cache(
+    client, tiny_bundle
+):
+    system = "তুমি একজন সহায়ক। উত্তর ছোট রাখো, বাংলায় বলো। " * 2  # a shared prefix to reuse
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}]
+    req = dict(model=tiny_bundle.name, messages=messages, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**req)
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    reply, reason = whole.choices[0].message, whole.choices[0].finish_reason
+    assert reply.role == "assistant" and reason in ("stop", "length")
+    stream = client.chat.completions.create(
+        **req, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
+    usage, n = chunks[-1].usage, whole.usage.prompt_tokens
+    assert chunks[-1].choices == [] and usage.prompt_tokens == n
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    # The same conversation again: all but its last token from the first one's slot.
+    assert usage.prompt_tokens_details.cached_tokens == n - 1
+    turn2 = [*messages, reply.model_dump(include={"role", "content"})]
+    turn2.append({"role": "user", "content": [{"type": "text", "text": "আবার বলো"}]})
+    second = client.chat.completions.create(**(req | {"messages": turn2}))
+    assert second.usage.prompt_tokens_details.cached_tokens >= n  # turn 1's prompt at least
+    with pytest.raises(openai.BadRequestError, match="type 'image_url'; this model reads text"):
+        image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+        client.chat.completions.create(
+            **(req | {"messages": [{"role": "user", "content": [image]}]})
+        )
+
+
 # The load test: 200 requests, 16 at a time, alternating streamed and whole, prompts Bangla and
 # English of a few lengths, greedy and sampled; max_tokens at most 8, so it takes seconds.
 PROMPTS = ["নদীর ধারে", "আমাদের ছোট নদী চলে বাঁকে বাঁকে", "The river", "চাঁদ উঠল, the moon rose"]
