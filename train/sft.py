@@ -239,7 +239,17 @@ def _verify(run, cfg, base, train, tok_path, out, resume_from, skip_verify, info
 
 
 def verify_chat(run, cfg, tok_path, info: DistInfo, log=print) -> Report:
-    """The chat subset of the suite on the run's own objects, and the loss-mask check."""
+    """The chat subset of the suite on the run's own objects, and the loss-mask check. The
+    checks that train copies (step, the copy task) get fresh randomly initialised ones, as
+    `fit`'s do: what they test is the training path, and a base's weights only slow a copy
+    task down."""
+    inner = run.model
+    p_dtype = next(inner.parameters()).dtype
+
+    def make_model():
+        with torch.device(run.device):
+            return type(inner)(inner.config).to(p_dtype)
+
     setup = Setup(
         cfg=cfg,
         device=run.device,
@@ -249,7 +259,7 @@ def verify_chat(run, cfg, tok_path, info: DistInfo, log=print) -> Report:
         optimizer=run.optimizer,
         loader=run.loader,
         data_dir=Path(tok_path).parent,
-        make_model=run.make_model,
+        make_model=make_model,
         make_optimizer=run.make_optimizer,
         make_loader=run.make_loader,
         tokenizer=Path(tok_path),
