@@ -10,6 +10,7 @@ import torch
 from train.common import DoelError
 from train.config import load_config
 from train.model import Llama, ModelConfig
+from train.optim import MuonAdamW, describe_groups
 from train.trainer import TrainConfig, build_optimizer, lr_at, train_step
 
 MODEL = ModelConfig(
@@ -106,8 +107,69 @@ def test_weight_decay_skips_norms():
         ("dtype=float16", "dtype"),
         ("min_lr_ratio=2", "min_lr_ratio"),
         ("seq_len=4096", "max_position_embeddings"),
+        ("optimizer=sgd", "optimizer"),
+        ("muon_lr=0", "muon_lr"),
+        ("muon_momentum=1", "muon_momentum"),
+        ("muon_adjust_lr=rms", "muon_adjust_lr"),
     ],
 )
 def test_bad_train_config_names_the_field(override, field):
     with pytest.raises(DoelError, match=field):
         load_config(TrainConfig, None, [override])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
+    model = Llama(ModelConfig(**{**MODEL.__dict__, "tie_word_embeddings": tied}))
+    opt = build_optimizer(model, cfg(optimizer="muon", lr=1e-3, muon_lr=0.02), torch.device("cpu"))
+    assert isinstance(opt, MuonAdamW)
+    name = {id(p): n for n, p in model.named_parameters()}
+    kinds = {name[id(p)]: g["kind"] for g in opt.param_groups for p in g["params"]}
+    assert sorted(kinds) == sorted(name.values())  # every parameter in exactly one group
+    muon = {n for n, k in kinds.items() if k == "muon"}
+    assert muon == {n for n in name.values() if n.endswith("proj.weight")}  # 7 a block
+    assert len(muon) == 7 * MODEL.num_hidden_layers
+    assert kinds["model.embed_tokens.weight"] == "adamw"
+    assert tied or kinds["lm_head.weight"] == "adamw"
+    lines = describe_groups(opt, model)
+    assert lines[0].startswith("optimizer group muon: 14 tensors") and "lr 2.00e-02" in lines[0]
+    # The schedule drives both rates: Muon's stays muon_lr / lr times AdamW's.
+    train_step(model, opt, [(torch.randint(0, 64, (2, 16)),) * 2], lr=5e-4)
+    lrs = {g["kind"]: g["lr"] for g in opt.param_groups}
+    assert lrs == {"muon": pytest.approx(1e-2), "adamw": pytest.approx(5e-4)}
+
+
+def _newton_schulz64(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Our float64 reading of Muon's orthogonalization (Keller Jordan's quintic, coefficients
+    3.4445, -4.7750, 2.0315), to check torch's bf16 one against."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    wide = x.size(0) <= x.size(1)
+    y = (x if wide else x.T) / x.norm()
+    for _ in range(steps):
+        m = y @ y.T
+        y = a * y + (b * m + c * m @ m) @ y
+    return y if wide else y.T
+
+
+def test_a_muon_step_matches_a_float64_reference_of_the_update():
+    g = torch.Generator().manual_seed(3)
+    w0 = {s: torch.randn(*s, generator=g) * 0.1 for s in ((48, 16), (16, 48))}
+    grads = [{s: torch.randn(*s, generator=g) for s in w0} for _ in range(2)]
+    ps = {s: torch.nn.Parameter(w.clone()) for s, w in w0.items()}
+    group = {"kind": "muon", "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "nesterov": True}
+    opt = MuonAdamW([{**group, "params": list(ps.values())}])
+    ref = {s: w.double() for s, w in w0.items()}
+    buf = {s: torch.zeros_like(r) for s, r in ref.items()}
+    for step in grads:
+        for s, p in ps.items():
+            p.grad = step[s].clone()
+            gd = step[s].double()
+            buf[s] = 0.9 * buf[s] + 0.1 * gd
+            u = gd + 0.9 * (buf[s] - gd)  # Nesterov
+            scale = max(1, s[0] / s[1]) ** 0.5  # "original": sqrt(max(1, rows/cols))
+            ref[s] = ref[s] * (1 - 0.02 * 0.1) - 0.02 * scale * _newton_schulz64(u)
+        opt.step()
+    for s, p in ps.items():
+        moved, want = p.detach().double() - w0[s].double(), ref[s] - w0[s].double()
+        # bf16 Newton-Schulz: a few bf16 epsilons (2^-8) of the update, not a wrong formula
+        assert float((moved - want).norm() / want.norm()) < 0.03, s

@@ -23,7 +23,8 @@ from train.data.loader import TokenLoader, read_meta
 from train.dist import DistInfo, autocast, resolve_device, resolve_dtype, wrap_model
 from train.metrics import format_flops, peak_flops
 from train.model import Llama
-from train.trainer import TrainConfig, build_optimizer
+from train.optim import build_optimizer, describe_groups
+from train.trainer import TrainConfig
 
 
 @dataclass(kw_only=True)
@@ -166,6 +167,9 @@ def build_run(
     model = make_model()
     wrapped = wrap_model(model, cfg.strategy, info, device, dtype, cfg.activation_checkpointing)
     optimizer = make_optimizer(wrapped)
+    if describe_to is not None:  # the resolved groups, once at the start of a run
+        for line in describe_groups(optimizer, model):
+            describe_to(line)
     loader = make_loader() if data is not None else None
     run = Run(
         cfg=cfg,

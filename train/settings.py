@@ -109,6 +109,8 @@ class ModelConfig:
 SCHEDULES = ("cosine", "wsd", "constant")
 STRATEGIES = ("ddp", "fsdp")  # data parallelism under torchrun (train/dist.py)
 DTYPES = ("auto", "float32", "bfloat16")
+OPTIMIZERS = ("adamw", "muon")  # muon: Muon on the hidden matrices, AdamW on the rest
+MUON_ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,11 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    optimizer: str = "adamw"  # or "muon" (train/optim.py)
+    muon_lr: float = 0.02  # Muon's peak lr; the schedule scales it as it scales lr
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0  # Muon decays by muon_lr * this a step
+    muon_adjust_lr: str = "original"  # lr x sqrt(max(1, rows/cols)); or "match_rms_adamw"
     grad_clip: float = 1.0  # 0 disables clipping
     dtype: str = "auto"  # autocast dtype; auto: bf16 on CUDA, and on CPUs whose bf16 is fast
     compile: bool = False
@@ -176,6 +183,18 @@ class TrainConfig:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.muon_adjust_lr not in MUON_ADJUST_LR:
+            raise ValueError(
+                f"muon_adjust_lr must be one of {MUON_ADJUST_LR}, got {self.muon_adjust_lr!r}"
+            )
+        if not self.muon_lr > 0:
+            raise ValueError(f"muon_lr must be > 0, got {self.muon_lr}")
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"muon_momentum must lie in [0, 1), got {self.muon_momentum}")
+        if self.muon_weight_decay < 0:
+            raise ValueError(f"muon_weight_decay must be >= 0, got {self.muon_weight_decay}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0):

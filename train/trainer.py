@@ -1,6 +1,6 @@
-"""The trainer's parts as small functions: learning-rate schedule, optimizer, one training
-step, validation loss (the config, `TrainConfig`, is in train/settings.py). `train/fit.py`
-strings them into a run.
+"""The trainer's parts as small functions: learning-rate schedule, one training step,
+validation loss. The config, `TrainConfig`, is in train/settings.py, the optimizer in
+train/optim.py; `train/fit.py` strings them into a run.
 
 Gradient accumulation normalises by tokens, not by micro-batches: the loss of a step is the sum
 of every micro-batch's token losses divided by the step's total target tokens, so k micro-
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from train.dist import all_reduce_sum
 from train.model import IGNORE_INDEX
+from train.optim import build_optimizer, set_lr  # noqa: F401 (build_optimizer: re-exported)
 from train.settings import TrainConfig
 
 
@@ -38,20 +39,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return peak
     progress = (step - decay_start) / max(1, cfg.steps - 1 - decay_start)
     return peak + (low - peak) * min(progress, 1.0)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
-    """AdamW; weight decay on matrices only (not norms). Fused kernel where the device has it."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    try:
-        return torch.optim.AdamW(groups, fused=device.type in ("cuda", "cpu"), **kwargs)
-    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
-        return torch.optim.AdamW(groups, **kwargs)
 
 
 def _no_sync(model, last: bool):
@@ -100,8 +87,7 @@ def train_step(
     )
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    set_lr(optimizer, lr)  # times each group's lr_scale (Muon's own rate)
     optimizer.step()
     # The model's zero_grad, not only the optimizer's: a parameter the optimizer lacks must
     # not pile up gradient from step to step (and inflate the clipping norm).

@@ -18,6 +18,7 @@ from train.checks.base import CheckResult, Setup, low_precision, param_dtype, re
 from train.gradflow import unwrap
 from train.metrics import mfu, peak_flops
 from train.model import IGNORE_INDEX
+from train.optim import set_lr
 from train.trainer import lr_at, train_step
 
 # ------------------------------------------------------------------ 5. one step moves everything
@@ -37,8 +38,7 @@ def one_step(s: Setup):
     if s.cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), s.cfg.grad_clip)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    for group in opt.param_groups:
-        group["lr"] = lr_at(0, s.cfg)
+    set_lr(opt, lr_at(0, s.cfg))
     opt.step()
     opt.zero_grad(set_to_none=True)
     return model, before, grads

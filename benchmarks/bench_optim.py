@@ -1,0 +1,484 @@
+"""Optimizer benchmark on ../shared/data: AdamW (the `small` preset's tuned settings) against
+Muon on the hidden matrices (train/optim.py), same data order, same tokens.
+
+Every run is the `small` preset scaled to a shared 2-core CPU (see SCALE: a smaller model,
+a 8,192-token tokenizer trained here on the train split, shorter sequences, fewer steps), built
+by train/build.py and stepped by train/trainer.py's train_step, as `fit` does. Held-out Bangla
+and English bits/char (the validation files of splits.json) are scored along the way. Runs:
+- adamw: the preset's AdamW settings (lr 2e-3, wd 0.1, WSD with decay_fraction 0.3);
+- muon-lr*: Muon for the hidden matrices at a few muon_lr (the sweep), AdamW for the rest;
+- the best Muon at shorter horizons (0.5x, 0.75x the tokens: with a decaying schedule, the
+  tokens Muon needs are those of the shortest run whose final model reaches AdamW's final);
+- both at a longer cool-down (decay_fraction 0.6);
+- throughput: AdamW and Muon steps alternated in one process, with the machine's load.
+
+Writes benchmarks/results/optim_small_cpu.{json,md,png}. Run (about 45 min on 2 shared
+cores): `nice -n 10 python benchmarks/bench_optim.py`; runs are cached in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.cpu_class import this_cpu  # noqa: E402
+from train.build import build_run  # noqa: E402
+from train.config import load_config  # noqa: E402
+from train.loop import batches_on  # noqa: E402
+from train.trainer import TrainConfig, lr_at, train_step  # noqa: E402
+
+# The `small` preset scaled down to fit ~45 minutes on 2 shared cores (each run ~5 min):
+# the architecture's shape kept (GQA 2:1, tied embedding), every dimension smaller.
+SCALE = [
+    "model.vocab_size=8192",
+    "model.hidden_size=256",
+    "model.intermediate_size=704",
+    "model.num_hidden_layers=4",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "seq_len=128",
+    "batch_size=16",
+    "warmup_steps=20",
+    "compile=false",
+    "eval_every=0",
+    "checkpoint_every=0",
+]
+MUON = ["optimizer=muon"]
+
+
+def config(steps: int, sets: list[str]) -> TrainConfig:
+    return load_config(
+        TrainConfig, ROOT / "configs" / "small.toml", [*SCALE, f"steps={steps}", *sets]
+    )
+
+
+# ---------------------------------------------------------------- data
+
+
+def setup(data: Path, work: Path, bangla_share: float = 0.55) -> tuple[Path, Path, dict]:
+    """Tokenizer (8,192, trained on the train split) and shards; cached in `work`."""
+    from benchmarks.bench_tokenizer import language_weights
+    from train.data.prepare import PrepareConfig, prepare
+    from train.data.textio import resolve_sources
+    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+
+    splits = json.loads((data / "splits.json").read_text())
+    train = [str(data / p) for p in splits["bn"]["train"] + splits["en"]["train"]]
+    val = {lang: [str(data / p) for p in splits[lang]["validation"]] for lang in ("bn", "en")}
+    sources = resolve_sources(train)
+    weights = language_weights(sources, len(splits["bn"]["train"]), bangla_share)
+    tok = work / "tokenizer" / "tokenizer.json"
+    if not tok.is_file():
+        print("training the 8,192-token tokenizer on the train split", flush=True)
+        train_tokenizer(
+            sources, TokenizerConfig(vocab_size=8192), tok.parent, weights, progress=False
+        )
+    shards = work / "shards"
+    if not (shards / "meta.json").is_file():
+        print("writing shards", flush=True)
+        shares = [f"{k}={v}" for k, v in weights.items()]
+        prepare(tok, train, shards, PrepareConfig(), shares, progress=False)
+    return tok, shards, val
+
+
+class HeldOut:
+    """The validation files of each language, encoded once, scored in bits/char."""
+
+    def __init__(self, tok: Path, val: dict, max_chars: int, seq_len: int):
+        from train.data.tokenizer import load_tokenizer
+        from train.evals.heldout import encode_texts, read_texts
+
+        tokenizer = load_tokenizer(tok)
+        self.seq_len = seq_len
+        self.docs = {
+            lang: encode_texts(tokenizer, read_texts(paths, max_chars))
+            for lang, paths in val.items()
+        }
+
+    def score(self, model) -> dict[str, float]:
+        from train.evals.heldout import doc_figures
+
+        return {
+            lang: doc_figures(model, texts, docs, self.seq_len, batch_size=16)["bits_per_char"]
+            for lang, (texts, docs) in self.docs.items()
+        }
+
+
+# ---------------------------------------------------------------- runs
+
+
+def busy_cpu_seconds() -> float:
+    """Busy CPU time of the whole machine so far (user + nice + system), from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n")[0].split()[1:]
+    except OSError:
+        return 0.0
+    return sum(int(v) for v in fields[:3]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def train_run(name: str, cfg: TrainConfig, shards: Path, held: HeldOut, evals: int) -> dict:
+    """Train cfg as `fit` does (build_run, train_step, lr_at) and score the held-out text at
+    `evals` evenly spaced steps (the last one included)."""
+    run = build_run(cfg, shards, log=lambda s: None)
+    marks = {round(cfg.steps * (i + 1) / evals) for i in range(evals)}
+    curve, t_train, busy0, own0 = [], 0.0, busy_cpu_seconds(), own_cpu_seconds()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        batches = batches_on(run.loader, run.device, cfg.grad_accum)
+        out = train_step(
+            run.compiled, run.optimizer, batches, lr_at(step, cfg), cfg.grad_clip, run.ctx
+        )
+        loss = float(out["loss"])
+        t_train += time.perf_counter() - t0
+        if not math.isfinite(loss):
+            print(f"  {name}: non-finite loss at step {step + 1}", flush=True)
+            break
+        if step + 1 in marks:
+            bpc = held.score(run.model)
+            row = {"step": step + 1, "tokens": (step + 1) * cfg.tokens_per_step}
+            row |= {"seconds": t_train, "train_loss": loss, "bn": bpc["bn"], "en": bpc["en"]}
+            curve.append(row)
+            print(
+                f"  {name} step {step + 1}/{cfg.steps}: loss {loss:.3f}, bn {bpc['bn']:.3f}, "
+                f"en {bpc['en']:.3f} bits/char, {t_train:.0f} s",
+                flush=True,
+            )
+    others = busy_cpu_seconds() - busy0 - (own_cpu_seconds() - own0)
+    return {
+        "name": name,
+        "steps": cfg.steps,
+        "curve": curve,
+        "seconds": t_train,
+        "other_cpu_seconds": max(0.0, others),
+        "config": _sets(cfg),
+    }
+
+
+def _sets(cfg: TrainConfig) -> dict:
+    keys = (
+        "optimizer",
+        "lr",
+        "muon_lr",
+        "muon_weight_decay",
+        "muon_adjust_lr",
+        "decay_fraction",
+        "steps",
+        "batch_size",
+        "seq_len",
+        "weight_decay",
+        "warmup_steps",
+    )
+    return {k: getattr(cfg, k) for k in keys}
+
+
+def cached(work: Path, name: str, fn) -> dict:
+    path = work / "runs" / f"{name}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    result = fn()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def throughput(shards: Path, steps: int, rounds: int, block: int) -> dict:
+    """AdamW and Muon steps alternated in one process, `rounds` blocks of `block` steps each
+    (after one warm-up block), so both see the same machine load."""
+    runs = {
+        "adamw": build_run(config(steps, []), shards, log=lambda s: None),
+        "muon": build_run(config(steps, MUON), shards, log=lambda s: None),
+    }
+    times = {k: [] for k in runs}
+    others = {k: 0.0 for k in runs}
+    for r in range(rounds + 1):
+        for name, run in runs.items():
+            busy0, own0, t0 = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+            for _ in range(block):
+                batches = batches_on(run.loader, run.device, run.cfg.grad_accum)
+                out = train_step(run.compiled, run.optimizer, batches, 1e-3, 1.0, run.ctx)
+            float(out["loss"])
+            dt = time.perf_counter() - t0
+            if r:  # round 0 warms up
+                times[name].append(dt)
+                others[name] += busy_cpu_seconds() - busy0 - (own_cpu_seconds() - own0)
+    tps = config(steps, []).tokens_per_step
+    rate = {k: block * tps * len(v) / sum(v) for k, v in times.items()}
+    return {
+        "tokens_per_s": rate,
+        "block_seconds": times,
+        "other_cpu_seconds": {k: max(0.0, v) for k, v in others.items()},
+        "wall_seconds": {k: sum(v) for k, v in times.items()},
+        "muon_over_adamw": rate["muon"] / rate["adamw"],
+    }
+
+
+# ---------------------------------------------------------------- analysis
+
+
+def final(run: dict, lang: str = "bn") -> float:
+    return run["curve"][-1][lang] if run["curve"] else float("nan")
+
+
+def first_reaching(run: dict, target: float) -> int | None:
+    """Tokens at the first scored step whose Bangla bits/char is at or under target (linear
+    between scored steps), or None."""
+    prev = None
+    for row in run["curve"]:
+        if row["bn"] <= target:
+            if prev is None:
+                return row["tokens"]
+            f = (prev["bn"] - target) / (prev["bn"] - row["bn"])
+            return round(prev["tokens"] + f * (row["tokens"] - prev["tokens"]))
+        prev = row
+    return None
+
+
+def tokens_to_target(horizons: dict[float, dict], target: float, full_tokens: int) -> dict:
+    """Muon's tokens to AdamW's final Bangla bits/char: the shortest horizon whose final model
+    reaches it (each horizon has its own full schedule), else interpolated between horizons
+    on final bits/char; and, as a lower bound, where the full run's curve first reaches it."""
+    pts = sorted((f * full_tokens, final(r)) for f, r in horizons.items())
+    reached = [t for t, b in pts if b <= target]
+    est = None
+    for (t0, b0), (t1, b1) in zip(pts, pts[1:]):
+        if b0 > target >= b1:
+            est = t0 + (b0 - target) / (b0 - b1) * (t1 - t0)
+            break
+    if est is None and reached:
+        est = min(reached)  # already reached at the shortest horizon: at most that
+    return {
+        "finals_by_tokens": pts,
+        "shortest_horizon_reaching": min(reached) if reached else None,
+        "interpolated_tokens": est,
+        "ratio": est / full_tokens if est else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--work", type=Path, default=Path("/tmp/doel-bench-optim"))
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--evals", type=int, default=10, help="held-out scores a run")
+    p.add_argument("--eval-chars", type=int, default=40_000, help="per language")
+    p.add_argument("--muon-lrs", type=float, nargs="*", default=[0.01, 0.02, 0.04])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--runs",
+        nargs="*",
+        help="only these runs (names as in the table; runs are cached in "
+        "--work, so several processes can share the work, and a last call writes the report)",
+    )
+    p.add_argument("--speed-rounds", type=int, default=4, help="alternating timing blocks")
+    p.add_argument("--speed-block", type=int, default=8, help="steps a timing block")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+    if not (args.data / "splits.json").is_file():
+        sys.exit(f"no {args.data}/splits.json: point --data at the shared data folder")
+    torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    tok, shards, val = setup(args.data, args.work)
+    held = HeldOut(tok, val, args.eval_chars, config(args.steps, []).seq_len)
+    n = args.steps
+    runs = {}
+
+    def go(name, steps, sets):
+        if args.runs is not None and name not in args.runs:
+            path = args.work / "runs" / f"{name}.json"
+            if path.is_file():
+                runs[name] = json.loads(path.read_text())
+            return
+        print(f"{name}: {steps} steps, {' '.join(sets) or 'preset'}", flush=True)
+        runs[name] = cached(
+            args.work, name, lambda: train_run(name, config(steps, sets), shards, held, args.evals)
+        )
+
+    go("adamw", n, [])
+    for lr in args.muon_lrs:
+        go(f"muon-lr{lr:g}", n, [*MUON, f"muon_lr={lr}"])
+    if args.runs is not None and not all(f"muon-lr{lr:g}" in runs for lr in args.muon_lrs):
+        return
+    sweep = {lr: runs[f"muon-lr{lr:g}"] for lr in args.muon_lrs}
+    best_lr = min(sweep, key=lambda lr: final(sweep[lr]))
+    best = [*MUON, f"muon_lr={best_lr}"]
+    for frac in (0.5, 0.75):
+        go(f"muon-best-x{frac:g}", round(n * frac), best)
+    go("adamw-decay0.6", n, ["decay_fraction=0.6"])
+    go("muon-best-decay0.6", n, [*best, "decay_fraction=0.6"])
+    if args.runs is not None and "throughput" not in args.runs:
+        return
+    print("throughput (alternating)", flush=True)
+    speed = cached(
+        args.work, "throughput", lambda: throughput(shards, n, args.speed_rounds, args.speed_block)
+    )
+    report = summarise(args, runs, speed, best_lr)
+    write(args.out, report)
+
+
+def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
+    n = args.steps
+    full_tokens = runs["adamw"]["curve"][-1]["tokens"]
+    target = final(runs["adamw"])
+    horizons = {
+        0.5: runs["muon-best-x0.5"],
+        0.75: runs["muon-best-x0.75"],
+        1.0: runs[f"muon-lr{best_lr:g}"],
+    }
+    need = tokens_to_target(horizons, target, full_tokens)
+    tps = speed["tokens_per_s"]
+    wall = None
+    if need["interpolated_tokens"]:
+        wall = (need["interpolated_tokens"] / tps["muon"]) / (full_tokens / tps["adamw"])
+    cpu = this_cpu()
+    return {
+        "date": str(date.today()),
+        "machine": {
+            "cpu": cpu,
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": args.threads,
+        },
+        "scale": {
+            "sets_over_small": SCALE,
+            "steps": n,
+            "tokens_per_step": config(n, []).tokens_per_step,
+            "eval_chars_per_language": args.eval_chars,
+        },
+        "runs": runs,
+        "best_muon_lr": best_lr,
+        "adamw_final_bn": target,
+        "muon_tokens_to_adamw_final_bn": need,
+        "throughput": speed,
+        "muon_wall_clock_over_adamw_to_same_bn": wall,
+        "goal_tokens_at_most_0.75": bool(need["ratio"] and need["ratio"] <= 0.75),
+        "goal_wins_at_equal_wall_clock": bool(wall and wall < 1),
+    }
+
+
+def write(out: Path, rep: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"optim_small_cpu-{rep['machine']['cpu'].get('class', 'cpu')}"
+    (stem.with_suffix(".json")).write_text(json.dumps(rep, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(rep))
+    plot(rep, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json, .md, .png", flush=True)
+
+
+def markdown(rep: dict) -> str:
+    runs, sp, need = rep["runs"], rep["throughput"], rep["muon_tokens_to_adamw_final_bn"]
+    m = rep["machine"]
+    lines = [
+        f"# Optimizer benchmark: AdamW vs Muon, `small` scaled to a CPU ({rep['date']})",
+        "",
+        f"CPU: {m['cpu'].get('model_name', '?')} (class {m['cpu'].get('class', '?')}), "
+        f"{m['cores']} cores shared with other jobs, {m['threads']} threads, torch {m['torch']}. "
+        f"Scale (over configs/small.toml): {' '.join(rep['scale']['sets_over_small'])}; "
+        f"{rep['scale']['steps']} steps of {rep['scale']['tokens_per_step']:,} tokens. "
+        "Same shards, same data order, same tokens for every run; held-out bits/char on the "
+        f"first {rep['scale']['eval_chars_per_language']:,} characters of each language's "
+        "validation files (splits.json).",
+        "",
+        "| run | steps | optimizer | muon_lr | decay_fraction | bn bits/char | en bits/char | "
+        "train s | other CPU s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in runs.items():
+        c = r["config"]
+        lines.append(
+            f"| {name} | {r['steps']} | {c['optimizer']} | "
+            f"{c['muon_lr'] if c['optimizer'] == 'muon' else ''} | {c['decay_fraction']} | "
+            f"{final(r):.3f} | {final(r, 'en'):.3f} | {r['seconds']:.0f} | "
+            f"{r['other_cpu_seconds']:.0f} |"
+        )
+    lines += ["", "Held-out bits/char at equal steps (AdamW vs the best Muon, full horizon):", ""]
+    best = runs[f"muon-lr{rep['best_muon_lr']:g}"]
+    lines += [
+        "| step | tokens | AdamW bn | Muon bn | AdamW en | Muon en |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for a, b in zip(runs["adamw"]["curve"], best["curve"]):
+        lines.append(
+            f"| {a['step']} | {a['tokens']:,} | {a['bn']:.3f} | {b['bn']:.3f} | "
+            f"{a['en']:.3f} | {b['en']:.3f} |"
+        )
+    ratio = need["ratio"]
+    wall = rep["muon_wall_clock_over_adamw_to_same_bn"]
+    lines += [
+        "",
+        f"AdamW's final Bangla bits/char: **{rep['adamw_final_bn']:.3f}**. Muon (muon_lr "
+        f"{rep['best_muon_lr']:g}) final bn bits/char at 0.5x / 0.75x / 1x the tokens: "
+        + " / ".join(f"{b:.3f}" for _, b in need["finals_by_tokens"])
+        + (f" -> tokens to reach it: **{ratio:.2f}x** AdamW's" if ratio else " -> not reached"),
+        "",
+        f"Throughput (alternating blocks in one process): AdamW {sp['tokens_per_s']['adamw']:,.0f}"
+        f" tok/s, Muon {sp['tokens_per_s']['muon']:,.0f} tok/s (Muon/AdamW "
+        f"{sp['muon_over_adamw']:.2f}); other processes took {sp['other_cpu_seconds']['adamw']:.0f}"
+        f" / {sp['other_cpu_seconds']['muon']:.0f} CPU s during those blocks (of "
+        f"{sp['wall_seconds']['adamw']:.0f} / {sp['wall_seconds']['muon']:.0f} s wall x "
+        f"{m['cores']} cores).",
+        "",
+        "Wall-clock to AdamW's final bn bits/char, Muon / AdamW: "
+        + (f"**{wall:.2f}**" if wall else "not reached"),
+        "",
+        f"Goals: tokens <= 0.75x: {_met(rep['goal_tokens_at_most_0.75'])}; "
+        f"wins at equal wall-clock: {_met(rep['goal_wins_at_equal_wall_clock'])}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def plot(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, lang in zip(axes, ("bn", "en")):
+        for name, r in rep["runs"].items():
+            xs = [row["tokens"] / 1e6 for row in r["curve"]]
+            ys = [row[lang] for row in r["curve"]]
+            main = name in ("adamw", f"muon-lr{rep['best_muon_lr']:g}")
+            ax.plot(
+                xs,
+                ys,
+                marker="o" if main else None,
+                lw=2 if main else 0.8,
+                alpha=1 if main else 0.6,
+                label=name,
+            )
+        ax.set_xlabel("tokens (M)")
+        ax.set_ylabel(f"held-out {lang} bits/char")
+        ax.grid(alpha=0.3)
+    axes[0].axhline(rep["adamw_final_bn"], color="gray", ls=":", lw=1)
+    axes[1].legend(fontsize=7)
+    fig.suptitle("AdamW vs Muon (hidden matrices), small scaled to CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The optimizers a run can use (`optimizer = "adamw" | "muon"` in TrainConfig).
+
+adamw: AdamW on everything, weight decay on matrices only.
+muon: torch.optim.Muon on the hidden matrices (the attention and MLP projections of the
+blocks), AdamW on the rest (embedding, head whether tied or not, norms), as modded-nanogpt and
+nanochat do: Muon orthogonalizes each matrix's momentum (Newton-Schulz, in bfloat16), which
+only makes sense for a 2-D weight that maps hidden features to hidden features. Both live in
+one `MuonAdamW`, a real torch Optimizer whose groups carry `kind` ("muon" / "adamw"), so
+checkpoints (state_dict, torch.distributed.checkpoint), the verification suite and the step
+loop handle it as they handle AdamW. Each group has an `lr_scale`: the schedule's lr times it
+is the group's lr (muon_lr / lr for Muon), so one schedule drives both.
+
+Under FSDP2 a hidden matrix is a DTensor sharded by rows. torch's Muon runs on it through
+DTensor's operators, but those sum bfloat16 partial products across ranks, which moves the
+update by 1-2 % of its size against one process (measured on 64x64 and 176x64 with the same
+gradients). So a sharded matrix takes `_sharded_muon_step`: the momentum stays sharded (its
+ops are elementwise), the momentum-corrected gradient is all-gathered, every rank runs torch's
+own Newton-Schulz on the whole matrix and keeps its rows: the same numbers as one process, for
+one all-gather of the matrix a step (as much as FSDP's own gather of those weights) and the
+orthogonalization done on every rank (tests/test_dist.py compares it with one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# torch's own Newton-Schulz and shape-based lr adjustment (private names: a torch release that
+# renames them fails here, at import, not silently in a run).
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from train.gradflow import unwrap
+from train.settings import TrainConfig
+
+
+def hidden_matrices(model: nn.Module) -> list[str]:
+    """Names of the parameters Muon takes: weights of nn.Linear layers other than the output
+    head (`lm_head`) and other than any weight shared with an embedding (a tied head)."""
+    inner = unwrap(model)
+    embedded = {id(m.weight) for m in inner.modules() if isinstance(m, nn.Embedding)}
+    names = []
+    for mod_name, mod in inner.named_modules():
+        w = getattr(mod, "weight", None)
+        if (
+            isinstance(mod, nn.Linear)
+            and mod_name.split(".")[-1] != "lm_head"
+            and isinstance(w, nn.Parameter)
+            and w.requires_grad
+            and w.dim() == 2
+            and id(w) not in embedded
+        ):
+            names.append(f"{mod_name}.weight")
+    return names
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon over the groups with kind="muon", torch.optim.AdamW over the others.
+    Both share this optimizer's group dicts and state, so state_dict / load_state_dict are the
+    base class's (one flat state keyed by parameter)."""
+
+    def __init__(self, params, fused: bool | None = None):
+        groups = [dict(g) for g in params]
+        for g in groups:
+            g.setdefault("kind", "adamw")
+            if g["kind"] not in ("muon", "adamw"):
+                raise ValueError(f"group kind must be muon or adamw, got {g['kind']!r}")
+        # The base class refuses a parameter in two groups, across both kinds.
+        super().__init__(groups, {"fused": fused})
+        self._subs: dict[str, torch.optim.Optimizer] = {}
+        muon = [g for g in self.param_groups if g["kind"] == "muon"]
+        adam = [g for g in self.param_groups if g["kind"] == "adamw"]
+        if muon:
+            self._subs["muon"] = torch.optim.Muon(muon, lr=muon[0]["lr"])
+        if adam:
+            try:
+                self._subs["adamw"] = torch.optim.AdamW(adam, fused=fused)
+            except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+                for g in adam:
+                    g["fused"] = None
+                self._subs["adamw"] = torch.optim.AdamW(adam)
+        self._link()
+
+    def _link(self) -> None:
+        for kind, sub in self._subs.items():
+            sub.param_groups = [g for g in self.param_groups if g["kind"] == kind]
+            sub.state = self.state
+
+    def sub(self, kind: str) -> torch.optim.Optimizer | None:
+        """The torch optimizer of one kind ("muon" / "adamw"), or None without such groups."""
+        return self._subs.get(kind)
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)  # new group dicts and state: share them again
+        self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon = self._subs.get("muon")
+        if muon is not None:
+            sharded = [
+                (g, p)
+                for g in muon.param_groups
+                for p in g["params"]
+                if p.grad is not None and isinstance(p, DTensor)
+            ]
+            with _grads_hidden([p for _, p in sharded]):
+                muon.step()  # torch's Muon on the whole (unsharded) matrices
+            for g, p in sharded:
+                _sharded_muon_step(p, self.state[p], g)
+        if "adamw" in self._subs:
+            self._subs["adamw"].step()
+        return loss
+
+
+@contextlib.contextmanager
+def _grads_hidden(params: list[torch.Tensor]):
+    """Hide these parameters' gradients from an optimizer step (it skips grad None)."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+def _sharded_muon_step(p: DTensor, state: dict, group: dict) -> None:
+    """torch.optim.Muon's update for one row-sharded matrix (the same ops in the same order,
+    see the module docstring): elementwise parts on the shards, Newton-Schulz on the whole."""
+    grad = p.grad
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad)
+    buf = state["momentum_buffer"]
+    momentum = group["momentum"]
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    full = _zeropower_via_newtonschulz(
+        update.full_tensor(), tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"]
+    )
+    # Every rank holds the same whole matrix: keep this rank's part, without communication.
+    mine = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    lr = float(group["lr"])
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's lr into every group, times the group's lr_scale (Muon's own rate)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device):
+    """The run's optimizer (cfg.optimizer), over `model`'s parameters (the wrapped model's:
+    FSDP's are DTensor shards). Fused AdamW where the device has it."""
+    fused = device.type in ("cuda", "cpu")
+    named = [(n, p) for n, p in unwrap(model).named_parameters() if p.requires_grad]
+    hidden = set(hidden_matrices(model)) if cfg.optimizer == "muon" else set()
+    adam = dict(lr_scale=1.0, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    groups = [
+        {
+            "kind": "adamw",
+            "params": [p for n, p in named if p.dim() >= 2 and n not in hidden],
+            "weight_decay": cfg.weight_decay,
+            **adam,
+        },
+        {
+            "kind": "adamw",
+            "params": [p for n, p in named if p.dim() < 2],
+            "weight_decay": 0.0,
+            **adam,
+        },
+    ]
+    if cfg.optimizer == "adamw":
+        kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        plain = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups]
+        try:
+            return torch.optim.AdamW(plain, fused=fused, **kwargs)
+        except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+            return torch.optim.AdamW(plain, **kwargs)
+    muon = {
+        "kind": "muon",
+        "params": [p for n, p in named if n in hidden],
+        "lr": cfg.muon_lr,
+        "lr_scale": cfg.muon_lr / cfg.lr,
+        "weight_decay": cfg.muon_weight_decay,
+        "momentum": cfg.muon_momentum,
+        "nesterov": True,
+        "adjust_lr_fn": cfg.muon_adjust_lr,
+    }
+    for g in groups:
+        g["lr"] = cfg.lr
+    return MuonAdamW([muon, *[g for g in groups if g["params"]]], fused=fused)
+
+
+def describe_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    """One line a group: its optimizer, rates, how many tensors and parameters, which ones."""
+    name_of = {id(p): n for n, p in unwrap(model).named_parameters()}
+    lines = []
+    for g in optimizer.param_groups:
+        names = [name_of.get(id(p), "?") for p in g["params"]]
+        count = sum(p.numel() for p in g["params"])
+        kind = g.get("kind", type(optimizer).__name__.lower())
+        shown = _short(names)
+        lines.append(
+            f"optimizer group {kind}: {len(names)} tensors, {count:,} parameters, lr "
+            f"{g['lr']:.2e}, weight decay {g['weight_decay']:g}: {shown}"
+        )
+    return lines
+
+
+def _short(names: list[str], limit: int = 4) -> str:
+    """Names with the layer index folded (layers.*), at most `limit` shown."""
+    folded = []
+    for n in names:
+        parts = n.split(".")
+        f = ".".join("*" if p.isdigit() else p for p in parts)
+        if f not in folded:
+            folded.append(f)
+    more = f" (+{len(folded) - limit} more)" if len(folded) > limit else ""
+    return ", ".join(folded[:limit]) + more
