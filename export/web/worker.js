@@ -223,6 +223,7 @@ class TextStream {
 async function generate(req) {
   const prompt = req.prompt_ids ?? tokenizer.encode(req.prompt).ids;
   const stops = req.stop_ids ?? spec.stop_ids;
+  if (!prompt.length) throw new Error("the prompt has no tokens");
   if (prompt.length >= spec.context_length)
     throw new Error(`the prompt is ${prompt.length} tokens; the context holds ${spec.context_length}`);
   const p = {
