@@ -378,9 +378,10 @@ def markdown(report: dict) -> str:
     for r in report["rows"]:
         greedy = "equal" if r["greedy_equal"] else f"differ at {tuple(r['first_divergence'])}"
         verdict = "ok" if not r["failures"] else "; ".join(r["failures"])
+        gap = f"{r['flip_max_gap']:.2e}" if "flip_max_gap" in r else "-"  # older reports lack it
         lines.append(
             f"| {r['bundle']} | {r['model']} | {r['quant']} | {r['side']} | {greedy} "
-            f"| {r['top1_agreement']:.4f} | {r['flip_max_gap']:.2e} | {r['max_abs_diff']:.2e} "
+            f"| {r['top1_agreement']:.4f} | {gap} | {r['max_abs_diff']:.2e} "
             f"| {r['max_rel_diff']:.2e} "
             f"| {r['loss_increase']:+.2e} | {r['seconds']:.1f} | {verdict} |"
         )
