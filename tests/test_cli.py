@@ -142,12 +142,18 @@ def test_demo_runs_the_main_job(tmp_path):
     assert "| bn |" in proc.stdout and "| en |" in proc.stdout  # the evaluation table
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "curves.png").is_file()
+    # Then a few steps of chat fine-tuning, checked before step 1, and the chat model's own
+    # bundle: it carries the chat template.
+    assert "pass loss_mask" in proc.stdout
+    for folder in ("chat/final", "bundle-chat-int4"):
+        config = json.loads((tmp_path / folder / "tokenizer_config.json").read_text("utf-8"))
+        assert config["chat_template"].startswith("{{ bos_token }}"), folder
     # It ends served: a Bangla completion fetched over HTTP, then the playground's URL. The
     # request is seeded, so the bundle served again here gives the text it printed.
     from fastapi.testclient import TestClient
 
     from serve.app import Settings, create_app
-    from train.recipe.demo import DEMO_REQUEST
+    from train.recipe.demo import DEMO_CHAT, DEMO_REQUEST
 
     with TestClient(create_app(Settings(bundle=str(tmp_path / "bundle-int4")))) as c:
         end = time.monotonic() + 60
@@ -155,6 +161,12 @@ def test_demo_runs_the_main_job(tmp_path):
             assert time.monotonic() < end, c.get("/health").json()
             time.sleep(0.02)
         want = c.post("/v1/completions", json=DEMO_REQUEST).json()
+    with TestClient(create_app(Settings(bundle=str(tmp_path / "bundle-chat-int4")))) as c:
+        end = time.monotonic() + 60
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < end, c.get("/health").json()
+            time.sleep(0.02)
+        chat = c.post("/v1/chat/completions", json=DEMO_CHAT).json()
     assert want["usage"]["completion_tokens"] > 0
 
     # Readable Bangla, not punctuation runs: the served words are the sample's words.
@@ -166,6 +178,9 @@ def test_demo_runs_the_main_job(tmp_path):
     assert len(words) >= 8 and sum(w in sample for w in words[:-1]) >= 0.8 * (len(words) - 1)
     assert not PUNCTUATION_RUN.search(want["choices"][0]["text"])
     assert f"{DEMO_REQUEST['prompt']}{want['choices'][0]['text']}\n" in proc.stdout
+    # One chat exchange over HTTP (greedy, so the same reply again here), in Bangla words.
+    reply = chat["choices"][0]["message"]["content"]
+    assert f"    assistant: {reply}\n" in proc.stdout and bangla_words(reply)
     url = re.search(r"^serve: .* at (http://127\.0\.0\.1:\d+) ", proc.stdout, re.M)
     assert url and f"\nplayground: {url.group(1)}/ " in proc.stdout
 

@@ -3,10 +3,11 @@ measured on a 2-core AMD EPYC with AVX-512 and VNNI, no AMX, quiet, 2026-12-01; 
 of it).
 
 tokenizer → fertility → held-out split → shards → gradient-flow gate → training → evaluation
-against the random twin and xz/bzip2 → samples → an int4 export bundle → that bundle served on
-loopback, one Bangla completion fetched over HTTP and printed with the playground's URL. The
-sample is only ~50 KB, so the model is tiny and the numbers show the path working, not a useful
-model (`configs/small.toml` on real text is that).
+against the random twin and xz/bzip2 → samples → chat fine-tuning on the sample's conversations
+(`doel-train sft`) → an int4 export bundle of each model → each served on loopback: one Bangla
+completion from the base model and one chat exchange with the chat model fetched over HTTP and
+printed with the playground's URL. The sample is only ~50 KB, so the model is tiny and the
+numbers show the path working, not a useful model (`configs/small.toml` on real text is that).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from train.common import DoelError
 from train.config import load_config, resolve_config
+from train.data.chat import SFTConfig
 from train.data.fertility import fertility, format_report, load_any
 from train.data.prepare import PrepareConfig, prepare
 from train.data.textio import iter_documents, iter_source, resolve_sources
@@ -27,6 +29,7 @@ from train.data.tokenizer import TokenizerConfig, train_tokenizer
 from train.evals.heldout import evaluate_checkpoint, format_eval
 from train.fit import fit
 from train.plot import plot_run
+from train.sft import sft
 from train.trainer import TrainConfig
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "sample"
@@ -44,6 +47,23 @@ DEMO_REQUEST = {
     "temperature": 0.8,
     "top_p": 0.95,
     "seed": 1,
+}
+# Chat fine-tuning of the pre-trained model on the sample's 44 conversations (train/sample/
+# chat.jsonl): 100 steps of 8 are about 20 passes over them, so the model learns their answers
+# by heart, and answers a question of the sample in its words (not a useful assistant).
+CHAT_SETS = (
+    "steps=100",
+    "lr=1e-3",
+    "warmup_steps=5",
+    "seq_len=128",
+    "log_every=25",
+    "eval_every=50",
+    "checkpoint_every=50",
+)
+DEMO_CHAT = {
+    "messages": [{"role": "user", "content": "বাংলাদেশের রাজধানীর নাম কী?"}],
+    "max_tokens": 24,
+    "temperature": 0,
 }
 READY_SECONDS = 60  # loading an int4 bundle of the demo's size takes well under a second
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
@@ -107,10 +127,27 @@ def run_demo(
 
     print(f"6/6 curves: {plot_run(out / 'run')}")
     print(f"done: the model in Hugging Face layout is {final}")
+    chat = chat_demo(final, out / "chat", config, sets)
     bundle = export_demo(final, out / "bundle-int4", heldout)
+    # The chat model has its own bundle: 100 steps on 44 conversations teach this tiny model
+    # their answers and make it forget most of the text it continued before.
+    chat_bundle = export_demo(chat, out / "bundle-chat-int4", heldout) if bundle else None
     if bundle is not None:
-        serve_demo(bundle, keep=serve, port=port)
+        serve_demo(bundle, keep=serve and chat_bundle is None, port=port)
+    if chat_bundle is not None:
+        serve_demo(chat_bundle, keep=serve, port=port, ask=chat_exchange)
     return final
+
+
+def chat_demo(final: Path, out: Path, config: str, sets=()) -> Path:
+    """A few steps of `doel-train sft` from the pre-trained model on the built-in conversations;
+    returns the chat model's folder (its tokenizer_config.json carries the chat template)."""
+    data = SAMPLE_DIR / "chat.jsonl"
+    print(f"chat: doel-train sft --from {final} --data {data} (loss on the replies only)")
+    cfg = load_config(SFTConfig, resolve_config(config), [*sets, *CHAT_SETS])
+    chat = sft(cfg, [str(data)], final, out)
+    print(f"    the chat model is {chat}")
+    return chat
 
 
 def export_demo(final: Path, bundle: Path, heldout: list[str]) -> Path | None:
@@ -135,10 +172,10 @@ def export_demo(final: Path, bundle: Path, heldout: list[str]) -> Path | None:
     return bundle
 
 
-def serve_demo(bundle: Path, keep: bool = False, port: int = 0) -> dict | None:
-    """The bundle served on 127.0.0.1 (uvicorn in a thread of this process), one Bangla
-    completion fetched over HTTP and printed, and the playground's URL; then a clean shutdown,
-    or with `keep` serving until Ctrl-C. Returns the completion's JSON body."""
+def serve_demo(bundle: Path, keep: bool = False, port: int = 0, ask=None) -> dict | None:
+    """The bundle served on 127.0.0.1 (uvicorn in a thread of this process), one request over
+    HTTP printed (`ask(url)`; default: a Bangla completion) and the playground's URL; then a
+    clean shutdown, or with `keep` serving until Ctrl-C. Returns the answer's JSON body."""
     try:
         import uvicorn
 
@@ -154,14 +191,7 @@ def serve_demo(bundle: Path, keep: bool = False, port: int = 0) -> dict | None:
     try:
         url = _wait_ready(server, thread)
         print(f"serve: {bundle} at {url} (what `doel-serve {bundle}` runs)")
-        body = _post(f"{url}/v1/completions", DEMO_REQUEST)
-        usage, choice = body["usage"], body["choices"][0]
-        print(f"    POST /v1/completions {json.dumps(DEMO_REQUEST, ensure_ascii=False)}")
-        print(f"    {DEMO_REQUEST['prompt']}{choice['text']}")
-        print(
-            f"    ({usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion "
-            f"tokens, finish_reason {choice['finish_reason']})"
-        )
+        body = (ask or completion)(url)
         if keep:
             print(f"playground: {url}/ (serving until Ctrl-C)", flush=True)
             while thread.is_alive():
@@ -173,6 +203,33 @@ def serve_demo(bundle: Path, keep: bool = False, port: int = 0) -> dict | None:
     finally:
         server.should_exit = True  # uvicorn's own graceful shutdown, lifespan end included
         thread.join(timeout=15)
+    return body
+
+
+def completion(url: str) -> dict:
+    """One Bangla completion over HTTP, printed."""
+    body = _post(f"{url}/v1/completions", DEMO_REQUEST)
+    usage, choice = body["usage"], body["choices"][0]
+    print(f"    POST /v1/completions {json.dumps(DEMO_REQUEST, ensure_ascii=False)}")
+    print(f"    {DEMO_REQUEST['prompt']}{choice['text']}")
+    print(
+        f"    ({usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion "
+        f"tokens, finish_reason {choice['finish_reason']})"
+    )
+    return body
+
+
+def chat_exchange(url: str) -> dict:
+    """One chat turn with the served chat model over HTTP, as an OpenAI client sends it."""
+    body = _post(f"{url}/v1/chat/completions", DEMO_CHAT)
+    choice, usage = body["choices"][0], body["usage"]
+    print(f"    POST /v1/chat/completions {json.dumps(DEMO_CHAT, ensure_ascii=False)}")
+    print(f"    user: {DEMO_CHAT['messages'][-1]['content']}")
+    print(f"    assistant: {choice['message']['content']}")
+    print(
+        f"    ({usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion "
+        f"tokens, finish_reason {choice['finish_reason']})"
+    )
     return body
 
 
