@@ -117,7 +117,9 @@ def onnx_card(
     arch = ["llama"] if str(manifest.get("architecture", "")).startswith("Llama") else []
     tags = ["doel", *arch, "bangla", "onnx", scheme]
     mobile = (
-        " and `model.ort` (the same graph for ONNX Runtime Mobile)"
+        " and `model.ort` (the same graph for ONNX Runtime Mobile; "
+        f"`{manifest.get('mobile_ops_config') or 'required_operators_and_types.config'}` "
+        "lists its operators for a reduced ONNX Runtime build)"
         if manifest.get("mobile_model")
         else ""
     )
