@@ -7,17 +7,19 @@ int4 bundle and the q4_0 GGUF in --work), same 2 threads, each engine alone in a
   first turn goes in first, then every second turn, so each must find its own slot among the
   others (serve/prefix.py's choice). Then the second turns once more with the cache off: the
   same prompt prefilled whole.
-- llama.cpp (and llama.cpp+fa, flash attention on): llama-cpp-python's `Llama.generate`, which
-  keeps the longest common prefix of the new prompt and its context (what the llama.cpp
-  server's `cache_prompt` does for a slot); one context, so each conversation's two turns run
-  back to back, and its first turn starts from an empty cache (`reset`).
+- llama.cpp+fa (flash attention on, llama.cpp's default on a CPU; `--engines` adds llama.cpp
+  without it): llama-cpp-python's `Llama.generate`, which keeps the longest common prefix of
+  the new prompt and its context (what the llama.cpp server's `cache_prompt` does for a slot);
+  one context, so each conversation's two turns run back to back, and its first turn starts
+  from an empty cache (`reset`).
 A conversation: a system message and a question rendered by the bundle's chat template (~970
 tokens of Bangla sample text), a greedy reply of REPLY tokens, then the second question: turn 2
 is turn 1 + the engine's own reply ids + `<|end|><|user|>...<|end|><|assistant|>`. Time to first
 token is from the request to its first id; each figure is the best of the conversations.
 
 Run: `python benchmarks/bench_chat.py --work DIR` (the 0.4B model is built on the first run, a
-few minutes; llama-cpp-python must be installed, see bench_serve.py). Writes
+few minutes; llama-cpp-python must be installed, see bench_serve.py; `--resume` keeps the
+engines that a run stopped midway had measured). Writes
 benchmarks/results/chat_0.4b_cpu-<class>.{json,md}, with the CPU and the machine's load.
 """
 
@@ -172,7 +174,11 @@ def measure(engine: str, model: Path, spec_path: Path, work: Path) -> dict:
 
     t0 = time.perf_counter()
     res, foreign = foreign_cpu(run)
-    return res | {"foreign_cpu_s": round(foreign, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+    row = res | {"foreign_cpu_s": round(foreign, 1), "wall_s": round(time.perf_counter() - t0, 1)}
+    row["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    if "error" not in row:  # kept for --resume
+        (work / f"chat-{engine}.row.json").write_text(json.dumps(row))
+    return row
 
 
 def markdown(r: dict) -> str:
@@ -186,19 +192,20 @@ def markdown(r: dict) -> str:
         f"{REPLY}-token reply; best of the conversations.",
         "",
         "| engine | turn 1 TTFT | turn 2 TTFT | turn 2 / turn 1 | turn-2 tokens (cached) "
-        "| other CPU s |",
-        "|---|---|---|---|---|---|",
+        "| other CPU s | load after |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, e in r["engines"].items():
         if "error" in e:
-            lines.append(f"| {name} | error | | | | |")
+            lines.append(f"| {name} | error | | | | | |")
             continue
         cached = ", ".join(
             f"{n} ({c})" for n, c in zip(e["turn2_prompt_tokens"], e["turn2_cached_tokens"])
         )
         lines.append(
             f"| {name} | {e['turn1_ttft_s'] * 1e3:.0f} ms | {e['turn2_ttft_s'] * 1e3:.0f} ms | "
-            f"{e['turn2_ttft_s'] / e['turn1_ttft_s']:.3f} | {cached} | {e['foreign_cpu_s']} |"
+            f"{e['turn2_ttft_s'] / e['turn1_ttft_s']:.3f} | {cached} | {e['foreign_cpu_s']} "
+            f"| {e.get('load_after', '')} |"
         )
     doel = r["engines"]["doel"]
     if "turn2_uncached_ttft_s" in doel:
@@ -233,6 +240,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", help="scratch folder, kept and reused (default: temporary)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    # llama.cpp's own default turns flash attention on for the CPU ("auto"), and it was the
+    # faster of the two to a first token in bench_serve: the peer unless asked otherwise.
+    ap.add_argument("--engines", nargs="+", default=["doel", "llama.cpp+fa"],
+                    choices=["doel", "llama.cpp", "llama.cpp+fa"])  # fmt: skip
+    ap.add_argument(
+        "--resume", action="store_true", help="keep the engines a run killed midway measured"
+    )
     ap.add_argument("--child", nargs=4, metavar=("ENGINE", "MODEL", "SPEC", "OUT"), help="internal")
     args = ap.parse_args(argv)
     if args.child:
@@ -251,14 +265,19 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     _ckpt, bundles, ggufs = setup(work, FULL, with_llama=True)
     spec = work / "chat-spec.json"
-    spec.write_text(json.dumps(conversations(bundles["int4"])))
+    if not (args.resume and spec.is_file()):
+        for old in work.glob("chat-*.row.json"):
+            old.unlink()
+        spec.write_text(json.dumps(conversations(bundles["int4"])))
     load_before = [round(x, 2) for x in os.getloadavg()]
     engines = {}
-    for engine, model in (
-        ("doel", bundles["int4"]),
-        ("llama.cpp", ggufs["q4_0"]),
-        ("llama.cpp+fa", ggufs["q4_0"]),
-    ):
+    models = {"doel": bundles["int4"], "llama.cpp": ggufs["q4_0"], "llama.cpp+fa": ggufs["q4_0"]}
+    for engine in args.engines:
+        model = models[engine]
+        kept = work / f"chat-{engine}.row.json"
+        if args.resume and kept.is_file():
+            engines[engine] = json.loads(kept.read_text()) | {"resumed": True}
+            continue
         print(f"measuring {engine} ...", flush=True)
         engines[engine] = measure(engine, model, spec, work)
     result = {
