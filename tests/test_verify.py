@@ -20,6 +20,7 @@ from train.data.prepare import PrepareConfig, prepare
 from train.data.textio import resolve_sources
 from train.data.tokenizer import TokenizerConfig, train_tokenizer
 from train.model import IGNORE_INDEX, Llama
+from train.optim import MuonAdamW
 from train.trainer import build_optimizer, lr_at, train_step
 
 pytestmark = pytest.mark.slow  # every test here runs the suite or trains (seconds to minutes)
@@ -434,3 +435,65 @@ def test_ties_need_one_tensor_holding_both_uses_gradients(shards, tiny_config, m
     assert untied.passed is False and "tie was broken" in untied.detail
     cut = suite(cfg, shards, ["ties"], model_factory=head_sees_a_detached_weight).results[0]
     assert cut.passed is False and "model.embed_tokens.weight" in cut.detail
+
+
+# ---------------------------------------------------------------- Muon
+
+
+class UnorthogonalizedMuon(MuonAdamW):
+    """Muon that forgot to orthogonalize: its Newton-Schulz polynomial is the identity, so the
+    update is the momentum scaled to unit norm (a descent direction, just not Muon's)."""
+
+    def step(self, closure=None):
+        saved = [(g, g["ns_coefficients"]) for g in self.param_groups if g["kind"] == "muon"]
+        for g, _ in saved:
+            g["ns_coefficients"] = (1.0, 0.0, 0.0)
+        try:
+            return super().step(closure)
+        finally:
+            for g, c in saved:
+                g["ns_coefficients"] = c
+
+
+def test_muon_passes_the_groups_parity_and_step_checks_and_a_broken_muon_fails_parity(
+    shards, tiny_config
+):
+    cfg = tiny_config("optimizer=muon")
+    report = suite(cfg, shards, ["groups", "parity", "step"])
+    assert report.ok, report.format()
+    rows = {r.name: r for r in report.results}
+    assert rows["groups"].numbers["muon_tensors"] == 7 * cfg.model.num_hidden_layers
+    row = rows["parity"].numbers["muon (torch, bf16 Newton-Schulz) vs float64"]
+    # bf16 Newton-Schulz is far from float64 on real (ill-conditioned) gradients, but no
+    # farther than our own bf16 twin of the same update: the parity rule's bound
+    assert row["ok"] and row["fast_err"] <= row["bound"]
+
+    def broken(model, c):
+        return UnorthogonalizedMuon(build_optimizer(model, c, torch.device("cpu")).param_groups)
+
+    bad = suite(cfg, shards, ["parity"], optimizer_factory=broken)
+    assert failed(bad) == {"parity"}
+    assert "muon" in bad.results[0].detail, bad.results[0].detail
+    worse = bad.results[0].numbers["muon (torch, bf16 Newton-Schulz) vs float64"]
+    assert worse["fast_err"] > 3 * row["fast_err"]
+
+
+@pytest.mark.parametrize("plant", ["in no group", "in more than one group"])
+def test_a_hidden_matrix_in_no_group_or_in_both_is_caught_before_step_1(shards, tiny_config, plant):
+    cfg = tiny_config("optimizer=muon")
+    model = Llama(cfg.model)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    w = model.model.layers[1].mlp.up_proj.weight
+    muon = next(g for g in opt.param_groups if g["kind"] == "muon")
+    muon["params"] = [p for p in muon["params"] if p is not w]
+    if plant == "in more than one group":  # Muon's and AdamW's: two updates a step
+        muon["params"].append(w)
+        opt.param_groups[-1]["params"].append(w)
+    loader = TokenLoader(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    lines = []
+    with pytest.raises(VerificationError, match="groups"):
+        verify_before_training(
+            cfg, model, model, opt, loader, torch.device("cpu"), torch.float32, lines.append
+        )
+    row = next(line for line in lines if "FAIL groups" in line)
+    assert plant in row and "model.layers.1.mlp.up_proj.weight" in row

@@ -3,7 +3,8 @@ backward, by the flash-attention rule (the fast path's error may be at most a sm
 the error of the same-dtype eager implementation, both measured against float64): each SDPA
 backend against math, the model's own modules (custom or fused kernels) against the plain model
 in train/model.py, torch.compile against eager, the fused (or foreach) AdamW against the
-for-loop one. Real tokens, batch > 1, a non-uniform, non-contiguous upstream gradient.
+for-loop one, and Muon (when the run uses it) against our float64 update (checks/optim.py).
+Real tokens, batch > 1, a non-uniform, non-contiguous upstream gradient.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from train.checks.base import (
     reference_twin,
     rel_err,
 )
+from train.checks.optim import muon_parity
 from train.gradflow import unwrap
+from train.optim import MuonAdamW
 
 
 def _upstream(shape, device, seed=0) -> torch.Tensor:
@@ -113,6 +116,7 @@ def check_parity(s: Setup) -> CheckResult:
             floor,
         )
     rows.update(adamw_parity(s, run, floor))
+    rows.update(muon_parity(s, run, floor, compare))
     bad = [k for k, r in rows.items() if r.get("ok") is False]
     detail = "; ".join(
         f"{k}: {r['tensor']} error {r['fast_err']:.2e} > bound {r['bound']:.2e} "
@@ -122,7 +126,8 @@ def check_parity(s: Setup) -> CheckResult:
     )
     return CheckResult(
         "parity",
-        "each fast path (SDPA backends, the model's own kernels, torch.compile, fused AdamW) "
+        "each fast path (SDPA backends, the model's own kernels, torch.compile, fused AdamW, "
+        "Muon) "
         "against a float64 reference, forward and backward: error <= "
         f"{v.parity_factor} x same-dtype eager error + {floor:.1e}; real tokens, "
         f"batch {x.size(0)}, non-uniform non-contiguous upstream gradient",
@@ -154,6 +159,8 @@ def adamw_parity(s: Setup, grads: dict, floor: float) -> dict:
     """Two steps of the run's optimizer configuration (fused / foreach) against the for-loop
     implementation, on copies of the run's weights and real gradients."""
     opt = s.optimizer
+    if isinstance(opt, MuonAdamW):  # its AdamW part (embedding, head, norms)
+        opt = opt.sub("adamw")
     if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
         return {"optimizer": {"ok": None, "absent": f"{type(opt).__name__}: no reference"}}
     kind = "fused" if opt.defaults.get("fused") else "foreach/default"

@@ -30,6 +30,7 @@ from train.checks.base import (
 )
 from train.checks.causal import check_causal
 from train.checks.inputs import check_data, check_tokenizer_fairness
+from train.checks.optim import check_groups
 from train.checks.parity import check_parity
 from train.checks.steps import (
     check_accumulation,
@@ -50,6 +51,7 @@ CHECKS: dict[str, tuple[Callable[[Setup], CheckResult], bool]] = {
     "gradient_flow": (check_gradients, True),
     "parity": (check_parity, True),
     "ties": (check_ties, True),
+    "groups": (check_groups, True),
     "causal": (check_causal, True),
     "step": (check_step, True),
     "accumulation": (check_accumulation, True),
