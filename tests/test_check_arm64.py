@@ -84,3 +84,27 @@ def test_compare_passes_equal_runs_and_names_each_failure():
     # At the bounds themselves it passes: they are the largest difference allowed.
     edge = {k: BOUNDS[k] for k in ("top1_agreement", "max_rel_diff", "loss_increase")}
     assert compare(ref, _side([[1, 2, 3], [4, 5, 6]]), edge) == []
+
+
+def test_the_worker_decodes_as_serving_does(tiny_bundle, tmp_path):
+    """Each side's worker on x86 (the tiny fp32 bundle): its greedy ids are serve's at
+    temperature 0, its window logits the engine's, and a run compared with itself passes."""
+    from check_arm64 import make_job, work
+
+    from serve.engine import Engine, read_bundle
+    from serve.sampling import SamplingParams
+
+    text = Path(__file__).resolve().parents[1] / "train" / "sample" / "bn.txt"
+    job = make_job(tiny_bundle, [text], ("model.onnx",), ("বাংলা ভাষা", "The river"), 6, 24)
+    out = work(job, tmp_path)
+    assert out["prompt_ids"] == job["prompt_ids"] and len(job["windows"][0]) == 24
+    engine = Engine(read_bundle(tiny_bundle), threads=1)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    greedy = out["models"]["model.onnx"]["greedy"]
+    assert greedy == [list(engine.generate(ids, params)) for ids in job["prompt_ids"]]
+    logits = np.load(tmp_path / "model.onnx.npy")
+    assert logits.shape == (1, 24, read_bundle(tiny_bundle).vocab_size)
+    np.testing.assert_allclose(logits[0], engine.forward(job["windows"][0], 0, every=True))
+    stats = window_stats(logits, logits.copy(), job["windows"])
+    side = {"prompt_ids": out["prompt_ids"], **out["models"]["model.onnx"]}
+    assert compare(side, side, stats) == [] and stats["top1_agreement"] == 1.0
