@@ -139,13 +139,13 @@ def test_health_answers_within_100_ms_while_a_1_mb_request_is_refused(server, ht
         assert r.json()["error"]["message"]
 
 
-def _open(server, body: dict) -> socket.socket:
+def _open(server, body: dict, path: str = "/v1/completions") -> socket.socket:
     """A completion request sent on a raw socket, its answer left unread: a client that can
     leave at a moment the test chooses."""
     port = int(server.url.rsplit(":", 1)[1])
     data = json.dumps(body).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     )
     s = socket.create_connection(("127.0.0.1", port))
@@ -186,6 +186,27 @@ def test_requests_whose_clients_left_free_their_slots_at_once(server, http):
     assert metric(http, "doel_generation_tokens_total") == after
     assert after - made < 4000  # the running two were cut short, the queued two never began
     assert metric(http, gone) - left == 4  # counted as "client closed request"
+
+
+def test_chat_clients_that_leave_free_their_slots_at_once(server, http):
+    """The same for chat, streamed and not: two running, two queued; the clients close their
+    sockets and the slots and the queue are empty within 0.5 s, and no token is made after."""
+    route = "/v1/chat/completions"
+    gone = f'doel_requests_total{{route="{route}",status="499"}}'
+    made, left = metric(http, "doel_generation_tokens_total"), metric(http, gone)
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4000}
+    socks = [_open(server, body | {"stream": i >= 2, "seed": i}, route) for i in range(4)]
+    try:
+        _until(http, running=2, waiting=2, timeout=10)
+    finally:
+        for s in socks:
+            s.close()
+    assert _until(http, running=0, waiting=0, timeout=0.5) < 0.5
+    after = metric(http, "doel_generation_tokens_total")
+    time.sleep(0.5)
+    assert metric(http, "doel_generation_tokens_total") == after
+    assert after - made < 4000
+    assert metric(http, gone) - left >= 2  # the whole ones that left (a stream began as 200)
 
 
 def test_a_batch_takes_its_slots_only_and_frees_them_when_its_client_leaves(server, http):
