@@ -121,3 +121,41 @@ def test_completions_within_the_bounds_succeed(client, body, prompt):
         lp = c["logprobs"]
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"])
         assert all(x is None or x <= 0 for x in lp["token_logprobs"])
+
+
+PART = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "x"]), "text": TEXT}),
+    st.dictionaries(st.sampled_from(["type", "text", "image_url"]), VALUES, max_size=3),
+    VALUES,
+)
+MESSAGE = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
+            "content": st.one_of(TEXT, SURROGATES, st.lists(PART, max_size=3), VALUES),
+        },
+        optional={"name": VALUES, "junk": VALUES},
+    ),
+    VALUES,
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    body=st.dictionaries(st.sampled_from([*FIELDS, "max_completion_tokens"]), VALUES, max_size=6),
+    messages=st.one_of(st.lists(MESSAGE, max_size=4), VALUES),
+)
+def test_no_chat_body_gives_a_5xx(client, body, messages):
+    body = {"max_tokens": 4, **body, "messages": messages}  # replies kept short
+    r = client.post(
+        "/v1/chat/completions",
+        content=json.dumps(body),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+    elif body.get("stream") is True:
+        assert r.text.endswith("data: [DONE]\n\n")
+    else:
+        assert r.json()["object"] == "chat.completion"
