@@ -41,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve.engine import Engine, read_bundle  # noqa: E402  (after the path: also run under qemu)
+from serve.engine import BundleError, Engine, read_bundle  # noqa: E402  (also run under qemu)
 
 CACHE = Path(os.environ.get("DOEL_ARM64_CACHE", Path.home() / ".cache" / "doel" / "arm64"))
 SUITE, PYTHON = "bookworm", "python3.11"  # the arm64 userland: Debian 12's Python 3.11
@@ -98,7 +98,7 @@ def _userland(dest: Path) -> Path:
     if (dest / "usr/bin" / PYTHON).is_file():
         return dest
     if not shutil.which("debootstrap"):
-        raise ArmError("debootstrap is missing: apt-get install debootstrap qemu-user-static")
+        raise ArmError("debootstrap is missing: apt-get install debootstrap")
     part = dest.with_name(dest.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)
     cmd = ["debootstrap", "--foreign", "--arch=arm64", "--variant=minbase"]
@@ -292,15 +292,18 @@ def make_job(
 
     bundle = read_bundle(folder)
     tok = Tokenizer.from_file(str(bundle.tokenizer))
-    width = min(window, bundle.context_length)
-    windows = [tok.encode(p.read_text(encoding="utf-8")).ids[:width] for p in texts]
+    ids = [tok.encode(p.read_text(encoding="utf-8")).ids for p in texts]
+    # One length for every window, so that each side's logits stack into one array.
+    width = min(window, bundle.context_length, *(len(w) for w in ids))
+    if width < 2:
+        raise ArmError("a held-out text has fewer than 2 tokens; give longer --text files")
     models = [n for n in files or FILES if (folder / n).is_file()]
     return {
         "bundle": str(folder.resolve()),
         "models": models,
         "prompts": list(prompts),
         "prompt_ids": [tok.encode(p).ids for p in prompts],
-        "windows": [w for w in windows if len(w) > 1],
+        "windows": [w[:width] for w in ids],
         "new_tokens": new_tokens,
     }
 
@@ -413,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [
             r for b, j in zip(args.bundles, jobs) for r in check_bundle(b, env, j, args.timeout)
         ]
-    except ArmError as e:
+    except (ArmError, BundleError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT / "benchmarks"))
