@@ -4,8 +4,8 @@ against llama.cpp's, on the same token windows.
 The checkpoint (`--model`, a trained Hugging Face folder) is scored in
 - PyTorch fp32 (transformers: `export.parity.torch_reference`), the reference;
 - doel bundles (`export.bundle.export_checkpoint`, the genai builder's MatMulNBits): int4 at
-  block 32, 64 and 128 with the head at 4 bits, at 32 and 128 (the default) with it at 8, and
-  int8 at block 128, through `export.runner.OnnxLM`;
+  block 32, 64 and 128 with the head at 4 bits, at 32, 128 and 256 with it at 8 (the head is
+  int8 by default), and int8 at block 128, through `export.runner.OnnxLM`;
 - llama.cpp (llama-cpp-python) on GGUF files of the same checkpoint: f32 from the
   `convert_hf_to_gguf.py` shipped in its source, q4_0 and q8_0 quantized from it
   (benchmarks/bench_serve_llama.py's `make_ggufs`). Ids are fed with `Llama.eval`, so llama.cpp
@@ -69,7 +69,8 @@ VARIANTS = [
     ("doel int4 b64, head int4", "doel", "int4", 64, 4, 4.5),
     ("doel int4 b128, head int4", "doel", "int4", 128, 4, 4.25),
     ("doel int4 b32, head int8", "doel", "int4", 32, 8, 5.0),
-    ("doel int4 b128, head int8 (default)", "doel", "int4", 128, 8, 4.25),
+    ("doel int4 b128, head int8", "doel", "int4", 128, 8, 4.25),
+    ("doel int4 b256, head int8", "doel", "int4", 256, 8, 4.125),
     ("doel int8 b128", "doel", "int8", 128, 8, 8.25),
     ("llama.cpp f32", "llama.cpp", "f32", None, None, 32.0),
     ("llama.cpp q4_0", "llama.cpp", "q4_0", 32, None, 4.5),
@@ -426,7 +427,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", help="bundles and GGUF files, kept and reused (default: temporary)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results folder")
     ap.add_argument("--name", default="quant_quality_small", help="results file stem")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        metavar="ROW",
+        help="score only these rows (as the table names them); the two fp32 references always",
+    )
     args = ap.parse_args(argv)
+    if args.only:
+        names = {v[0] for v in VARIANTS}
+        if unknown := set(args.only) - names:
+            raise SystemExit(f"--only: no row {sorted(unknown)}; rows: {sorted(names)}")
+        keep = {*args.only, "torch fp32", "llama.cpp f32"}
+        VARIANTS[:] = [v for v in VARIANTS if v[0] in keep]
     if not llama_cpp_available():
         raise SystemExit(
             "llama_cpp is missing: python benchmarks/bench_serve.py --install-llama-cpp"

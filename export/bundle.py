@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -40,16 +40,18 @@ from export.runner import OnnxLM
 
 FORMAT_VERSION = 1
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits implements
-# Weights per fp32 scale when --block-size is not given. int8 loses little to a block of 128,
-# while each block also costs ONNX Runtime's packed copy a scale and a block sum (measured at
-# 0.4B int8: peak RSS 668 MiB at 32, 566 at 128); int4 needs the small block for its accuracy.
 KV_CACHE = ("fp32", "fp16")
-# int4 at 128 weights a scale (4.25 bits a weight, q4_0 has 4.5): at 0.4B, 2 cores, a 128-token
-# prefill took 0.27 s against 0.37 at 32 (MatMulNBits is 90% of it) and decode ran 59 against
-# 49 tok/s. On the 650-step small model, with the head at 4 bits too, the held-out loss rose
-# 0.0077 nats/token over fp32 against 0.0046 at 32; the head at 8 bits (the default) takes most
-# of that away (benchmarks/results/quant_quality_small.md).
-DEFAULT_BLOCK = {"fp32": 32, "int8": 128, "int4": 128}
+# Weights per fp32 scale when --block-size is not given (fit_block fits it to the model).
+# int8 at 128: it loses little to the larger block, while each block also costs ONNX Runtime's
+# packed copy a scale and a block sum (0.4B int8: peak RSS 668 MiB at 32, 566 at 128); at 256 its
+# one-row step was slower. int4 at 256 (4.125 bits a weight; q4_0 has 4.5): at 0.4B on an
+# AVX-512 VNNI host MatMulNBits ran 15% faster than at 128 for one row, 12% for eight and 10% for
+# a 128-token prefill (benchmarks/results/profile_serve_0.4b_cpu-*.md; 128 had in turn beaten 32
+# by 27% on a prefill), and on a trained small model, the head at 8 bits, the held-out loss
+# rose less than at 128 and than llama.cpp q4_0's on the same windows
+# (benchmarks/results/quant_quality_block256.md). A head at 4 bits is what costs int4 most
+# (benchmarks/results/quant_quality_small.md).
+DEFAULT_BLOCK = {"fp32": 32, "int8": 128, "int4": 256}
 MAX_WINDOW = 512  # tokens per forward when measuring the loss
 
 
@@ -57,7 +59,7 @@ MAX_WINDOW = 512  # tokens per forward when measuring the loss
 class ExportOptions:
     quant: str = "int4"
     mobile: bool = False
-    block_size: int | None = None  # None: DEFAULT_BLOCK[quant]
+    block_size: int | None = None  # None: DEFAULT_BLOCK[quant] fitted to the model (fit_block)
     engine: str = "auto"
     texts: tuple[str, ...] = ()
     max_loss_increase: float | None = None  # nats/token; None: the default bound per quant
@@ -73,9 +75,7 @@ class ExportOptions:
     def __post_init__(self):
         if self.quant not in graph.BITS:
             raise ExportError(f"--quant must be one of {sorted(graph.BITS)}, got {self.quant!r}")
-        if self.block_size is None:
-            object.__setattr__(self, "block_size", DEFAULT_BLOCK[self.quant])
-        if self.block_size not in BLOCK_SIZES:
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise ExportError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.engine not in ("auto", "genai", "optimum"):
             raise ExportError(f"--engine must be auto, genai or optimum, got {self.engine!r}")
@@ -87,6 +87,16 @@ class ExportOptions:
             raise ExportError(f"--eval-tokens must be at least 16, got {self.eval_tokens}")
         if self.repo_id is not None:
             card.check_repo_id(self.repo_id)
+
+
+def fit_block(quant: str, widths: tuple[int, ...]) -> int:
+    """DEFAULT_BLOCK[quant], halved until it divides every linear layer's input width: a block
+    that runs past the end of a row is padded with zeros that are stored and multiplied for
+    nothing (the small preset's 384 takes 128; the 0.4B's 1,024 and 3,584 take 256)."""
+    block = DEFAULT_BLOCK[quant]
+    while block > BLOCK_SIZES[0] and any(w % block for w in widths):
+        block //= 2
+    return block
 
 
 def io_table(lm: OnnxLM) -> dict:
@@ -225,6 +235,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     failed check, leaving `out` untouched."""
     log, out = opts.log, Path(out)
     ckpt = inspect_checkpoint(checkpoint, opts.tokenizer)
+    if opts.block_size is None:
+        widths = (ckpt.config["hidden_size"], ckpt.config["intermediate_size"])
+        opts = replace(opts, block_size=fit_block(opts.quant, widths))
     engine = graph.choose_engine(ckpt, opts.engine)
     texts = parity.eval_texts(ckpt, opts.texts, opts.eval_tokens)  # bad --text fails here, early
     if opts.web:

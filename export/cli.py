@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument(
-        "--block-size", type=int, help="weights per scale (default 128; 32 for a little less loss)"
+        "--block-size", type=int, help="weights per scale (default: int4 256, int8 128, fitted)"
     )
     p.add_argument(
         "--text",

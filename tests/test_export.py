@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxruntime_genai")
 
-from export.bundle import ExportOptions, export_checkpoint  # noqa: E402
+from export.bundle import ExportOptions, export_checkpoint, fit_block  # noqa: E402
 from export.cli import main  # noqa: E402
 from export.common import ExportError, sha256_file  # noqa: E402
 from export.runner import OnnxLM  # noqa: E402
@@ -194,7 +194,8 @@ def test_batch_axis_is_dynamic(fp32_bundle, ckpt):
 def test_int4_mobile_bundle_costs_little_loss_and_the_ort_model_agrees(ckpt, fp32_bundle, tmp_path):
     out = tmp_path / "int4"
     m = export_checkpoint(ckpt, out, _quiet(quant="int4", mobile=True, kv_cache="fp16"))
-    assert _nbits_attrs(out / "model.onnx") == {(4, 128), (8, 128)}  # the head at 8 bits
+    # The head at 8 bits; the default block fitted to the tiny model's 64-wide rows.
+    assert _nbits_attrs(out / "model.onnx") == {(4, 64), (8, 64)}
     assert m["quantization"]["lm_head"] == "int8 MatMulNBits"
     loss = m["parity"]["loss"]
     # Quantization costs loss on a trained model, but little: the bound is 0.10 nats/token.
@@ -571,9 +572,23 @@ def test_cli_refuses_an_existing_bundle_and_replaces_it_with_force(ckpt, tmp_pat
     assert "max rel err" in capsys.readouterr().out
     _assert_modes(out, 0o027)
     q = json.loads((out / "manifest.json").read_text())["quantization"]
-    # int8's default block is 128 weights a scale (int4 keeps 32: see the int4 test).
-    assert q["bits"] == 8 and q["block_size"] == 128
-    assert _nbits_attrs(out / "model.onnx") == {(8, 128)}
+    # int8's default block, 128 weights a scale, halved to fit the tiny model's 64-wide rows.
+    assert q["bits"] == 8 and q["block_size"] == 64
+    assert _nbits_attrs(out / "model.onnx") == {(8, 64)}
+
+
+@pytest.mark.parametrize(
+    "quant, widths, block",
+    [
+        ("int4", (1024, 3584), 256),  # bangla-0.4b
+        ("int4", (384, 1024), 128),  # small: 384 is no multiple of 256
+        ("int4", (192, 512), 64),  # the demo
+        ("int8", (1024, 3584), 128),
+        ("int8", (24, 48), 16),  # the smallest block MatMulNBits takes, whatever the width
+    ],
+)
+def test_the_default_block_is_the_largest_that_divides_every_row(quant, widths, block):
+    assert fit_block(quant, widths) == block
 
 
 def test_force_replaces_only_a_bundle_never_other_files(ckpt, tmp_path, capsys):
