@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu = this_cpu()
     qemu = subprocess.run(
-        [env["aarch64 max"]["cmd"][0], "--version"], capture_output=True, text=True
+        [env[f"aarch64 {args.cpus[0]}"]["cmd"][0], "--version"], capture_output=True, text=True
     )
     report = {
         "name": args.name,
