@@ -8,7 +8,7 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serve.app import Settings, create_app
@@ -93,8 +93,22 @@ def test_no_request_body_gives_a_5xx(client, route, body, prompt):
         assert r.text.endswith("data: [DONE]\n\n")
 
 
+def _past_the_context(client, prompt, max_tokens: int) -> bool:
+    """The longest prompt of the request and max_tokens more do not fit the context (a text of
+    30 characters outside the tiny tokenizer's alphabet is up to 120 byte tokens): the server's
+    answer is then a 400 that says so."""
+    batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    counts, ctx = [], 0
+    for p in batch:
+        r = client.post("/tokenize", json={"prompt": p if isinstance(p, str) else ""}).json()
+        counts.append(len(p) if isinstance(p, list) else r["count"])
+        ctx = r["max_model_len"]
+    return max(counts) + max_tokens > ctx
+
+
 @settings(max_examples=60, deadline=None)
 @given(body=NEAR, prompt=PROMPTS)
+@example(body={"max_tokens": 57}, prompt="日本語の文" * 6)  # ~90 byte tokens: past the context
 def test_completions_within_the_bounds_succeed(client, body, prompt):
     n = len(prompt) if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else 1
     scoring = body.get("echo") or body.get("logprobs") is not None or n > 1
@@ -102,6 +116,7 @@ def test_completions_within_the_bounds_succeed(client, body, prompt):
         (body.get("max_tokens") == 0 and not body.get("echo"))
         or body.get("top_p") == 0
         or (body.get("stream") and scoring)
+        or _past_the_context(client, prompt, body.get("max_tokens", 16))
     )
     body = {**body, "prompt": prompt}
     r = client.post("/v1/completions", json=body)
