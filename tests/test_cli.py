@@ -134,7 +134,9 @@ def test_missing_extra_names_the_pip_install(tmp_path, sample_paths):
 
 def test_demo_runs_the_main_job(tmp_path):
     proc = run("demo", "--out", str(tmp_path))  # the default, as `make demo` runs it
-    assert re.search(r"^finished: \d+ steps", proc.stdout, re.M), "training stopped early"
+    # Both runs finish: pre-training, then the chat fine-tuning.
+    finished = re.findall(r"^finished: \d+ steps", proc.stdout, re.M)
+    assert len(finished) == 2, "training stopped early"
     assert "fertility of" in proc.stdout and "language balance" in proc.stdout
     assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
     assert (tmp_path / "shards" / "meta.json").is_file()
