@@ -61,16 +61,21 @@ SCALE = [
 MUON = ["optimizer=muon"]
 
 
+EXTRA: list[str] = []  # --set: overrides of SCALE (another scale of the same benchmark)
+
+
 def config(steps: int, sets: list[str]) -> TrainConfig:
     return load_config(
-        TrainConfig, ROOT / "configs" / "small.toml", [*SCALE, f"steps={steps}", *sets]
+        TrainConfig, ROOT / "configs" / "small.toml", [*SCALE, *EXTRA, f"steps={steps}", *sets]
     )
 
 
 # ---------------------------------------------------------------- data
 
 
-def setup(data: Path, work: Path, bangla_share: float = 0.55) -> tuple[Path, Path, dict]:
+def setup(
+    data: Path, work: Path, vocab: int = VOCAB, bangla_share: float = 0.55
+) -> tuple[Path, Path, dict]:
     """Tokenizer (VOCAB tokens, trained on the train split) and shards; cached in `work`."""
     from benchmarks.bench_tokenizer import language_weights
     from train.data.prepare import PrepareConfig, prepare
@@ -84,9 +89,9 @@ def setup(data: Path, work: Path, bangla_share: float = 0.55) -> tuple[Path, Pat
     weights = language_weights(sources, len(splits["bn"]["train"]), bangla_share)
     tok = work / "tokenizer" / "tokenizer.json"
     if not tok.is_file():
-        print(f"training the {VOCAB:,}-token tokenizer on the train split", flush=True)
+        print(f"training the {vocab:,}-token tokenizer on the train split", flush=True)
         train_tokenizer(
-            sources, TokenizerConfig(vocab_size=VOCAB), tok.parent, weights, progress=False
+            sources, TokenizerConfig(vocab_size=vocab), tok.parent, weights, progress=False
         )
     shards = work / "shards"
     if not (shards / "meta.json").is_file():
@@ -235,6 +240,26 @@ def throughput(shards: Path, steps: int, rounds: int, block: int) -> dict:
 # ---------------------------------------------------------------- analysis
 
 
+def hidden_shapes(m) -> list[tuple[int, int]]:
+    """(rows, cols) of each matrix Muon takes: q, k, v, o, gate, up, down in every block."""
+    kv = m.num_key_value_heads * (m.hidden_size // m.num_attention_heads)
+    h, i = m.hidden_size, m.intermediate_size
+    return [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * m.num_hidden_layers
+
+
+def newton_schulz_overhead(cfg: TrainConfig, ns_steps: int = 5) -> dict:
+    """Muon's extra FLOPs a step (5 Newton-Schulz iterations a matrix: XXᵀ, A², BX, i.e.
+    4n²m + 2n³ with n <= m) over the step's training FLOPs (6 a matmul weight a token, head
+    included, plus 6·L·h·T of causal attention, as the run's log counts them)."""
+    m = cfg.model
+    shapes = hidden_shapes(m)
+    ns = ns_steps * sum(4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3 for a, b in shapes)
+    weights = sum(a * b for a, b in shapes) + m.vocab_size * m.hidden_size
+    per_token = 6 * weights + 6 * m.num_hidden_layers * m.hidden_size * cfg.seq_len
+    train = per_token * cfg.tokens_per_step
+    return {"ns_flops_per_step": ns, "train_flops_per_step": train, "overhead": ns / train}
+
+
 def final(run: dict, lang: str = "bn") -> float:
     return run["curve"][-1][lang] if run["curve"] else float("nan")
 
@@ -295,12 +320,16 @@ def main() -> None:
     )
     p.add_argument("--speed-block", type=int, default=5, help="steps a timing block")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="tokenizer size (and the model's)")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE over SCALE")
+    p.add_argument("--tag", default="", help="appended to the result files' name")
     args = p.parse_args()
     if not (args.data / "splits.json").is_file():
         sys.exit(f"no {args.data}/splits.json: point --data at the shared data folder")
     torch.set_num_threads(args.threads)
+    EXTRA[:] = [f"model.vocab_size={args.vocab}", *args.sets]
     args.work.mkdir(parents=True, exist_ok=True)
-    tok, shards, val = setup(args.data, args.work)
+    tok, shards, val = setup(args.data, args.work, args.vocab)
     held = HeldOut(tok, val, args.eval_chars, config(args.steps, []).seq_len)
     n = args.steps
     runs = {}
@@ -340,8 +369,6 @@ def main() -> None:
         if (args.work / "runs" / "throughput.json").is_file():
             speed = json.loads((args.work / "runs" / "throughput.json").read_text())
             write(args.out, summarise(args, runs, speed, best_lr))
-    report = summarise(args, runs, speed, best_lr)
-    write(args.out, report)
 
 
 def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
@@ -359,6 +386,14 @@ def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
     if need["interpolated_tokens"]:
         wall = (need["interpolated_tokens"] / tps["muon"]) / (full_tokens / tps["adamw"])
     cpu = this_cpu()
+    big = load_config(TrainConfig, ROOT / "configs" / "bangla-0.4b.toml", [])
+    ns = {
+        "this_scale": newton_schulz_overhead(config(n, MUON)),
+        "bangla-0.4b": newton_schulz_overhead(big),
+    }
+    projected = None
+    if need["ratio"]:  # tokens ratio x (1 + Muon's extra FLOPs at the 0.4B preset's batch)
+        projected = need["ratio"] * (1 + ns["bangla-0.4b"]["overhead"])
     return {
         "date": str(date.today()),
         "machine": {
@@ -368,8 +403,9 @@ def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
             "torch": torch.__version__,
             "threads": args.threads,
         },
+        "tag": args.tag,
         "scale": {
-            "sets_over_small": SCALE,
+            "sets_over_small": [*SCALE, *EXTRA],
             "steps": n,
             "tokens_per_step": config(n, []).tokens_per_step,
             "eval_chars_per_language": args.eval_chars,
@@ -380,6 +416,8 @@ def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
         "muon_tokens_to_adamw_final_bn": need,
         "throughput": speed,
         "muon_wall_clock_over_adamw_to_same_bn": wall,
+        "newton_schulz": ns,
+        "projected_wall_clock_ratio_bangla_0.4b": projected,
         "goal_tokens_at_most_0.75": bool(need["ratio"] and need["ratio"] <= 0.75),
         "goal_wins_at_equal_wall_clock": bool(wall and wall < 1),
     }
@@ -387,7 +425,7 @@ def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
 
 def write(out: Path, rep: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"optim_small_cpu-{rep['machine']['cpu'].get('class', 'cpu')}"
+    stem = out / f"optim_small{rep['tag']}_cpu-{rep['machine']['cpu'].get('class', 'cpu')}"
     (stem.with_suffix(".json")).write_text(json.dumps(rep, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(rep))
     plot(rep, stem.with_suffix(".png"))
@@ -420,6 +458,24 @@ def markdown(rep: dict) -> str:
             f"{final(r):.3f} | {final(r, 'en'):.3f} | {r['seconds']:.0f} | "
             f"{r['other_cpu_seconds']:.0f} |"
         )
+    lines += [
+        "",
+        "train s: each run's own wall time; runs shared the machine with each other and other "
+        "jobs, so speed is compared only in the alternating blocks below. The muon-lr* rows are "
+        "the sweep (Muon's lr with torch's 'original' shape adjustment; AdamW keeps lr 2e-3 on "
+        "the embedding and norms); muon-best-x* the best at fewer tokens, each with its own "
+        "full schedule.",
+        "",
+    ]
+    cool = [(a, b) for a, b in (("adamw", "adamw-decay0.6"),) if b in runs]
+    best_name = f"muon-lr{rep['best_muon_lr']:g}"
+    if "muon-best-decay0.6" in runs:
+        cool.append((best_name, "muon-best-decay0.6"))
+    for a, b in cool:
+        lines.append(
+            f"- Cool-down: {a} bn {final(runs[a]):.3f} at decay_fraction "
+            f"{runs[a]['config']['decay_fraction']} vs {final(runs[b]):.3f} at 0.6."
+        )
     lines += ["", "Held-out bits/char at equal steps (AdamW vs the best Muon, full horizon):", ""]
     best = runs[f"muon-lr{rep['best_muon_lr']:g}"]
     lines += [
@@ -433,6 +489,8 @@ def markdown(rep: dict) -> str:
         )
     ratio = need["ratio"]
     wall = rep["muon_wall_clock_over_adamw_to_same_bn"]
+    ns = rep["newton_schulz"]
+    proj = rep["projected_wall_clock_ratio_bangla_0.4b"]
     lines += [
         "",
         f"AdamW's final Bangla bits/char: **{rep['adamw_final_bn']:.3f}**. Muon (muon_lr "
@@ -449,6 +507,14 @@ def markdown(rep: dict) -> str:
         "",
         "Wall-clock to AdamW's final bn bits/char, Muon / AdamW: "
         + (f"**{wall:.2f}**" if wall else "not reached"),
+        "",
+        "Muon's Newton-Schulz FLOPs over a step's training FLOPs: "
+        f"{100 * ns['this_scale']['overhead']:.0f} % at this scale "
+        f"({rep['scale']['tokens_per_step']:,} tokens a step), "
+        f"{100 * ns['bangla-0.4b']['overhead']:.1f} % for `bangla-0.4b` (524,288 tokens a step); "
+        "projected Muon / AdamW wall-clock there (the token ratio measured here x that "
+        "overhead, a CPU-scale projection until a GPU run confirms it): "
+        + (f"**{proj:.2f}**" if proj else "n/a"),
         "",
         f"Goals: tokens <= 0.75x: {_met(rep['goal_tokens_at_most_0.75'])}; "
         f"wins at equal wall-clock: {_met(rep['goal_wins_at_equal_wall_clock'])}.",
