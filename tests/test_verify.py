@@ -271,10 +271,11 @@ def leaves_out(name):
             "layers.1.self_attn.q_proj.weight: frozen",
         ),
         # (train_step clears the model's gradients, not only the optimizer's, so the orphan
-        # cannot swell the clipping norm: resume holds, and only the step check sees it.)
+        # cannot swell the clipping norm: resume holds; the groups check names it before any
+        # step, the step check sees it stay put.)
         (
             {"optimizer_factory": leaves_out("model.layers.1.mlp.up_proj.weight")},
-            {"step"},
+            {"groups", "step"},
             "unchanged after one step: model.layers.1.mlp.up_proj.weight (not in the optimizer",
         ),
         # A checkpoint stores a declared-tied head once, so resuming also loses the lone head.
