@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}",
         "cpu": this_cpu(),
-        "chromium": chromium.strip().split()[-1] if chromium else None,
+        "chromium": chromium.split()[1] if chromium else None,  # "Chromium 156.0... built on"
         "onnxruntime": onnxruntime.__version__,
         "runtime": runtime_versions(),
         "settings": {"short": SHORT, "long": LONG, "new_tokens": NEW, "repeats": REPEATS},
