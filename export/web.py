@@ -8,22 +8,24 @@ page (export/web/worker.js ports serve/textstream.py's rule).
 
     web/index.html, worker.js, sw.js    doel's page, its worker, its service worker (export/web/)
     web/web.json                        what the worker loads (below)
-    web/model.onnx                      the bundle's graph; logits_to_keep made a plain input
-    web/model-<sha256[:16]>.bin ...     model.onnx.data cut into pieces of at most CHUNK_BYTES
+    web/model.onnx                      the bundle's graph, rewritten for WebAssembly (below)
+    web/model-<sha256[:16]>.bin ...     its weights cut into pieces of at most CHUNK_BYTES
     web/tokenizer.json, tokenizer_config.json
     web/ort.wasm.min.js, ort-wasm-simd-threaded.{mjs,wasm}   onnxruntime-web (npm, MIT)
     web/tokenizers.min.js               @huggingface/tokenizers (npm, Apache-2.0; CommonJS build)
 
 Why so:
-- onnxruntime-web's wasm build carries ONNX Runtime's CPU contrib operators, so the bundle's own
-  graph runs (GroupQueryAttention, MatMulNBits, GatherBlockQuantized, SkipSimplifiedLayer-
-  Normalization), its weights byte for byte. Two things differ from doel-serve. The page lists
-  only inputs without an initializer and refuses other feeds, so `logits_to_keep` (an
-  overridable initializer, export/graph.py) becomes a plain input. And the cache grows one
-  position a step (GroupQueryAttention's concatenating mode, present = past + new) instead of
-  serve's buffer at the full context written in place: wasm copies every input and output
-  across the JavaScript boundary on each run, and a full-context buffer would copy the whole
-  context's cache twice a token.
+- onnxruntime-web's wasm build carries ONNX Runtime's CPU contrib operators, so the bundle's
+  graph runs there (GroupQueryAttention, MatMulNBits, GatherBlockQuantized, SkipSimplifiedLayer-
+  Normalization), but its MatMulNBits kernel has no fast WebAssembly path: the 0.4B int4 model
+  decoded ~37x slower than doel-serve. The page's graph therefore holds the same integers and
+  scales as DequantizeLinear + MatMul (int4 in memory, each matrix dequantized as it is used:
+  ~4x faster; benchmarks/results/web_cpu-*.md). `logits_to_keep` (an overridable initializer,
+  export/graph.py) becomes a plain input: the page lists only inputs without an initializer and
+  refuses other feeds. And the cache grows one position a step (GroupQueryAttention's
+  concatenating mode, present = past + new) instead of serve's buffer at the full context
+  written in place: wasm copies every input and output across the JavaScript boundary on each
+  run, and a full-context buffer would copy the whole context's cache twice a token.
 - The weights are pieces named by their hash, so the page keeps each in Cache Storage and a new
   export never reads a stale one; the worker checks each fresh piece's sha256.
 - Threads: a browser gives WebAssembly threads only to a cross-origin isolated page (two response
@@ -46,7 +48,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from export.common import ExportError, fresh_dir, sha256_file, write_json
 
@@ -54,6 +58,7 @@ PAGE = Path(__file__).with_name("web")  # index.html, worker.js, package.json, p
 PAGE_FILES = ("index.html", "worker.js", "sw.js")
 CHUNK_BYTES = 32 << 20  # a piece of the weights: small enough for any cache and a phone's fetch
 LOGITS_TO_KEEP = "logits_to_keep"
+WEB_DATA = "model.web.data"  # the page's weights, joined from the pieces in the browser
 # node_modules path -> name in the web folder
 RUNTIME_FILES = {
     "onnxruntime-web/dist/ort.wasm.min.js": "ort.wasm.min.js",
@@ -112,29 +117,81 @@ def runtime_modules(log=print) -> Path:
     return mods
 
 
-def web_graph(src: Path, dst: Path) -> bool:
-    """Write the graph of `src` to `dst` (its weights stay in the external file, same names) with
-    logits_to_keep a plain input; True when the graph has that input."""
-    m = onnx.load(str(src), load_external_data=False)
+def unpack_nbits(b: np.ndarray, bits: int, k: int) -> np.ndarray:
+    """MatMulNBits' weight [N, blocks, bytes] (uint8, zero point 2^(bits-1), the builder's
+    symmetric form) as signed integers [N, K]."""
+    flat = b.reshape(b.shape[0], -1).astype(np.int16)
+    if bits == 4:
+        flat = np.stack([flat & 0xF, flat >> 4], axis=-1).reshape(b.shape[0], -1)
+    return (flat[:, :k] - (1 << (bits - 1))).astype(np.int8)
+
+
+def _int4_tensor(name: str, q: np.ndarray) -> onnx.TensorProto:
+    """ONNX INT4 [K, N]: two values a byte, the first in the low nibble."""
+    u = (q.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(0))
+    raw = (u[0::2] | (u[1::2] << 4)).tobytes()
+    return onnx.helper.make_tensor(name, onnx.TensorProto.INT4, list(q.shape), raw, raw=True)
+
+
+def dequantize_nodes(g: onnx.GraphProto) -> int:
+    """Each MatMulNBits without zero points becomes DequantizeLinear (the same integers and
+    scales, blocked along K) + MatMul; returns how many. In WebAssembly MatMulNBits has no fast
+    kernel: one [1, 1024] x [1024, 2816] product took 14-17 ms against 1.9 ms for this pair
+    (benchmarks/results/web_cpu-*.md); the integers stay int4 in memory, each matrix is
+    dequantized as it is used."""
+    inits = {t.name: t for t in g.initializer}
+    nodes = [n for n in g.node if n.op_type == "MatMulNBits" and len(n.input) == 3]
+    for node in nodes:
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
+        q = unpack_nbits(numpy_helper.to_array(inits[node.input[1]]), bits, k).T.copy()
+        scales = numpy_helper.to_array(inits[node.input[2]]).reshape(n, -1).T.astype(np.float32)
+        names = [f"{node.name}/{x}" for x in ("q", "scales", "weight")]
+        qt = _int4_tensor(names[0], q) if bits == 4 else numpy_helper.from_array(q, names[0])
+        g.initializer.extend([qt, numpy_helper.from_array(np.ascontiguousarray(scales), names[1])])
+        for name in node.input[1:]:
+            g.initializer.remove(inits[name])
+        at = list(g.node).index(node)
+        dq = onnx.helper.make_node(
+            "DequantizeLinear",
+            names[:2],
+            names[2:],
+            name=f"{node.name}/DQ",
+            axis=0,
+            block_size=block,
+        )
+        mm = onnx.helper.make_node(
+            "MatMul", [node.input[0], names[2]], list(node.output), name=f"{node.name}/MatMul"
+        )
+        g.node.remove(node)
+        g.node.insert(at, mm)
+        g.node.insert(at, dq)
+    return len(nodes)
+
+
+def web_graph(src: Path, out: Path) -> dict:
+    """The page's graph of `src` in out/model.onnx, its weights in out/WEB_DATA: logits_to_keep a
+    plain input, MatMulNBits as DequantizeLinear + MatMul where the opset has blocked
+    DequantizeLinear (21)."""
+    m = onnx.load(str(src))  # the weights too: the quantized ones are rewritten
     g = m.graph
     inputs = {i.name for i in g.input}
     found = [t for t in g.initializer if t.name == LOGITS_TO_KEEP and t.name in inputs]
     for t in found:
         g.initializer.remove(t)
-    onnx.save(m, str(dst))
-    return bool(found)
-
-
-def data_locations(model: Path) -> set[str]:
-    """The external data files the graph's initializers name."""
-    m = onnx.load(str(model), load_external_data=False)
-    return {
-        e.value
-        for t in m.graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
-        for e in t.external_data
-        if e.key == "location"
-    }
+    opset = max((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    rewritten = dequantize_nodes(g) if opset >= 21 else 0
+    onnx.save(
+        m,
+        str(out / "model.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=WEB_DATA,
+        size_threshold=1024,
+    )
+    return {"logits_to_keep": bool(found), "dequantized_matmuls": rewritten}
 
 
 def split_data(data: Path, out: Path, chunk: int = CHUNK_BYTES) -> list[dict]:
@@ -174,12 +231,11 @@ def write_web(
     model = bundle / manifest["model"]
     mods = runtime_modules(log)
     out.mkdir(parents=True, exist_ok=True)
-    keep = web_graph(model, out / "model.onnx")
-    locations = data_locations(model)
-    if len(locations) > 1:
-        raise ExportError(f"{model} keeps its weights in {len(locations)} files; expected one")
-    data_path = next(iter(locations), None)
-    pieces = split_data(bundle / data_path, out, chunk) if data_path else []
+    graph_facts = web_graph(model, out)
+    data_path = WEB_DATA if (out / WEB_DATA).is_file() else None
+    pieces = split_data(out / data_path, out, chunk) if data_path else []
+    if data_path:
+        (out / data_path).unlink()  # the page joins the pieces
     for file in ("tokenizer.json", "tokenizer_config.json"):
         if (bundle / file).is_file():
             shutil.copyfile(bundle / file, out / file)
@@ -209,7 +265,7 @@ def write_web(
         "head_dim": kv["head_dim"],
         "kv_dtype": kv.get("dtype", "float32"),
         "position_ids": bool(kv.get("position_ids_input")),
-        "logits_to_keep": keep,
+        **graph_facts,
         "vocab_size": manifest["vocab_size"],
         "context_length": manifest["context_length"],
         "stop_ids": stop_ids(special),

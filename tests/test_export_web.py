@@ -58,36 +58,59 @@ def web_bundle(tiny_bundle, tmp_path_factory):
 
 
 def test_web_folder_holds_the_bundles_weights_in_hashed_pieces(web_bundle, tmp_path):
-    """The pieces are model.onnx.data cut in order, each named by its hash; the graph differs
-    only in logits_to_keep being a plain input; the manifest records the page."""
+    """Each piece is named by its hash; joined, they hold the page's graph's weights, in which
+    every MatMulNBits became DequantizeLinear + MatMul over exactly the bundle's integers and
+    scales; the rest of the graph is the bundle's; the manifest records the page."""
+    import numpy as np
     import onnx
+    from onnx import numpy_helper
 
     from export import web
 
     page = web_bundle / "web"
     spec = json.loads((page / "web.json").read_text())
-    joined = b"".join((page / p["file"]).read_bytes() for p in spec["data"])
-    assert joined == (web_bundle / spec["data_path"]).read_bytes()
     for p in spec["data"]:
-        assert (
-            p["file"]
-            == f"model-{hashlib.sha256((page / p['file']).read_bytes()).hexdigest()[:16]}.bin"
-        )
-    # Small pieces: the same bytes, more files.
-    small = web.split_data(web_bundle / spec["data_path"], tmp_path, chunk=100_000)
-    assert len(small) > 1 and b"".join((tmp_path / p["file"]).read_bytes() for p in small) == joined
-    ours = onnx.load(str(page / "model.onnx"), load_external_data=False).graph
-    theirs = onnx.load(str(web_bundle / "model.onnx"), load_external_data=False).graph
-    assert ours.node == theirs.node and [i.name for i in ours.input] == [
-        i.name for i in theirs.input
+        digest = hashlib.sha256((page / p["file"]).read_bytes()).hexdigest()
+        assert p["file"] == f"model-{digest[:16]}.bin"
+    joined = b"".join((page / p["file"]).read_bytes() for p in spec["data"])
+    (tmp_path / spec["data_path"]).write_bytes(joined)
+    shutil.copyfile(page / "model.onnx", tmp_path / "model.onnx")
+    ours = onnx.load(str(tmp_path / "model.onnx")).graph
+    theirs = onnx.load(str(web_bundle / "model.onnx")).graph
+    mine = {t.name: t for t in ours.initializer}
+    bundle = {t.name: t for t in theirs.initializer}
+    nbits = [n for n in theirs.node if n.op_type == "MatMulNBits"]
+    assert nbits and spec["dequantized_matmuls"] == len(nbits)
+    assert not [n for n in ours.node if n.op_type == "MatMulNBits"]
+    for node in nbits:
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        q = web.unpack_nbits(numpy_helper.to_array(bundle[node.input[1]]), a["bits"], a["K"])
+        scales = numpy_helper.to_array(bundle[node.input[2]]).reshape(a["N"], -1)
+        want = q * np.repeat(scales, a["block_size"], axis=1)[:, : a["K"]]  # [N, K]
+        got_q = numpy_helper.to_array(mine[f"{node.name}/q"]).astype(np.float32)
+        got_s = numpy_helper.to_array(mine[f"{node.name}/scales"])
+        got = got_q * np.repeat(got_s, a["block_size"], axis=0)[: a["K"]]  # [K, N]
+        assert np.array_equal(got.T, want), node.name
+    rest = [n for n in theirs.node if n.op_type != "MatMulNBits"]
+    assert [n for n in ours.node if n.op_type not in ("DequantizeLinear", "MatMul")] == [
+        n for n in rest if n.op_type != "MatMul"
     ]
-    assert {t.name for t in theirs.initializer} - {t.name for t in ours.initializer} == {
-        "logits_to_keep"
-    }
+    assert [i.name for i in ours.input] == [i.name for i in theirs.input]
+    assert "logits_to_keep" in bundle and "logits_to_keep" not in mine and spec["logits_to_keep"]
+    # Small pieces: the same bytes, more files.
+    small = web.split_data(tmp_path / spec["data_path"], tmp_path, chunk=100_000)
+    assert len(small) > 1 and b"".join((tmp_path / p["file"]).read_bytes() for p in small) == joined
     manifest = json.loads((web_bundle / "manifest.json").read_text())
-    assert manifest["web"]["pieces"] == len(spec["data"]) and spec["logits_to_keep"]
-    for name in ("index.html", "worker.js", "ort.wasm.min.js", "ort-wasm-simd-threaded.wasm"):
+    assert manifest["web"]["pieces"] == len(spec["data"])
+    for name in (
+        "index.html",
+        "worker.js",
+        "sw.js",
+        "ort.wasm.min.js",
+        "ort-wasm-simd-threaded.wasm",
+    ):
         assert (page / name).is_file(), name
+    assert not (page / spec["data_path"]).exists()  # only the pieces are served
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,9 @@ async function load(threads) {
     executionProviders: ["wasm"],
     graphOptimizationLevel: "all",
     externalData: external,
+    // Keep DequantizeLinear + MatMul apart: ONNX Runtime would fuse them back into MatMulNBits,
+    // which has no fast WebAssembly kernel (export/web.py, dequantize_nodes).
+    extra: { session: { disable_quant_qdq: "1" } },
   });
   post({
     type: "ready",
