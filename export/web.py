@@ -19,8 +19,10 @@ Why so:
   graph runs there (GroupQueryAttention, MatMulNBits, GatherBlockQuantized, SkipSimplifiedLayer-
   Normalization), but its MatMulNBits kernel has no fast WebAssembly path: the 0.4B int4 model
   decoded ~37x slower than doel-serve. The page's graph therefore holds the same integers and
-  scales as DequantizeLinear + MatMul (int4 in memory, each matrix dequantized as it is used:
-  ~4x faster; benchmarks/results/web_cpu-*.md). `logits_to_keep` (an overridable initializer,
+  scales as DequantizeLinear + MatMul, which ONNX Runtime folds into fp32 matrices once, at load
+  (~5x faster decode, ~3x the memory: 2.7 GB at 0.4B; benchmarks/results/web_cpu-*.md); the
+  page's ?memory=low (or a browser reporting under 8 GB) lets it fuse them back into
+  MatMulNBits instead: int4 in memory, slow. `logits_to_keep` (an overridable initializer,
   export/graph.py) becomes a plain input: the page lists only inputs without an initializer and
   refuses other feeds. And the cache grows one position a step (GroupQueryAttention's
   concatenating mode, present = past + new) instead of serve's buffer at the full context
@@ -138,9 +140,9 @@ def _int4_tensor(name: str, q: np.ndarray) -> onnx.TensorProto:
 def dequantize_nodes(g: onnx.GraphProto) -> int:
     """Each MatMulNBits without zero points becomes DequantizeLinear (the same integers and
     scales, blocked along K) + MatMul; returns how many. In WebAssembly MatMulNBits has no fast
-    kernel: one [1, 1024] x [1024, 2816] product took 14-17 ms against 1.9 ms for this pair
-    (benchmarks/results/web_cpu-*.md); the integers stay int4 in memory, each matrix is
-    dequantized as it is used."""
+    kernel (one [1, 1024] x [1024, 2816] product: 14-17 ms, an fp32 MatMul 0.3-0.7 ms;
+    benchmarks/probe_web_matmul.py). The page then either lets ONNX Runtime fold each pair into
+    an fp32 matrix at load (fast, large) or fuse it back into MatMulNBits (small, slow)."""
     inits = {t.name: t for t in g.initializer}
     nodes = [n for n in g.node if n.op_type == "MatMulNBits" and len(n.input) == 3]
     for node in nodes:

@@ -141,7 +141,8 @@ def page(web_bundle):
     driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
     driver.set_script_timeout(60)
     try:
-        driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
+        # fp32 weights in memory whatever the machine reports (the page picks by memory)
+        driver.get(f"http://127.0.0.1:{server.server_address[1]}/?memory=fp32")
         facts = _script(driver, "return await doel.ready;")
         yield driver, facts
     finally:
@@ -154,7 +155,7 @@ def test_page_tokenizes_as_tokenizers_does(page, web_bundle, sample_paths):
     from tokenizers import Tokenizer
 
     driver, facts = page
-    assert facts["isolated"] and facts["threads"] >= 1
+    assert facts["isolated"] and facts["threads"] >= 1 and facts["weights_in_memory"] == "fp32"
     tok = Tokenizer.from_file(str(web_bundle / "tokenizer.json"))
     texts = PROMPTS + EDGE
     for path in sample_paths:
@@ -164,6 +165,19 @@ def test_page_tokenizes_as_tokenizers_does(page, web_bundle, sample_paths):
     want = [tok.encode(t).ids for t in texts]
     wrong = [(t, g, w) for t, g, w in zip(texts, got, want) if g != w]
     assert not wrong, f"{len(wrong)} of {len(texts)} differ, first: {wrong[0]}"
+
+
+def _engine_ids(bundle, prompt: str) -> list[int]:
+    """doel-serve's engine's greedy ids for `prompt`, stopping where the page stops."""
+    from tokenizers import Tokenizer
+
+    from serve.engine import Engine, read_bundle
+    from serve.sampling import SamplingParams
+
+    stops = tuple(json.loads((bundle / "web" / "web.json").read_text())["stop_ids"])
+    ids = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(prompt).ids
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop_token_ids=stops)
+    return list(Engine(read_bundle(bundle), threads=1).generate(ids, params))
 
 
 def _cluster_boundary(text: str, k: int) -> bool:
@@ -240,9 +254,14 @@ def test_page_isolates_itself_where_the_host_sends_no_headers(page, web_bundle):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/"
     try:
-        driver.get(url + "?no-sw")
+        driver.get(url + "?no-sw&memory=low")
         plain = _script(driver, "return await doel.ready;")
         assert not plain["isolated"] and plain["threads"] == 1
+        # Weights int4 in memory (MatMulNBits again): slower, the same greedy ids.
+        assert plain["weights_in_memory"] == "int4"
+        req = {"prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0}
+        got = _script(driver, "return await doel.generate(arguments[0]);", req)
+        assert got["ids"] == _engine_ids(web_bundle, PROMPTS[0])
         from selenium.common.exceptions import WebDriverException
         from selenium.webdriver.support.ui import WebDriverWait
 

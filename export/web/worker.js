@@ -36,7 +36,10 @@ async function piece(p, cache) {
   return buf;
 }
 
-async function load(threads) {
+// lowMemory: keep the weights int4 in memory (ONNX Runtime fuses DequantizeLinear + MatMul back
+// into MatMulNBits: ~0.8 GB at 0.4B, but ~5x slower); else they are dequantized to fp32 once, at
+// load (~2.7 GB at 0.4B). benchmarks/results/web_cpu-*.md has both.
+async function load(threads, lowMemory) {
   const t0 = performance.now();
   spec = await (await fetch("web.json")).json();
   const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
@@ -67,13 +70,15 @@ async function load(threads) {
     executionProviders: ["wasm"],
     graphOptimizationLevel: "all",
     externalData: external,
-    // Keep DequantizeLinear + MatMul apart: ONNX Runtime would fuse them back into MatMulNBits,
-    // which has no fast WebAssembly kernel (export/web.py, dequantize_nodes).
-    extra: { session: { disable_quant_qdq: "1" } },
+    // Without its QDQ rules ONNX Runtime folds each DequantizeLinear of constant weights into an
+    // fp32 matrix at load, instead of fusing it with its MatMul back into MatMulNBits, which has
+    // no fast WebAssembly kernel (export/web.py, dequantize_nodes).
+    extra: lowMemory ? {} : { session: { disable_quant_qdq: "1" } },
   });
   post({
     type: "ready",
     threads: ort.env.wasm.numThreads,
+    weights_in_memory: lowMemory ? "int4" : "fp32",
     isolated: !!self.crossOriginIsolated,
     load_ms: performance.now() - t0,
     bundle: spec.bundle,
@@ -285,7 +290,7 @@ async function generate(req) {
 self.onmessage = async (e) => {
   const msg = e.data;
   try {
-    if (msg.type === "load") await load(msg.threads);
+    if (msg.type === "load") await load(msg.threads, msg.lowMemory);
     else if (msg.type === "encode")
       post({ type: "ids", ids: msg.texts.map((t) => tokenizer.encode(t).ids) });
     else if (msg.type === "generate") await generate(msg);
