@@ -164,9 +164,9 @@ def page_row(url: str, spec: dict, threads: int) -> dict:
     """One fresh browser: a cold load, a warm reload, the warm-up, the timed runs."""
     driver = browser()
     try:
-        driver.get(f"{url}?threads={threads}")
+        driver.get(f"{url}?threads={threads}&memory=fp32")
         cold = settled(driver, "doel.ready")
-        driver.get(f"{url}?threads={threads}")
+        driver.get(f"{url}?threads={threads}&memory=fp32")
         warm = settled(driver, "doel.ready")
         warm_up = {"prompt_ids": spec["prompts"]["short"][:8], "max_tokens": 2}
         settled(driver, "doel.generate(arguments[0])", warm_up)
