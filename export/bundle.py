@@ -99,6 +99,14 @@ def fit_block(quant: str, widths: tuple[int, ...]) -> int:
     return block
 
 
+def linear_widths(config: dict) -> tuple[int, ...]:
+    """The input widths of a model's linear layers: hidden and MLP sizes, by their Llama names
+    or GPT-2's (an architecture the builder does not know goes through optimum)."""
+    hidden = config.get("hidden_size") or config.get("n_embd")
+    inner = config.get("intermediate_size") or config.get("n_inner") or 4 * (hidden or 0)
+    return tuple(w for w in (hidden, inner) if isinstance(w, int) and w > 0)
+
+
 def io_table(lm: OnnxLM) -> dict:
     def rows(args):
         return [{"name": a.name, "shape": list(a.shape), "dtype": a.type} for a in args]
@@ -236,8 +244,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     log, out = opts.log, Path(out)
     ckpt = inspect_checkpoint(checkpoint, opts.tokenizer)
     if opts.block_size is None:
-        widths = (ckpt.config["hidden_size"], ckpt.config["intermediate_size"])
-        opts = replace(opts, block_size=fit_block(opts.quant, widths))
+        opts = replace(opts, block_size=fit_block(opts.quant, linear_widths(ckpt.config)))
     engine = graph.choose_engine(ckpt, opts.engine)
     texts = parity.eval_texts(ckpt, opts.texts, opts.eval_tokens)  # bad --text fails here, early
     if opts.web:
