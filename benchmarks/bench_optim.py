@@ -12,8 +12,14 @@ and English bits/char (the validation files of splits.json) are scored along the
 - both at a longer cool-down (decay_fraction 0.6);
 - throughput: AdamW and Muon steps alternated in one process, with the machine's load.
 
-Writes benchmarks/results/optim_small_cpu.{json,md,png}. Run (about 45 min on 2 shared
-cores): `nice -n 10 python benchmarks/bench_optim.py`; runs are cached in --work.
+Writes benchmarks/results/optim_small<tag>_cpu-<class>.{json,md,png}. Two scales were run:
+`nice -n 10 python benchmarks/bench_optim.py --threads 1` (the default: 1M parameters, 512
+tokens a step, 100 steps; a few minutes on a quiet machine) and, as `--tag=-mid`,
+`--vocab 8192 --set model.hidden_size=256 --set model.intermediate_size=704 --set seq_len=128
+--set batch_size=16 --set warmup_steps=20 --steps 200 --evals 8 --eval-chars 20000` (5M
+parameters, 2,048 tokens a step). Runs are cached in --work, so `--runs NAME...` lets several
+processes share the work (one thread each: two threads on a loaded 2-core machine ran 5x
+slower than one) and a last call writes the report.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ SCALE = [
     "batch_size=8",
     "warmup_steps=10",
     "compile=false",
+    "optimizer=adamw",  # the preset's own choice may change; muon runs set it back
     "eval_every=0",
     "checkpoint_every=0",
 ]
@@ -309,6 +316,9 @@ def main() -> None:
     p.add_argument("--muon-lrs", type=float, nargs="*", default=[0.0025, 0.005, 0.01, 0.02, 0.04])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
+        "--horizons", type=float, nargs="*", default=[0.5, 0.75], help="fractions of --steps"
+    )
+    p.add_argument(
         "--runs",
         nargs="*",
         help="only these runs (names as in the table; runs are cached in "
@@ -353,7 +363,7 @@ def main() -> None:
     sweep = {lr: runs[f"muon-lr{lr:g}"] for lr in args.muon_lrs}
     best_lr = min(sweep, key=lambda lr: final(sweep[lr]))
     best = [*MUON, f"muon_lr={best_lr}"]
-    for frac in (0.5, 0.75):
+    for frac in args.horizons:
         go(f"muon-best-x{frac:g}", round(n * frac), best)
     if args.runs is None or "throughput" in args.runs:
         print("throughput (alternating)", flush=True)
@@ -375,11 +385,8 @@ def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
     n = args.steps
     full_tokens = runs["adamw"]["curve"][-1]["tokens"]
     target = final(runs["adamw"])
-    horizons = {
-        0.5: runs["muon-best-x0.5"],
-        0.75: runs["muon-best-x0.75"],
-        1.0: runs[f"muon-lr{best_lr:g}"],
-    }
+    horizons = {f: runs[f"muon-best-x{f:g}"] for f in args.horizons if f"muon-best-x{f:g}" in runs}
+    horizons[1.0] = runs[f"muon-lr{best_lr:g}"]
     need = tokens_to_target(horizons, target, full_tokens)
     tps = speed["tokens_per_s"]
     wall = None
@@ -494,7 +501,9 @@ def markdown(rep: dict) -> str:
     lines += [
         "",
         f"AdamW's final Bangla bits/char: **{rep['adamw_final_bn']:.3f}**. Muon (muon_lr "
-        f"{rep['best_muon_lr']:g}) final bn bits/char at 0.5x / 0.75x / 1x the tokens: "
+        f"{rep['best_muon_lr']:g}) final bn bits/char at "
+        + " / ".join(f"{t:,.0f}" for t, _ in need["finals_by_tokens"])
+        + " tokens: "
         + " / ".join(f"{b:.3f}" for _, b in need["finals_by_tokens"])
         + (f" -> tokens to reach it: **{ratio:.2f}x** AdamW's" if ratio else " -> not reached"),
         "",

@@ -109,6 +109,8 @@ def run_contender(name: str, data: Path, out: Path, steps: int, budget: float) -
             "--set",
             f"time_limit={budget}",
             "--set",
+            "optimizer=adamw",  # the plain loop's optimizer, whatever the preset's
+            "--set",
             "eval_every=0",
             "--set",
             "checkpoint_every=0",

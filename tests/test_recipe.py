@@ -26,9 +26,11 @@ from train.data.prepare import prepare
 from train.data.textio import iter_documents
 from train.model import Llama, ModelConfig
 from train.recipe.budget import (
+    MUON_TOKEN_RATIO,
     check_stage,
     confirm,
     estimate_needs,
+    format_projection,
     parameter_count,
     projection,
 )
@@ -146,6 +148,17 @@ def test_the_estimate_follows_the_budget_and_refuses_what_does_not_fit(tmp_path)
         check_stage("shards", shards, free=1e6, ram=None, where=tmp_path)
     with pytest.raises(DoelError, match="GB of memory"):
         check_stage("shards", shards, free=2 * shards.disk, ram=1e6, where=tmp_path)
+
+
+def test_a_muon_run_also_projects_adamws_quality_at_the_measured_token_ratio():
+    m = {"mfu": None, "peak_memory_gb": None, "steps_timed": 5, "device": "cpu"}
+    m |= {"dtype": "float32", "compile": False, "sec_per_step": 2.0, "tokens_per_s": 1000.0}
+    p = projection(steps=3600, done=0, sec_per_step=2.0, gpus=1, price=3.0)
+    assert "with Muon" not in format_projection(m, p, 10**9)
+    line = format_projection(m, p, 10**9, "muon").splitlines()[-1]
+    assert 0 < MUON_TOKEN_RATIO < 1
+    assert f"{MUON_TOKEN_RATIO:.2f}x the tokens" in line and "CPU-scale projection" in line
+    assert f"${6.0 * MUON_TOKEN_RATIO:,.2f}" in line  # 2 h at $3/h, times the ratio
 
 
 def test_the_projection_and_the_confirmation(capsys):

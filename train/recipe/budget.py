@@ -227,7 +227,14 @@ def _throughput(run, times: list[float]) -> dict:
     }
 
 
-def format_projection(m: dict, p: dict, tokens: int) -> str:
+# Muon (optimizer = "muon") reached AdamW's final held-out Bangla bits/char with this share of
+# AdamW's tokens in benchmarks/results/optim_small-mid_cpu-amd-avx512-vnni.md (a 5M-parameter
+# model on a CPU). A CPU-scale projection until a GPU run of bench_optim's comparison confirms
+# it at 0.4B; a run's measured step time already includes Muon's extra matmuls.
+MUON_TOKEN_RATIO = 0.44
+
+
+def format_projection(m: dict, p: dict, tokens: int, optimizer: str = "adamw") -> str:
     util = f", MFU {100 * m['mfu']:.1f}%" if m["mfu"] is not None else ""
     mem = ""
     if m["peak_memory_gb"] is not None:
@@ -244,5 +251,13 @@ def format_projection(m: dict, p: dict, tokens: int) -> str:
         lines.append(
             f"left after the checkpoint at step {p['steps_done']:,}: "
             f"{format_duration(p['remaining_s'])}, ${p['remaining_usd']:,.2f}"
+        )
+    if optimizer == "muon":
+        r = MUON_TOKEN_RATIO
+        lines.append(
+            f"with Muon, AdamW's quality at {tokens / 1e6:,.1f}M tokens is projected at {r:.2f}x "
+            f"the tokens: {format_duration(p['total_s'] * r)}, ${p['total_usd'] * r:,.2f} "
+            "(a CPU-scale projection, benchmarks/results/optim_small-mid_cpu-*.md; not yet "
+            "confirmed on a GPU); the run still trains all its steps"
         )
     return "\n".join(lines)

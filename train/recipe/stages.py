@@ -124,7 +124,7 @@ def train(r) -> None:
         log=r.log,
     )
     p = projection(cfg.steps, done, m["sec_per_step"], plan.gpus, cfg.hourly_price)
-    r.log(format_projection(m, p, cfg.steps * cfg.tokens_per_step * plan.gpus))
+    r.log(format_projection(m, p, cfg.steps * cfg.tokens_per_step * plan.gpus, cfg.optimizer))
     atomic_write_json(r.plan.out / "measure.json", {"measured": m, "projection": p})
     cost = f"{format_duration(p['remaining_s'])} and ${p['remaining_usd']:,.2f}"
     confirm(f"train for about {cost}?", plan.yes, r.stdin)
@@ -289,7 +289,7 @@ def gpu_slice(cfg, preset: str, token_budget: int, seconds: float, out: Path, lo
     m = measure_steps(cfg, next_batches, 3, 5, seconds=seconds, log=log)
     steps = math.ceil(token_budget / cfg.tokens_per_step)
     p = projection(steps, 0, m["sec_per_step"], 1, cfg.hourly_price)
-    text = format_projection(m, p, token_budget)
+    text = format_projection(m, p, token_budget, cfg.optimizer)
     log(text)
     day = datetime.date.today().isoformat()
     slug = "".join(c if c.isalnum() else "-" for c in m["device"].lower()).strip("-")
