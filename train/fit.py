@@ -184,15 +184,23 @@ def _fit(cfg, data_dir, out, tokenizer, fresh, log, step_hook, info, device, ski
     loop = RunLoop(
         run=run, metrics=metrics, out=out, tok_path=tok_path, log=log, step_hook=step_hook
     )
+    return run_to_the_end(loop, run, meta, metrics, info)
+
+
+def run_to_the_end(loop: RunLoop, run, meta: dict, metrics, info) -> Path:
+    """The steps from the run's own, then the final checkpoint and its card; Ctrl-C is one line
+    naming how to resume (checkpoints are atomic, so the last one is whole). fit and sft both
+    end here."""
+    out = loop.out
     try:
         loop.loop(run.step, run.tokens_seen, meta)
-    except KeyboardInterrupt:  # Ctrl-C: checkpoints are atomic, so the last one is whole
+    except KeyboardInterrupt:
         step = getattr(loop, "step", run.step)
         raise Interrupted(f"interrupted at step {step}; {_resume_note(out)}") from None
     finally:
         if metrics:
             metrics.close()
-    final = _save_final(run.wrapped, run.model, out, tok_path, cfg, info, log)
+    final = _save_final(run.wrapped, run.model, out, loop.tok_path, loop.cfg, info, loop.log)
     loop.card(final)
     return final
 

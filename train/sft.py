@@ -31,7 +31,7 @@ from train.data.chat import ChatData, ChatLoader, SFTConfig, chat_tokenizer, loa
 from train.data.chat import special_ids as chat_special_ids
 from train.data.tokenizer import load_tokenizer
 from train.dist import DistInfo, init_distributed, shutdown
-from train.fit import _resume_note, _save_final, gradient_gate
+from train.fit import _resume_note, gradient_gate, run_to_the_end
 from train.hf import WEIGHTS, load_model, read_config
 from train.loop import RunLoop
 from train.metrics import MetricsLog
@@ -172,17 +172,7 @@ def _sft(cfg, data, base, out, fresh, log, step_hook, skip_verify, info, device)
     )
     loop.card_extra = {"finetune": _card_info(base, data, train.stats)}
     base_card = _read_json(base / "model_card.json")
-    try:
-        loop.loop(run.step, run.tokens_seen, (base_card or {}).get("meta") or {})
-    except KeyboardInterrupt:
-        step = getattr(loop, "step", run.step)
-        raise Interrupted(f"interrupted at step {step}; {_resume_note(out)}") from None
-    finally:
-        if metrics:
-            metrics.close()
-    final = _save_final(run.wrapped, run.model, out, tok_path, cfg, info, log)
-    loop.card(final)
-    return final
+    return run_to_the_end(loop, run, (base_card or {}).get("meta") or {}, metrics, info)
 
 
 def _read_json(path: Path) -> dict | None:
