@@ -228,17 +228,17 @@ class Engine:
         parts.append(self._run_shared([last], [total], slot, every))
         return np.concatenate([p[0] for p in parts]) if every else parts[-1][0]
 
-    def decode(self, tokens: list[int], totals: list[int]) -> np.ndarray:
-        """One step of slots 0..n-1 in one run: logits [n, vocab]. `totals[i]` is slot i's
-        length with its new token; an idle slot below n can take any token with total 1 (it
-        only writes its own position 0, which its next prefill overwrites)."""
-        if not 0 < len(tokens) == len(totals) <= self.slots:
+    def decode(self, tokens: list[int], totals: list[int], lo: int = 0) -> np.ndarray:
+        """One step of slots lo..lo+n-1 in one run: logits [n, vocab]. `totals[i]` is slot
+        lo+i's length with its new token; an idle slot in the range takes a placeholder row,
+        which writes one entry at position totals[i]-1 of its own slot."""
+        if not 0 < len(tokens) == len(totals) <= self.slots - lo or lo < 0:
             raise ValueError(
-                f"{len(tokens)} tokens for {len(totals)} lengths and {self.slots} slots"
+                f"{len(tokens)} tokens for {len(totals)} lengths from slot {lo} of {self.slots}"
             )
         if max(totals) > self.context_length or min(totals) < 1:
             raise ValueError(f"lengths {totals} do not fit the context of {self.context_length}")
-        return self._run_shared([[t] for t in tokens], list(totals), 0)
+        return self._run_shared([[t] for t in tokens], list(totals), lo)
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         """Yield new token ids until a stop id (not yielded), max_tokens or the context's end.

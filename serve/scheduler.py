@@ -169,20 +169,24 @@ class Scheduler:
         events = []
         decoding = [s for s in stepping if not s.filling]
         if decoding:
+            # One run covers the slots from the lowest decoding one to the highest: a lone
+            # stream in slot 2 is one row, not three (each row costs its share of attention,
+            # over a held prefix too: benchmarks/results/profile_serve_0.4b_cpu-*.md).
+            lo = min(s.slot for s in decoding)
             top = max(s.slot for s in decoding) + 1
-            # Other slots below top take a dummy row. It writes one cache entry, past what the
-            # slot holds: after an idle slot's cached prefix, or at the next position of a
-            # filling one, which that prompt's next chunk overwrites before anything reads it.
-            tokens = [0] * top
-            totals = [self.prefixes.idle_total(i) for i in range(top)]
+            # Other slots in between take a placeholder row. It writes one cache entry, past
+            # what the slot holds: after an idle slot's cached prefix, or at the next position
+            # of a filling one, which that prompt's next chunk overwrites before anything reads.
+            tokens = [0] * (top - lo)
+            totals = [self.prefixes.idle_total(i) for i in range(lo, top)]
             for s in stepping:
-                if s.slot < top:
-                    tokens[s.slot] = int(s.context[s.n - 1]) if not s.filling else 0
-                    totals[s.slot] = s.n if not s.filling else s.fed + 1
-            logits = self.engine.decode(tokens, totals)
+                if lo <= s.slot < top:
+                    tokens[s.slot - lo] = int(s.context[s.n - 1]) if not s.filling else 0
+                    totals[s.slot - lo] = s.n if not s.filling else s.fed + 1
+            logits = self.engine.decode(tokens, totals, lo)
             for s in decoding:
                 self.prefixes.wrote(s.slot, s.n - 1, [int(s.context[s.n - 1])])
-            events += [self._pick(s, logits[s.slot]) for s in decoding]
+            events += [self._pick(s, logits[s.slot - lo]) for s in decoding]
         filling = [s for s in stepping if s.filling]
         if filling:
             s = filling[0]

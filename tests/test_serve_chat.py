@@ -119,6 +119,28 @@ def test_a_cache_hit_gives_the_ids_a_cold_prefill_gives(tiny_bundle):
     assert hit.tokens == len(second) - 1  # the same prompt again: all but its last token
 
 
+def test_a_lone_stream_in_a_high_slot_decodes_one_row_and_the_same_ids(tiny_bundle):
+    # Earlier requests leave their caches in slots 0 and 1, so a third unrelated one lands in
+    # slot 2: its steps must run that row alone, not slots 0-2 (two rows of placeholders
+    # attending over held prefixes), and give the ids a one-slot server gives.
+    svc = Service.load(str(tiny_bundle), threads=1, slots=3)
+    one = Service.load(str(tiny_bundle), threads=1, slots=1)
+    prompts = [svc.encode(SYSTEM + tail) for tail in (" নদী", " পাখি", " আকাশ")]
+    prompts = [p[::-1] if i else p for i, p in enumerate(prompts)]  # no shared prefixes
+    widths, decode = [], svc.engine.decode
+
+    def recorded(tokens, totals, lo=0):
+        widths.append((lo, len(tokens)))
+        return decode(tokens, totals, lo)
+
+    svc.engine.decode = recorded
+    for i, prompt in enumerate(prompts):
+        widths.clear()
+        got = asyncio.run(_run(svc, prompt, _params(6)))
+        assert got == asyncio.run(_run(one, prompt, _params(6)))
+        assert widths and set(widths) == {(i, 1)}
+
+
 def test_an_interrupted_or_failed_prefill_claims_only_what_it_wrote(tiny_bundle):
     svc = Service.load(str(tiny_bundle), threads=1, slots=1)
     cold = Service.load(str(tiny_bundle), threads=1, slots=1)

@@ -38,8 +38,8 @@ def test_concurrent_requests_share_batched_steps_and_get_what_they_get_alone(tin
     alone = [asyncio.run(_collect(svc.complete(r))) for r in reqs]
     batch_sizes = []
     decode = svc.engine.decode
-    svc.engine.decode = lambda tokens, totals: (
-        batch_sizes.append(len(tokens)) or decode(tokens, totals)
+    svc.engine.decode = lambda tokens, totals, lo=0: (
+        batch_sizes.append(len(tokens)) or decode(tokens, totals, lo)
     )
 
     async def together():
@@ -69,9 +69,9 @@ def _blocked(svc: Service) -> threading.Event:
     """Make the engine's batched step wait for the returned event (a request in progress)."""
     go, decode = threading.Event(), svc.engine.decode
 
-    def slow(tokens, totals):
+    def slow(tokens, totals, lo=0):
         go.wait(10)
-        return decode(tokens, totals)
+        return decode(tokens, totals, lo)
 
     svc.engine.decode = slow
     return go
@@ -143,8 +143,9 @@ def test_closing_the_http_stream_closes_the_service_generator():
 
 def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(tiny_bundle):
     """Fairness: a prompt arriving while another stream decodes goes in one chunk per step, each
-    step also giving the running stream its next token; the dummy row a filling slot gets in the
-    batched step (slot 0 here, below the running slot 1) changes nobody's tokens."""
+    step also giving the running stream its next token; the batched step covers only the
+    decoding slots (the filling slot 0, below the running slot 1, takes no row), and nobody's
+    tokens change."""
     svc = Service.load(str(tiny_bundle), threads=1, slots=2)
     engine = svc.engine
     engine.prefill_chunk = 4
@@ -160,8 +161,8 @@ def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(
     engine.forward = lambda ids, past, slot=0, every=False: (
         calls.append(("f", len(ids))) or forward(ids, past, slot, every)
     )
-    engine.decode = lambda tokens, totals: (
-        calls.append(("d", len(tokens))) or decode(tokens, totals)
+    engine.decode = lambda tokens, totals, lo=0: (
+        calls.append(("d", len(tokens))) or decode(tokens, totals, lo)
     )
 
     async def main():
@@ -181,5 +182,5 @@ def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(
     feeds = [i for i, c in enumerate(calls) if c[0] == "f"]
     b_feeds = feeds[2:]  # x's prompt, a's prompt, then b's in chunks of at most 4
     assert [calls[i][1] for i in b_feeds] == [4] * 7 + [2]
-    # Between two of b's chunks, a decoding step (batch 2: b's slot 0 rides along as a dummy).
-    assert all(calls[i + 1] == ("d", 2) for i in b_feeds[:-1]), calls
+    # Between two of b's chunks, a decoding step of a's slot alone (b's slot 0 is not in it).
+    assert all(calls[i + 1] == ("d", 1) for i in b_feeds[:-1]), calls
