@@ -290,6 +290,10 @@ def test_ctrl_c_during_fit_is_one_line_and_a_damaged_checkpoint_is_named(tmp_pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal delivers it: a suite started in the background by a shell
+        # without job control inherits SIGINT ignored, and Python then never raises
+        # KeyboardInterrupt in the child.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         end = time.monotonic() + 180
@@ -300,6 +304,7 @@ def test_ctrl_c_during_fit_is_one_line_and_a_damaged_checkpoint_is_named(tmp_pat
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+        proc.communicate()  # reaped and its pipes closed, whatever happened above
     assert proc.returncode == 130 and "Traceback" not in err, err
     last = sorted(run_dir.glob("checkpoints/step-*"))[-1]
     line = err.strip()
