@@ -22,7 +22,7 @@ import torch
 
 from train.build import build_run
 from train.checkpoint import latest_checkpoint, load_checkpoint
-from train.checks.base import Setup, VerifyConfig
+from train.checks.base import Setup, VerifyConfig, fresh_like
 from train.checks.chat import check_loss_mask
 from train.checks.suite import SINGLE_PROCESS_ONLY, Report, VerificationError, run_checks
 from train.common import DoelError, Interrupted, atomic_write_json, sha256_file
@@ -233,25 +233,11 @@ def verify_chat(run, cfg, tok_path, info: DistInfo, log=print) -> Report:
     checks that train copies (step, the copy task) get fresh randomly initialised ones, as
     `fit`'s do: what they test is the training path, and a base's weights only slow a copy
     task down."""
-    inner = run.model
-    p_dtype = next(inner.parameters()).dtype
-
-    def make_model():
-        with torch.device(run.device):
-            return type(inner)(inner.config).to(p_dtype)
-
-    setup = Setup(
+    setup = Setup.from_run(
+        run,
+        Path(tok_path).parent,
         cfg=cfg,
-        device=run.device,
-        dtype=run.dtype,
-        model=run.model,
-        fwd=run.compiled,
-        optimizer=run.optimizer,
-        loader=run.loader,
-        data_dir=Path(tok_path).parent,
-        make_model=make_model,
-        make_optimizer=run.make_optimizer,
-        make_loader=run.make_loader,
+        make_model=fresh_like(run.model, run.device),
         tokenizer=Path(tok_path),
         # The causal check's copy task learns at a pre-training rate: at fine-tuning's (1e-4)
         # its 30 steps are too few to learn to copy, whatever the label shift.

@@ -98,6 +98,25 @@ class Setup:
     tokenizer: Path | None = None
     vcfg: VerifyConfig = field(default_factory=VerifyConfig)
 
+    @classmethod
+    def from_run(cls, run, data_dir, **overrides) -> Setup:
+        """The Setup of a train/build.py Run: its objects and its factories, `overrides` taking
+        the place of any field (a fresh-model factory, the tokenizer, thresholds)."""
+        fields = dict(
+            cfg=run.cfg,
+            device=run.device,
+            dtype=run.dtype,
+            model=run.model,
+            fwd=run.compiled,
+            optimizer=run.optimizer,
+            loader=run.loader,
+            data_dir=Path(data_dir),
+            make_model=run.make_model,
+            make_optimizer=run.make_optimizer,
+            make_loader=run.make_loader,
+        )
+        return cls(**(fields | overrides))
+
     def ctx(self):
         return autocast(self.device, self.dtype)
 
@@ -107,6 +126,19 @@ class Setup:
 
     def batch(self):
         return self.batches(1)[0]
+
+
+def fresh_like(model: nn.Module, device: torch.device) -> Callable[[], nn.Module]:
+    """A factory of randomly initialised models of `model`'s class and config, on `device`, in
+    its parameters' dtype: what the checks that step or train get, whatever weights the run
+    started from."""
+    p_dtype = next(model.parameters()).dtype
+
+    def make() -> nn.Module:
+        with torch.device(device):
+            return type(model)(model.config).to(p_dtype)
+
+    return make
 
 
 def _tensor(a, device) -> torch.Tensor:

@@ -27,6 +27,7 @@ from train.checks.base import (
     Setup,
     VerifyConfig,
     check_gradients,
+    fresh_like,
 )
 from train.checks.causal import check_causal
 from train.checks.inputs import check_data, check_tokenizer_fairness
@@ -271,21 +272,7 @@ def run_suite(
         loader_factory=loader_factory,
         log=log,
     )
-    setup = Setup(
-        cfg=cfg,
-        device=run.device,
-        dtype=run.dtype,
-        model=run.model,
-        fwd=run.compiled,
-        optimizer=run.optimizer,
-        loader=run.loader,
-        data_dir=Path(data_dir),
-        make_model=run.make_model,
-        make_optimizer=run.make_optimizer,
-        make_loader=run.make_loader,
-        tokenizer=tokenizer,
-        vcfg=vcfg or VerifyConfig(),
-    )
+    setup = Setup.from_run(run, data_dir, cfg=cfg, tokenizer=tokenizer, vcfg=vcfg or VerifyConfig())
     report = run_checks(setup, names, subset if not checks else "custom")
     if out_dir is not None:
         md, js = report.write(out_dir)
@@ -314,11 +301,6 @@ def verify_before_training(
     group by group), a loader like the run's. Writes the report to out_dir if given; raises
     VerificationError naming the failed checks, after logging every row."""
     inner = unwrap(model)
-    p_dtype = next(inner.parameters()).dtype
-
-    def make_model():
-        with torch.device(device):
-            return type(inner)(inner.config).to(p_dtype)
 
     def make_loader():  # like the run's, at the same rank of the same world size
         ranks = {k: getattr(loader, k) for k in ("rank", "world_size") if hasattr(loader, k)}
@@ -335,7 +317,7 @@ def verify_before_training(
         optimizer=optimizer,
         loader=loader,
         data_dir=Path(loader.data_dir),
-        make_model=make_model,
+        make_model=fresh_like(inner, device),
         make_optimizer=lambda m: mirror_optimizer(optimizer, inner, m),
         make_loader=make_loader,
         vcfg=vcfg or VerifyConfig(),
