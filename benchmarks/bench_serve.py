@@ -306,7 +306,9 @@ def spec_for(p: dict, cfg: dict, vocab: int) -> dict:
     def ids(n: int) -> list[int]:
         return rng.integers(16, vocab, n).tolist()
 
-    n_sweep = max(max(p["streams"]), p["single_stream_rounds"])
+    # Every request of the sweep gets a prompt of its own (two for the warm-up): a prompt seen
+    # before would be found in a slot's cache (serve/prefix.py) and skip its prefill.
+    n_sweep = 2 + p["single_stream_rounds"] + sum(n for n in p["streams"] if n != 1)
     return {
         "threads": THREADS,
         "n_ctx": spec_n_ctx(cfg),

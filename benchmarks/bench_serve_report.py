@@ -160,7 +160,13 @@ def markdown(result: dict) -> str:
         "(the prompts' prefill included: the target is checked on it); decode phase = the "
         "tokens after each stream's first over the time from the last first token to the end "
         "(every prompt prefilled); latency = a request's arrival to its last token; one stream "
-        f"alone is {p['single_stream_rounds']} requests in turn.",
+        f"alone is {p['single_stream_rounds']} requests in turn. Every request has a prompt "
+        "of its own, so none is found in a slot's cache: prompt tokens taken from the cache "
+        + ", ".join(
+            f"{v} {sum(q.get('cached_prompt_tokens', 0) for q in sw.get('points', []))}"
+            for v, sw in result["sweeps"].items()
+        )
+        + ".",
     ]
     for variant, sw in result["sweeps"].items():
         lines += ["", f"### {variant}", "", *sweep_table(sw)]
