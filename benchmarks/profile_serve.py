@@ -127,14 +127,25 @@ def profile_decodes(bundle_dir: Path) -> dict:
 
 
 def profile_prefill(bundle_dir: Path) -> dict:
-    prof = engine(bundle_dir, 1, profile=True)
     ids = list(range(10, 10 + PROMPT))
+    plain = engine(bundle_dir, 1, profile=False)
+    walls = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        plain.forward(ids, 0)
+        walls.append(time.perf_counter() - t0)
+    del plain
+    prof = engine(bundle_dir, 1, profile=True)
     t0 = time.perf_counter()
     for _ in range(3):
         prof.forward(ids, 0)
     wall = (time.perf_counter() - t0) / 3
     trace = Path(prof.session.end_profiling())
-    out = by_operator(trace, 3) | {"wall_ms_profiled": wall * 1000, "tokens": PROMPT}
+    out = by_operator(trace, 3) | {
+        "wall_ms_profiled": wall * 1000,
+        "wall_ms": min(walls[1:]) * 1000,
+        "tokens": PROMPT,
+    }
     trace.unlink()
     return out
 
@@ -225,30 +236,39 @@ def _timed(s, a, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def int8_gemm_peak(k: int, n: int) -> dict:
+def int8_gemm_peak(h: int, f: int, layers: int) -> dict:
     """Multiply-accumulates per second of ONNX Runtime's plain int8 GEMM (MatMulInteger, u8 x s8:
-    MLAS's QGEMM, VNNI where the CPU has it) at 8, 128 and 512 rows: the machine's int8 peak
-    as ONNX Runtime reaches it, against which MatMulNBits' rate is read."""
+    MLAS's QGEMM, VNNI where the CPU has it) at 8, 128 and 512 rows, over the model's MLP
+    matrices of every layer (one node each, as many bytes as the MatMulNBits chain at 8 bits,
+    so that the weights stream from memory as in a decode step): the machine's int8 rate as
+    ONNX Runtime reaches it, against which MatMulNBits' rate is read."""
     rng = np.random.default_rng(0)
-    b = onnx.numpy_helper.from_array(rng.integers(-127, 128, (k, n), dtype=np.int8), "b")
-    graph = helper.make_graph(
-        [helper.make_node("MatMulInteger", ["a", "b"], ["y"])],
-        "qgemm",
-        [helper.make_tensor_value_info("a", TensorProto.UINT8, ["m", k])],
-        [helper.make_tensor_value_info("y", TensorProto.INT32, ["m", n])],
-        [b],
-    )
+    nodes, inits, outs = [], [], []
+    for i in range(layers):
+        for j, (src, k, n) in enumerate((("a", h, f), ("c", f, h))):
+            w = rng.integers(-127, 128, (k, n), dtype=np.int8)
+            inits.append(onnx.numpy_helper.from_array(w, f"w{i}_{j}"))
+            nodes.append(helper.make_node("MatMulInteger", [src, f"w{i}_{j}"], [f"y{i}_{j}"]))
+            outs.append(helper.make_tensor_value_info(f"y{i}_{j}", TensorProto.INT32, ["m", n]))
+    inputs = [
+        helper.make_tensor_value_info("a", TensorProto.UINT8, ["m", h]),
+        helper.make_tensor_value_info("c", TensorProto.UINT8, ["m", f]),
+    ]
+    graph = helper.make_graph(nodes, "qgemm", inputs, outs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = THREADS
     s = ort.InferenceSession(model.SerializeToString(), opts)
     out = {}
     for m in (8, 128, 512):
-        a = rng.integers(0, 256, (m, k), dtype=np.uint8)
-        for _ in range(3):
-            s.run(None, {"a": a})
-        best = min(_timed_feed(s, {"a": a}, 10) for _ in range(7))
-        out[m] = m * k * n / best / 1e9
+        feed = {
+            "a": rng.integers(0, 256, (m, h), dtype=np.uint8),
+            "c": rng.integers(0, 256, (m, f), dtype=np.uint8),
+        }
+        for _ in range(2):
+            s.run(None, feed)
+        best = min(_timed_feed(s, feed, max(2, 40 // m)) for _ in range(5))
+        out[m] = m * 2 * h * f * layers / best / 1e9
     return out
 
 
@@ -291,11 +311,14 @@ def run(work: Path) -> dict:
     cfg = json.loads((work / "bundle-int4" / "config.json").read_text())
     result["sampling_ms"] = sampling_cost(cfg["vocab_size"])
     result["matmul_nbits"], result["matmul_foreign_cpu_s"] = foreign_cpu(matmul_blocks, cfg)
-    result["int8_gemm_gmac_s"] = int8_gemm_peak(cfg["hidden_size"], cfg["intermediate_size"])
+    result["int8_gemm_gmac_s"] = int8_gemm_peak(
+        cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    )
     macs = 2 * cfg["num_hidden_layers"] * cfg["hidden_size"] * cfg["intermediate_size"]
     for rows in result["matmul_nbits"].values():
         for m, r in rows.items():
             r["gmac_s"] = m * macs / r["ms"] / 1e6
+    result["ceiling"] = ceiling(result, cfg)
     result["wall_s"] = time.time() - t0
     return result
 
@@ -322,6 +345,74 @@ def reading(r: dict) -> list[str]:
             "for 8× the rows: its CPU kernel runs one small GEMM per row and head)."
         )
     return out
+
+
+def linear_macs(cfg: dict) -> int:
+    """Multiply-accumulates of one token through every quantized matrix, the head included."""
+    h, f, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    d = h // cfg["num_attention_heads"]
+    qkv = h * d * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"])
+    return n * (qkv + h * h + 3 * h * f) + h * cfg["vocab_size"]
+
+
+def ceiling(r: dict, cfg: dict, new_tokens: int = 128, streams: int = 8) -> dict:
+    """What the measured steps allow the sweep's target (`streams` streams, each a PROMPT-token
+    prompt and `new_tokens` new ones, against one stream alone): one stream takes P + D t1 (P
+    its prefill, D = new_tokens - 1 further steps of t1), `streams` together at best
+    streams P + D t_n, whatever the scheduling (a prompt's run and a step's share no weights
+    read). The ratio's ceiling, and the n-row step that a ratio of 3 needs; then the n-row
+    step's matrix work at the int8 GEMM rate this machine reaches with streamed weights."""
+    out, d = {}, new_tokens - 1
+    peak = r.get("int8_gemm_gmac_s", {}).get(streams)
+    for q, b in r["bundles"].items():
+        p = b["prefill"]["wall_ms"]
+        t1, tn = (b["decode"][k]["wall_ms"] for k in sorted(b["decode"], key=int))
+        one = p + d * t1
+        need = (streams * one / 3 - streams * p) / d
+        row = {
+            "prefill_ms": p,
+            "step_1_ms": t1,
+            f"step_{streams}_ms": tn,
+            "ratio_ceiling": streams * one / (streams * p + d * tn),
+            f"step_{streams}_needed_ms": need,
+            f"matmul_{streams}_rows_ms": b["decode"][max(b["decode"], key=int)]["ops_ms"].get(
+                "MatMulNBits", 0
+            ),
+        }
+        if peak:
+            row[f"matmul_{streams}_rows_at_int8_rate_ms"] = streams * linear_macs(cfg) / peak / 1e6
+        out[q] = row
+    return out
+
+
+def ceiling_lines(c: dict) -> list[str]:
+    lines = [
+        "## What 8 streams ≥ 3× one stream needs",
+        "",
+        "One stream: prefill P + 127 steps t1; eight: at best 8 P + 127 t8 (bench_serve's sweep: "
+        f"{PROMPT}-token prompts, 128 new tokens). Unprofiled walls from above.",
+        "",
+        "| bundle | P ms | t1 ms | t8 ms | ceiling of 8 streams / 1 | t8 a ratio of 3 needs "
+        "| MatMulNBits in an 8-row step ms | the same MACs at the int8 GEMM rate ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for q, x in c.items():
+        at_rate = x.get("matmul_8_rows_at_int8_rate_ms")
+        lines.append(
+            f"| {q} | {x['prefill_ms']:.0f} | {x['step_1_ms']:.2f} | {x['step_8_ms']:.2f} | "
+            f"{x['ratio_ceiling']:.2f} | {x['step_8_needed_ms']:.2f} | "
+            f"{x['matmul_8_rows_ms']:.2f} | " + (f"{at_rate:.2f}" if at_rate else "–") + " |"
+        )
+    lines += [
+        "",
+        "A ceiling under 3 means no scheduling can meet the target with these steps: the "
+        "8-row step itself must get cheaper. The last column is the time the 8 rows' "
+        "multiply-accumulates of every matrix take at the rate MatMulInteger reaches here "
+        "at 8 rows with its weights streamed from memory (the table below); a 1-row step "
+        "already pays for reading the weights once.",
+        "",
+    ]
+    return lines
 
 
 def markdown(r: dict) -> str:
@@ -362,6 +453,8 @@ def markdown(r: dict) -> str:
     cpus = [f"{d['cpu_ms']:.2f}" if "cpu_ms" in d else "–" for _, d in cols]
     lines.append("| CPU time of the process, unprofiled | " + " | ".join(cpus) + " |")
     lines += ["", *reading(r)]
+    if "ceiling" in r:
+        lines += ["", *ceiling_lines(r["ceiling"])]
     lines += [
         "",
         "Foreign CPU during the decode profiles: "
@@ -398,8 +491,8 @@ def markdown(r: dict) -> str:
         share = best / list(peak.values())[1]  # at 128 rows, both
         lines += [
             "",
-            "ONNX Runtime's plain int8 GEMM (MatMulInteger, u8 × s8) on the MLP's shape in the "
-            "same run: "
+            "ONNX Runtime's plain int8 GEMM (MatMulInteger, u8 × s8) on the same MLP matrices of "
+            "every layer (weights streamed from memory) in the same run: "
             + ", ".join(f"{v:.0f} GMAC/s at {m} rows" for m, v in peak.items())
             + f". At 128 rows MatMulNBits reaches at best {share:.0%} of it: batched decode and "
             "prefill are held by the kernel, not by the machine. (MatMulInteger itself is no "

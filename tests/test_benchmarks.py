@@ -318,3 +318,33 @@ def test_percentile_is_numpys_linear_one():
     values = np.random.default_rng(0).random(13).tolist()
     for q in (0, 50, 95, 100):
         assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_profile_ceiling_is_the_best_any_scheduling_of_the_measured_steps_gives():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_serve
+
+    cfg = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+    }
+    # q, k, v (16 dims a head: 4 + 2 + 2 heads), o, gate + up + down, per layer; then the head
+    assert profile_serve.linear_macs(cfg) == 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128) + 64 * 100
+    decode = {"1": {"wall_ms": 10.0, "ops_ms": {}}, "8": {"wall_ms": 20.0, "ops_ms": {}}}
+    r = {
+        "bundles": {"int4": {"prefill": {"wall_ms": 100.0}, "decode": decode}},
+        "int8_gemm_gmac_s": {8: 100.0},
+    }
+    c = profile_serve.ceiling(r, cfg)["int4"]
+    one, eight = 100 + 127 * 10, 8 * 100 + 127 * 20  # one stream alone; eight at best
+    assert c["ratio_ceiling"] == pytest.approx(8 * one / eight)
+    # the 8-row step that makes eight streams exactly 3x one
+    assert 8 * one / (8 * 100 + 127 * c["step_8_needed_ms"]) == pytest.approx(3)
+    assert c["matmul_8_rows_at_int8_rate_ms"] == pytest.approx(
+        8 * profile_serve.linear_macs(cfg) / 100e9 * 1e3
+    )
+    assert "| int4 | 100 | 10.00 | 20.00 |" in "\n".join(profile_serve.ceiling_lines({"int4": c}))
