@@ -31,8 +31,6 @@ from serve.metrics import CountRequests, Metrics
 from serve.protocol import (
     CONTEXT_LENGTH,
     MAX_ERRORS_SHOWN,
-    ChatCompletion,
-    ChatCompletionRequest,
     Completion,
     CompletionRequest,
     DetokenizeRequest,
@@ -43,6 +41,7 @@ from serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from serve.protocol_chat import ChatCompletion, ChatCompletionRequest
 from serve.service import RequestError, Service
 
 log = logging.getLogger("doel.serve")

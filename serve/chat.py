@@ -14,13 +14,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from serve.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletion,
-    ChatCompletionRequest,
-    Usage,
-)
+from serve.protocol import Usage
+from serve.protocol_chat import AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest
 from serve.service import Piece, RequestError, Service
 from serve.template import ChatError
 
