@@ -112,7 +112,7 @@ def _cmd_fit(args) -> None:
 
 def _cmd_sft(args) -> None:
     from train.config import load_config, resolve_config
-    from train.data.chat import SFTConfig
+    from train.data.conversations import SFTConfig
 
     sets = list(args.set)
     for flag in ("steps", "checkpoint_every"):

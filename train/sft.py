@@ -2,12 +2,12 @@
 
 Order of a run: the base model's config.json replaces the config's [model] → the run's
 tokenizer (the base's, its <|reserved_0..3|> named as the turn markers if it predates them, so
-the chat template applies; train/data/chat.py) → conversations read, checked and rendered
-(train/data/chat.py) → `build_run` with the base weights and a ChatLoader (train/build.py) →
-resume from the latest checkpoint in RUN_DIR → the checks before step 1: gradient flow, parity,
-ties, causal, step, accumulation and the loss-mask check (train/checks/chat.py) → `RunLoop`
-steps (train/loop.py), validation on held-out conversations → RUN_DIR/final with a model card
-naming the base model and the data.
+the chat template applies; train/data/chat.py) → conversations read and checked
+(train/data/conversations.py) and rendered (train/data/chat.py) → `build_run` with the base
+weights and a ChatLoader (train/build.py) → resume from the latest checkpoint in RUN_DIR → the
+checks before step 1: gradient flow, parity, ties, causal, step, accumulation and the loss-mask
+check (train/checks/chat.py) → `RunLoop` steps (train/loop.py), validation on held-out
+conversations → RUN_DIR/final with a model card naming the base model and the data.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from train.checks.chat import check_loss_mask
 from train.checks.suite import SINGLE_PROCESS_ONLY, Report, VerificationError, run_checks
 from train.common import DoelError, Interrupted, atomic_write_json, sha256_file
 from train.config import resolved
-from train.data.chat import ChatData, ChatLoader, SFTConfig, chat_tokenizer, load_chat_data
+from train.data.chat import ChatData, ChatLoader, chat_tokenizer, load_chat_data
 from train.data.chat import special_ids as chat_special_ids
+from train.data.conversations import SFTConfig
 from train.data.tokenizer import load_tokenizer
 from train.dist import DistInfo, init_distributed, shutdown
 from train.fit import _resume_note, gradient_gate, run_to_the_end

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from train.common import DoelError
 from train.config import load_config, resolve_config
-from train.data.chat import SFTConfig
+from train.data.conversations import SFTConfig
 from train.data.fertility import fertility, format_report, load_any
 from train.data.prepare import PrepareConfig, prepare
 from train.data.textio import iter_documents, iter_source, resolve_sources

@@ -156,8 +156,9 @@ class ExportSpec:
 @dataclass(frozen=True)
 class SftSpec:
     """The optional chat fine-tuning after pre-training (`doel-train sft`): conversations from
-    the hub, the training preset with `set` overrides (train/data/chat.py SFTConfig fields too).
-    A dry run reads the shipped sample (train/sample/chat.jsonl) instead of `data`."""
+    the hub, the training preset with `set` overrides (SFTConfig's fields too,
+    train/data/conversations.py). A dry run reads the shipped sample (train/sample/chat.jsonl)
+    instead of `data`."""
 
     enabled: bool = False
     data: tuple[str, ...] = ()  # hf:NAME[:CONFIG] or files, as `doel-train sft --data` takes

@@ -20,7 +20,7 @@ from train.checkpoint import latest_checkpoint
 from train.checks.suite import fit_subset, run_suite, select
 from train.common import DoelError, atomic_write_json
 from train.config import load_config
-from train.data.chat import SFTConfig
+from train.data.conversations import SFTConfig
 from train.data.fertility import fertility, format_report, load_any
 from train.data.loader import TokenLoader
 from train.data.prepare import parse_weights, prepare
