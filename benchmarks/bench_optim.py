@@ -11,6 +11,9 @@ and English bits/char (the validation files of splits.json) are scored along the
   tokens Muon needs are those of the shortest run whose final model reaches AdamW's final);
 - both at a longer cool-down (decay_fraction 0.6);
 - throughput: AdamW and Muon steps alternated in one process, with the machine's load.
+With --ramps F...: instead, the batch-size ramp (batch_ramp_fraction) on Muon: each step's rows
+in --ramp-accum micro-batches, ramps F against none at several seeds (ramp_runs), written to
+optim_ramp_small<tag>_cpu-<class>.{json,md}.
 
 Writes benchmarks/results/optim_small<tag>_cpu-<class>.{json,md,png}. Two scales were run:
 `nice -n 10 python benchmarks/bench_optim.py --threads 1` (the default: 1M parameters, 512
@@ -44,7 +47,13 @@ from benchmarks.cpu_class import this_cpu  # noqa: E402
 from train.build import build_run  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.loop import batches_on  # noqa: E402
-from train.trainer import TrainConfig, lr_at, train_step  # noqa: E402
+from train.trainer import (  # noqa: E402
+    TrainConfig,
+    lr_at,
+    micro_batches_per_update,
+    run_step,
+    train_step,
+)
 
 # The `small` preset scaled down to what a 2-core CPU shared with five other jobs could train
 # in ~45 minutes (about 4 GFLOP a step; the machine gave this job ~1 GFLOP/s): the
@@ -149,18 +158,19 @@ def own_cpu_seconds() -> float:
 
 
 def train_run(name: str, cfg: TrainConfig, shards: Path, held: HeldOut, evals: int) -> dict:
-    """Train cfg as `fit` does (build_run, train_step, lr_at) and score the held-out text at
-    `evals` evenly spaced steps (the last one included)."""
+    """Train cfg as `fit` does (build_run, run_step with the batch ramp, lr_at) and score the
+    held-out text at `evals` evenly spaced steps (the last one included)."""
     run = build_run(cfg, shards, log=lambda s: None)
     marks = {round(cfg.steps * (i + 1) / evals) for i in range(evals)}
     curve, t_train, busy0, own0 = [], 0.0, busy_cpu_seconds(), own_cpu_seconds()
+    updates = 0
     for step in range(cfg.steps):
         t0 = time.perf_counter()
         batches = batches_on(run.loader, run.device, cfg.grad_accum)
-        out = train_step(
-            run.compiled, run.optimizer, batches, lr_at(step, cfg), cfg.grad_clip, run.ctx
-        )
-        loss = float(out["loss"])
+        per_update = micro_batches_per_update(step, cfg)
+        lr = lr_at(step, cfg)
+        out = run_step(run.compiled, run.optimizer, batches, per_update, lr, cfg.grad_clip, run.ctx)
+        loss, updates = float(out["loss"]), updates + out["updates"]
         t_train += time.perf_counter() - t0
         if not math.isfinite(loss):
             print(f"  {name}: non-finite loss at step {step + 1}", flush=True)
@@ -180,6 +190,7 @@ def train_run(name: str, cfg: TrainConfig, shards: Path, held: HeldOut, evals: i
         "name": name,
         "steps": cfg.steps,
         "curve": curve,
+        "updates": updates,
         "seconds": t_train,
         "other_cpu_seconds": max(0.0, others),
         "config": _sets(cfg),
@@ -196,6 +207,9 @@ def _sets(cfg: TrainConfig) -> dict:
         "decay_fraction",
         "steps",
         "batch_size",
+        "grad_accum",
+        "batch_ramp_fraction",
+        "seed",
         "seq_len",
         "weight_decay",
         "warmup_steps",
@@ -333,6 +347,15 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=VOCAB, help="tokenizer size (and the model's)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE over SCALE")
     p.add_argument("--tag", default="", help="appended to the result files' name")
+    p.add_argument(
+        "--ramps",
+        type=float,
+        nargs="*",
+        help="instead of the optimizers: Muon at these batch_ramp_fraction values against none "
+        "(see ramp_runs)",
+    )
+    p.add_argument("--ramp-accum", type=int, default=4, help="micro-batches a step (ramp runs)")
+    p.add_argument("--ramp-seeds", type=int, nargs="*", default=[0, 1], help="seeds (ramp runs)")
     args = p.parse_args()
     if not (args.data / "splits.json").is_file():
         sys.exit(f"no {args.data}/splits.json: point --data at the shared data folder")
@@ -343,6 +366,9 @@ def main() -> None:
     held = HeldOut(tok, val, args.eval_chars, config(args.steps, []).seq_len)
     n = args.steps
     runs = {}
+    if args.ramps is not None:
+        ramp_runs(args, shards, held)
+        return
 
     def go(name, steps, sets):
         if args.runs is not None and name not in args.runs:
@@ -379,6 +405,149 @@ def main() -> None:
         if (args.work / "runs" / "throughput.json").is_file():
             speed = json.loads((args.work / "runs" / "throughput.json").read_text())
             write(args.out, summarise(args, runs, speed, best_lr))
+
+
+# ---------------------------------------------------------------- batch-size ramp
+
+
+def ramp_runs(args, shards: Path, held: HeldOut) -> None:
+    """Muon (the preset's muon_lr) with each step's rows in --ramp-accum micro-batches, at
+    batch_ramp_fraction 0 and each of --ramps, at every --ramp-seeds seed (the seed draws the
+    initial weights and the data order: the no-ramp runs at two seeds are the run-to-run
+    noise). Same steps, tokens and data order within a seed. Writes optim_ramp_small<tag>."""
+    rows = config(args.steps, []).batch_size  # SCALE's rows a step, as the optimizer runs
+    if rows % args.ramp_accum:
+        sys.exit(f"--ramp-accum {args.ramp_accum} must divide the {rows} rows a step")
+    split = [*MUON, f"batch_size={rows // args.ramp_accum}", f"grad_accum={args.ramp_accum}"]
+    runs = {}
+    for seed in args.ramp_seeds:
+        for frac in [0.0, *args.ramps]:
+            name = f"muon-ramp{frac:g}-seed{seed}"
+            sets = [*split, f"batch_ramp_fraction={frac}", f"seed={seed}"]
+            if args.runs is not None and name not in args.runs:
+                path = args.work / "runs" / f"{name}.json"
+                if path.is_file():
+                    runs[name] = json.loads(path.read_text())
+                continue
+            print(f"{name}: {args.steps} steps, {' '.join(sets)}", flush=True)
+            cfg = config(args.steps, sets)
+            runs[name] = cached(
+                args.work, name, lambda n=name, c=cfg: train_run(n, c, shards, held, args.evals)
+            )
+    rep = {
+        "date": str(date.today()),
+        "machine": _machine(args),
+        "tag": args.tag,
+        "scale": {
+            "sets_over_small": [*SCALE, *EXTRA, *split],
+            "steps": args.steps,
+            "tokens_per_step": config(args.steps, split).tokens_per_step,
+            "eval_chars_per_language": args.eval_chars,
+        },
+        "runs": runs,
+        "ramps": args.ramps,
+        "seeds": args.ramp_seeds,
+        **ramp_verdict(runs, args.ramps, args.ramp_seeds),
+    }
+    out = args.out / f"optim_ramp_small{args.tag}_cpu-{rep['machine']['cpu'].get('class', 'cpu')}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rep, indent=1) + "\n")
+    out.with_suffix(".md").write_text(ramp_markdown(rep))
+    print(f"wrote {out}.json, .md", flush=True)
+
+
+def ramp_verdict(runs: dict, ramps: list[float], seeds: list[int]) -> dict:
+    """Each ramp's final Bangla bits/char minus no ramp's at the same seed, against the noise
+    (the spread of the no-ramp runs over seeds): a ramp helps only if it is lower by more than
+    the noise at every seed measured."""
+    base = {s: final(runs[f"muon-ramp0-seed{s}"]) for s in seeds if f"muon-ramp0-seed{s}" in runs}
+    noise = max(base.values()) - min(base.values()) if len(base) > 1 else None
+    deltas = {
+        f"{f:g}": {
+            str(s): final(runs[f"muon-ramp{f:g}-seed{s}"]) - base[s]
+            for s in base
+            if f"muon-ramp{f:g}-seed{s}" in runs
+        }
+        for f in ramps
+    }
+    helps = [
+        f
+        for f, d in deltas.items()
+        if d and noise is not None and all(v < -noise for v in d.values())
+    ]
+    best = min(helps, key=lambda f: max(deltas[f].values())) if helps else None
+    return {
+        "no_ramp_final_bn": base,
+        "noise_bn": noise,
+        "delta_bn_vs_no_ramp": deltas,
+        "ramps_that_help": helps,
+        "chosen_default": float(best) if best else 0.0,
+    }
+
+
+def ramp_markdown(rep: dict) -> str:
+    m, sc = rep["machine"], rep["scale"]
+    lines = [
+        f"# Batch-size ramp: Muon, `small` scaled to a CPU ({rep['date']})",
+        "",
+        f"CPU: {m['cpu'].get('model_name', '?')} (class {m['cpu'].get('class', '?')}), "
+        f"{m['cores']} cores shared with other jobs, {m['threads']} threads, torch {m['torch']}. "
+        f"Scale (over configs/small.toml): {' '.join(sc['sets_over_small'])}; {sc['steps']} "
+        f"steps of {sc['tokens_per_step']:,} tokens. Within a seed: same shards, data order and "
+        "tokens; the ramp only splits its first steps into more, smaller optimizer updates "
+        "(batch_ramp_fraction, train/trainer.py). Held-out bits/char on the first "
+        f"{sc['eval_chars_per_language']:,} characters of each language's validation files.",
+        "",
+        "| run | seed | batch_ramp_fraction | optimizer updates | bn bits/char | en bits/char | "
+        "train s | other CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in rep["runs"].items():
+        c = r["config"]
+        lines.append(
+            f"| {name} | {c['seed']} | {c['batch_ramp_fraction']:g} | {r['updates']} | "
+            f"{final(r):.3f} | {final(r, 'en'):.3f} | {r['seconds']:.0f} | "
+            f"{r['other_cpu_seconds']:.0f} |"
+        )
+    names = list(rep["runs"])
+    lines += ["", "Held-out Bangla bits/char at equal steps (equal tokens):", ""]
+    lines += ["| step | tokens | " + " | ".join(names) + " |"]
+    lines += ["|---:|---:|" + "---:|" * len(names)]
+    curves = [rep["runs"][n]["curve"] for n in names]
+    for rows in zip(*curves):
+        lines.append(
+            f"| {rows[0]['step']} | {rows[0]['tokens']:,} | "
+            + " | ".join(f"{r['bn']:.3f}" for r in rows)
+            + " |"
+        )
+    noise = rep["noise_bn"]
+    lines += [
+        "",
+        "Noise (no ramp, spread over seeds): "
+        + (f"{noise:.3f} bits/char" if noise is not None else "n/a (one seed)")
+        + ". Final bn minus no ramp's, same seed: "
+        + "; ".join(
+            f"ramp {f}: " + ", ".join(f"seed {s} {d:+.3f}" for s, d in ds.items())
+            for f, ds in rep["delta_bn_vs_no_ramp"].items()
+        )
+        + ".",
+        "",
+        "Ramps lower by more than the noise at every seed: "
+        + (", ".join(rep["ramps_that_help"]) or "none")
+        + f". Default chosen: batch_ramp_fraction = {rep['chosen_default']:g}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _machine(args) -> dict:
+    return {
+        "cpu": this_cpu(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+    }
 
 
 def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:

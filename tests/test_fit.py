@@ -254,3 +254,34 @@ def test_a_muon_run_resumes_bit_identically(tmp_path, shards, tiny_run_config):
     a, b = weights(whole), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert train_losses(tmp_path / "whole") == train_losses(tmp_path / "resumed")
+
+
+def test_a_batch_ramp_keeps_the_steps_and_resumes_bit_identically(
+    tmp_path, shards, tiny_run_config
+):
+    # Steps 1-6 make 2 updates of 2 rows each, steps 7-8 one of 4: the kill at step 6 resumes
+    # from the step-4 checkpoint inside the ramp and crosses its end.
+    ramp = ("batch_size=2", "grad_accum=2", "batch_ramp_fraction=0.75", "optimizer=muon")
+    cfg = tiny_run_config(*ramp, "steps=8", "checkpoint_every=4", "eval_every=0")
+    lines = []
+    whole = fit(cfg, shards, tmp_path / "whole", log=lines.append, skip_verify=True)
+    assert any(
+        line.startswith("step      6/8") and "12 updates (2 rows each)" in line for line in lines
+    )
+    assert any(
+        line.startswith("step      7/8") and "13 updates (4 rows each)" in line for line in lines
+    )
+
+    def killer(line):  # dies while logging step 6: the step-4 checkpoint is the last one
+        if line.startswith("step      6/"):
+            raise Killed
+
+    with pytest.raises(Killed):
+        fit(cfg, shards, tmp_path / "resumed", log=killer, skip_verify=True)
+    resumed = fit(cfg, shards, tmp_path / "resumed", log=lambda s: None, skip_verify=True)
+    a, b = weights(whole), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert train_losses(tmp_path / "whole") == train_losses(tmp_path / "resumed")
+    rows = [r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["updates"] for r in rows] == [2, 4, 6, 8, 10, 12, 13, 14]
+    assert [r["tokens"] for r in rows] == [r["step"] * 4 * 64 for r in rows]  # same tokens a step

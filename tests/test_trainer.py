@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,7 +12,15 @@ from train.common import DoelError
 from train.config import load_config
 from train.model import Llama, ModelConfig
 from train.optim import MuonAdamW, describe_groups
-from train.trainer import TrainConfig, build_optimizer, lr_at, train_step
+from train.trainer import (
+    TrainConfig,
+    build_optimizer,
+    lr_at,
+    micro_batches_per_update,
+    run_step,
+    train_step,
+    updates_before,
+)
 
 MODEL = ModelConfig(
     vocab_size=64,
@@ -91,6 +100,40 @@ def test_train_step_reports_the_token_mean_and_learns():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_batch_ramp_makes_smaller_updates_early_and_keeps_every_step_whole():
+    c = cfg(grad_accum=4, batch_ramp_fraction=0.3)  # 100 steps: the ramp is steps 0-29
+    per = [micro_batches_per_update(s, c) for s in range(c.steps)]
+    assert all(4 % p == 0 for p in per)  # a step holds whole updates of its 4 micro-batches
+    assert per[:10] == [1] * 10 and per[10:30] == [2] * 20 and per[30:] == [4] * 70
+    assert updates_before(c.steps, c) == sum(4 // p for p in per) == 40 + 40 + 70
+    assert [updates_before(s, c) for s in (0, 1, 10, 31)] == [0, 4, 40, 81]
+    plain = cfg(grad_accum=4)
+    assert {micro_batches_per_update(s, plain) for s in range(100)} == {4}
+    assert updates_before(100, plain) == 100
+
+
+def test_run_step_updates_once_per_group_of_micro_batches():
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (4, 16))
+    y = torch.roll(x, -1, 1)
+    y[0, :10] = -100  # uneven target counts: the step's loss is the mean over all its tokens
+    micro = [(x[:2], y[:2]), (x[2:], y[2:])]
+    a = Llama(MODEL)
+    b, c = copy.deepcopy(a), copy.deepcopy(a)
+    opts = [build_optimizer(m, cfg(optimizer="muon"), torch.device("cpu")) for m in (a, b, c)]
+    ramped = run_step(a, opts[0], micro, 1, lr=1e-2)
+    one = train_step(b, opts[1], micro[:1], lr=1e-2)
+    two = train_step(b, opts[1], micro[1:], lr=1e-2)
+    assert ramped["updates"] == 2 and int(ramped["tokens"]) == 64 - 10
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    mean = (float(one["loss"]) * 22 + float(two["loss"]) * 32) / 54
+    assert float(ramped["loss"]) == pytest.approx(mean, rel=1e-6)
+    assert torch.equal(ramped["grad_norm"], two["grad_norm"])
+    whole = run_step(c, opts[2], micro, 2, lr=1e-2)  # no ramp: exactly train_step
+    assert whole["updates"] == 1 and float(whole["loss"]) != float(ramped["loss"])
+    assert not torch.equal(c.lm_head.weight, a.lm_head.weight)
+
+
 def test_weight_decay_skips_norms():
     model = Llama(MODEL)
     opt = build_optimizer(model, cfg(weight_decay=0.1), torch.device("cpu"))
@@ -111,6 +154,8 @@ def test_weight_decay_skips_norms():
         ("muon_lr=0", "muon_lr"),
         ("muon_momentum=1", "muon_momentum"),
         ("muon_adjust_lr=rms", "muon_adjust_lr"),
+        ("batch_ramp_fraction=1", "batch_ramp_fraction"),
+        ("batch_ramp_fraction=0.2", "batch_ramp_fraction"),  # grad_accum=1: nothing to ramp
     ],
 )
 def test_bad_train_config_names_the_field(override, field):

@@ -20,7 +20,13 @@ from train.evals.modelcard import write_model_card
 from train.evals.scoring import task_accuracy
 from train.evals.tasks import load_task
 from train.metrics import format_duration, mfu
-from train.trainer import lr_at, train_step, validation_loss
+from train.trainer import (
+    lr_at,
+    micro_batches_per_update,
+    run_step,
+    updates_before,
+    validation_loss,
+)
 
 
 class NonFiniteLossError(DoelError):
@@ -65,13 +71,22 @@ class RunLoop:
         # time and cost are those of every attempt, not of the last one.
         earlier = self.metrics.earlier_seconds if self.metrics else 0.0
         self.step, self.tokens_seen, self.seconds = step, tokens_seen, earlier
+        self.updates = updates_before(step, cfg)  # optimizer updates: more than steps in a ramp
         while step < cfg.steps:
             heartbeat(self.info, step + 1)
             t0 = time.perf_counter()
             batches = batches_on(self.loader, self.device, cfg.grad_accum)
-            out = train_step(
-                self.fwd, self.optimizer, batches, lr_at(step, cfg), cfg.grad_clip, self.ctx
+            per_update = micro_batches_per_update(step, cfg)
+            out = run_step(
+                self.fwd,
+                self.optimizer,
+                batches,
+                per_update,
+                lr_at(step, cfg),
+                cfg.grad_clip,
+                self.ctx,
             )
+            self.updates += out["updates"]
             finite = torch.isfinite(out["loss"])
             self.bad_step = torch.where(~finite & (self.bad_step < 0), step + 1, self.bad_step)
             # int64 on the device: exact over billions of tokens, and no host sync.
@@ -143,10 +158,14 @@ class RunLoop:
         util = mfu(tokens_per_s, desc["flops_per_token"], desc["peak_flops"], desc["world"])
         eta = format_duration((cfg.steps - step) * sec_per_step)
         lr = lr_at(step - 1, cfg)
+        ramp = ""
+        if cfg.batch_ramp_fraction:  # the updates so far, and the rows of each in this step
+            rows = micro_batches_per_update(step - 1, cfg) * cfg.batch_size * desc["world"]
+            ramp = f" | {self.updates} updates ({rows} rows each)"
         self.log(
             f"step {step:>6}/{cfg.steps} | loss {loss:.4f} | lr {lr:.2e} | grad {gnorm:.3f} | "
             f"{tokens_per_s:,.0f} tok/s{' (global)' if desc['world'] > 1 else ''} | "
-            f"MFU {f'{100 * util:.1f}%' if math.isfinite(util) else 'n/a'} | ETA {eta}"
+            f"MFU {f'{100 * util:.1f}%' if math.isfinite(util) else 'n/a'} | ETA {eta}{ramp}"
         )
         self.write(
             {
@@ -155,6 +174,7 @@ class RunLoop:
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": gnorm,
+                "updates": self.updates,
                 "tokens_per_s": tokens_per_s,
                 "mfu": util,
                 "tokens": int(tokens_seen),

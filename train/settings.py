@@ -120,7 +120,10 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     seq_len: int = 512
     batch_size: int = 8  # rows per micro-batch
-    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_accum: int = 1  # micro-batches per step (per optimizer update, after any ramp)
+    # The first fraction of the steps updates on fewer micro-batches (1 growing to grad_accum),
+    # several updates a step: same tokens, same data order (train/trainer.py). 0: no ramp.
+    batch_ramp_fraction: float = 0.0
     steps: int = 1000
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
@@ -173,6 +176,15 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.decay_fraction <= 1:
             raise ValueError(f"decay_fraction must lie in (0, 1], got {self.decay_fraction}")
+        if not 0 <= self.batch_ramp_fraction < 1:
+            raise ValueError(
+                f"batch_ramp_fraction must lie in [0, 1), got {self.batch_ramp_fraction}"
+            )
+        if self.batch_ramp_fraction and self.grad_accum < 2:
+            raise ValueError(
+                "batch_ramp_fraction needs grad_accum >= 2 (the ramp grows an optimizer "
+                "update from 1 micro-batch to grad_accum): lower batch_size and raise grad_accum"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.eval_task and "=" not in self.eval_task:

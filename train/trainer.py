@@ -6,6 +6,13 @@ Gradient accumulation normalises by tokens, not by micro-batches: the loss of a 
 of every micro-batch's token losses divided by the step's total target tokens, so k micro-
 batches give exactly the gradient of one k-times batch (transformers PR #34191 is the bug this
 avoids).
+
+A batch-size ramp (`batch_ramp_fraction`) splits a step, never the data: every step is still
+grad_accum micro-batches, read in the same order, but over the first fraction of the steps they
+make several optimizer updates of fewer micro-batches each (`micro_batches_per_update`,
+`run_step`). A step is thus a fixed number of tokens, not one update: steps, warmup_steps, the
+lr schedule, log_every, eval_every, checkpoint_every and the checkpoints' names count these
+steps, so a ramp changes neither a run's tokens nor where it resumes.
 """
 
 from __future__ import annotations
@@ -39,6 +46,48 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return peak
     progress = (step - decay_start) / max(1, cfg.steps - 1 - decay_start)
     return peak + (low - peak) * min(progress, 1.0)
+
+
+def micro_batches_per_update(step: int, cfg: TrainConfig) -> int:
+    """Micro-batches in each optimizer update of step `step` (0-based): grad_accum, except over
+    the first batch_ramp_fraction of the steps, where the update's batch grows linearly from
+    one micro-batch towards grad_accum, rounded down to a divisor of grad_accum (so that a
+    step holds whole updates)."""
+    ramp = round(cfg.batch_ramp_fraction * cfg.steps)
+    if step >= ramp:
+        return cfg.grad_accum
+    target = 1 + (cfg.grad_accum - 1) * step / ramp
+    return max(d for d in range(1, cfg.grad_accum + 1) if cfg.grad_accum % d == 0 and d <= target)
+
+
+def updates_before(step: int, cfg: TrainConfig) -> int:
+    """Optimizer updates made by the steps before `step` (a resumed run's count)."""
+    ramp = min(step, round(cfg.batch_ramp_fraction * cfg.steps))
+    ramped = sum(cfg.grad_accum // micro_batches_per_update(s, cfg) for s in range(ramp))
+    return ramped + step - ramp
+
+
+def run_step(
+    model, optimizer, micro_batches, per_update: int, lr: float, grad_clip=1.0, ctx=None
+) -> dict:
+    """One step of a run: its micro-batches in consecutive optimizer updates of `per_update`
+    each (train_step each, at the same lr). Returns train_step's loss (the mean over the whole
+    step's target tokens) and tokens, the last update's grad_norm, and `updates`."""
+    ctx = ctx or contextlib.nullcontext
+    if per_update >= len(micro_batches):
+        return train_step(model, optimizer, micro_batches, lr, grad_clip, ctx) | {"updates": 1}
+    outs = [
+        train_step(model, optimizer, micro_batches[i : i + per_update], lr, grad_clip, ctx)
+        for i in range(0, len(micro_batches), per_update)
+    ]
+    tokens = torch.stack([o["tokens"] for o in outs]).sum()
+    loss = torch.stack([o["loss"] * o["tokens"] for o in outs]).sum() / tokens
+    return {
+        "loss": loss,
+        "grad_norm": outs[-1]["grad_norm"],
+        "tokens": tokens,
+        "updates": len(outs),
+    }
 
 
 def _no_sync(model, last: bool):

@@ -19,7 +19,7 @@ from train.gradflow import unwrap
 from train.metrics import mfu, peak_flops
 from train.model import IGNORE_INDEX
 from train.optim import set_lr
-from train.trainer import lr_at, train_step
+from train.trainer import lr_at, micro_batches_per_update, run_step, train_step
 
 # ------------------------------------------------------------------ 5. one step moves everything
 
@@ -168,7 +168,8 @@ def _train(s: Setup, model, opt, loader, start: int, steps: int):
             (torch.as_tensor(x, device=s.device), torch.as_tensor(y, device=s.device))
             for x, y in raw
         ]
-        out = train_step(model, opt, mbs, lr_at(step, s.cfg), s.cfg.grad_clip, s.ctx)
+        per_update = micro_batches_per_update(step, s.cfg)  # the run's, ramp included
+        out = run_step(model, opt, mbs, per_update, lr_at(step, s.cfg), s.cfg.grad_clip, s.ctx)
         losses.append(float(out["loss"]))
     return losses, seen
 
