@@ -25,12 +25,14 @@ from train.data.chat import SFTConfig
 from train.data.prepare import prepare
 from train.data.textio import iter_documents
 from train.model import Llama, ModelConfig
+from train.optim import build_optimizer, hidden_matrices
 from train.recipe.budget import (
     MUON_TOKEN_RATIO,
     check_stage,
     confirm,
     estimate_needs,
     format_projection,
+    hidden_matrix_count,
     parameter_count,
     projection,
 )
@@ -114,6 +116,32 @@ def test_the_parameter_count_is_the_models():
         ModelConfig(64, 96, 160, 3, 6, 2, 128, tie_word_embeddings=False),
     ):
         assert parameter_count(cfg) == Llama(cfg).num_parameters()
+
+
+def test_a_muon_checkpoint_is_estimated_with_the_state_torch_keeps():
+    """AdamW keeps two fp32 moments a parameter, torch's Muon one momentum buffer for each
+    hidden matrix: the estimate's checkpoint is the weights plus the state the optimizer holds
+    after a step, so a muon run needs 4 bytes less a hidden-matrix parameter."""
+    est = {}
+    for optimizer in ("adamw", "muon"):
+        cfg = load_config(TrainConfig, ROOT / "configs" / "tiny.toml", [f"optimizer={optimizer}"])
+        model = Llama(cfg.model)
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        kept = sum(t.nbytes for s in opt.state.values() for k, t in s.items() if k != "step")
+        params = parameter_count(cfg.model)
+        muon = hidden_matrix_count(cfg.model) if optimizer == "muon" else 0
+        est[optimizer] = needs(params=params, muon_params=muon)
+        assert est[optimizer]["verify"].disk == params * 4 + kept  # one checkpoint, exactly
+    named = dict(model.named_parameters())
+    hidden = sum(named[n].numel() for n in hidden_matrices(model))
+    assert 0 < hidden == hidden_matrix_count(cfg.model) < params
+    adamw, muon = est["adamw"]["train"], est["muon"]["train"]
+    assert adamw.disk - muon.disk == 4 * hidden * (3 + 1)  # keep_checkpoints=3 + the latest
+    assert adamw.ram - muon.ram == 4 * hidden
+    assert "x 12 bytes" in adamw.why and "x 12 bytes" not in muon.why
 
 
 def needs(**change):

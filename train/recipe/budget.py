@@ -25,18 +25,26 @@ from train.trainer import train_step
 
 GB = 1e9
 BYTES_PER_CHAR = {"bn": 3.0}  # UTF-8: Bengali letters take 3 bytes; other languages ~1
-ADAM_STATE = 8  # two fp32 moments a parameter
+ADAM_STATE = 8  # two fp32 moments a parameter (AdamW)
+MUON_STATE = 4  # one fp32 momentum buffer a parameter (torch.optim.Muon keeps nothing else)
 EXPORT_BYTES = {"fp32": 4.0, "int8": 1.4, "int4": 0.95}  # bundle bytes a parameter (measured)
+
+
+def hidden_matrix_count(m) -> int:
+    """Parameters of the blocks' attention and MLP projections: the matrices Muon takes
+    (train/optim.py's hidden_matrices); the embedding, the head and the norms are AdamW's."""
+    kv = m.num_key_value_heads * (m.hidden_size // m.num_attention_heads)
+    attention = 2 * m.hidden_size * (m.hidden_size + kv)  # q, o: h x h; k, v: h x kv
+    mlp = 3 * m.hidden_size * m.intermediate_size  # gate, up, down
+    return m.num_hidden_layers * (attention + mlp)
 
 
 def parameter_count(m) -> int:
     """Parameters of the Llama in train/model.py for a ModelConfig, without building it."""
-    kv = m.num_key_value_heads * (m.hidden_size // m.num_attention_heads)
-    layer = 2 * m.hidden_size * (m.hidden_size + kv) + 3 * m.hidden_size * m.intermediate_size
-    layer += 2 * m.hidden_size  # the two RMSNorms
+    norms = m.num_hidden_layers * 2 * m.hidden_size + m.hidden_size  # two a block, the final one
     embed = m.vocab_size * m.hidden_size
     head = 0 if m.tie_word_embeddings else embed
-    return embed + head + m.num_hidden_layers * layer + m.hidden_size
+    return embed + head + hidden_matrix_count(m) + norms
 
 
 @dataclass(frozen=True)
@@ -57,15 +65,20 @@ def estimate_needs(
     tokenizer_chars: float,
     overlap_sample: int,
     chunk_chars: int = 50_000_000,
+    muon_params: int = 0,
 ) -> dict[str, Need]:
     """Bytes each stage needs. chars: characters per source still to fetch; quants: {quant:
-    mobile?}. Rough where it must be (the BPE trainer's memory), exact where it can be (shards
-    are tokens x 2 or 4 bytes)."""
+    mobile?}; muon_params: the parameters Muon trains (hidden_matrix_count with optimizer =
+    "muon", 0 with AdamW), whose optimizer state is one buffer, not AdamW's two. Rough where it
+    must be (the BPE trainer's memory), exact where it can be (shards are tokens x 2 or 4
+    bytes, a checkpoint fp32 weights and optimizer state)."""
     total_chars = sum(chars.values())
     text = sum(c * BYTES_PER_CHAR.get(languages[n], 1.0) for n, c in chars.items()) * 1.02
     tokens = total_chars / chars_per_token
     itemsize = 2 if vocab_size <= 65536 else 4
-    ckpt = params * (4 + ADAM_STATE)
+    saved = muon_params * (ADAM_STATE - MUON_STATE)  # Muon's one buffer for AdamW's two moments
+    ckpt = params * (4 + ADAM_STATE) - saved
+    peak = params * 20 - saved
     exports = sum(params * EXPORT_BYTES[q] * (2 if mobile else 1) for q, mobile in quants.items())
     return {
         # A chunk is held as Python strings (up to 4 bytes a character) until it is written.
@@ -80,11 +93,12 @@ def estimate_needs(
             tokens * 8 / overlap_sample + total_chars / 1000 * 120 + 1e9,
             f"{tokens:,.0f} tokens x {itemsize} bytes + the resume record",
         ),
-        "verify": Need(ckpt, params * 20, "one checkpoint of the resume check"),
+        "verify": Need(ckpt, peak, "one checkpoint of the resume check"),
         "train": Need(
             ckpt * (keep_checkpoints + 1) + params * 4,
-            params * 20,
-            f"{keep_checkpoints} + 1 checkpoints of {params:,} parameters x 12 bytes + final",
+            peak,
+            f"{keep_checkpoints} + 1 checkpoints of {params:,} parameters x "
+            f"{ckpt / params:.3g} bytes + final",
         ),
         "eval": Need(1e6, params * 8 + 1e9, "the model and its random twin"),
         "export": Need(

@@ -28,6 +28,7 @@ from train.recipe.budget import (
     Need,
     check_stage,
     estimate_needs,
+    hidden_matrix_count,
     parameter_count,
     probe,
     require_answer,
@@ -63,6 +64,7 @@ class RecipeRun:
             plan.recipe.tokenizer.max_chars,
             plan.recipe.prepare.overlap_sample,
             plan.recipe.data.chunk_chars,
+            muon_params=hidden_matrix_count(cfg.model) if cfg.optimizer == "muon" else 0,
         )
         self.needs["sft"] = self.needs["train"]  # checkpoints of the same model
 
