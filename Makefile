@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality check-arm64 clean
+.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality check-arm64 check-avx2 clean
 
 # The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
 # selenium, transformers for the parity tests).
@@ -76,6 +76,20 @@ ifeq ($(strip $(ARM_BUNDLES)),)
 	$(BIN)/python benchmarks/check_arm64.py $(OUT)/arm64-int4 $(OUT)/arm64-int8 $(ARGS)
 else
 	$(BIN)/python benchmarks/check_arm64.py $(ARM_BUNDLES) $(ARGS)
+endif
+
+# The same engine on the int4 and int8 bundles under qemu's x86_64 emulator with an AVX2-only
+# CPU model (no AVX-512, no VNNI) against this machine: correctness only. Needs
+# qemu-user-static (apt-get). Default: make demo's model; or AVX2_BUNDLES='DIR ...'.
+AVX2_BUNDLES ?=
+check-avx2: $(BIN)/.installed
+ifeq ($(strip $(AVX2_BUNDLES)),)
+	test -d $(OUT)/run/final || $(MAKE) demo
+	for q in int4 int8; do test -f $(OUT)/avx2-$$q/model.onnx || $(BIN)/doel-export \
+	  $(OUT)/run/final --out $(OUT)/avx2-$$q --quant $$q --force || exit 1; done
+	$(BIN)/python benchmarks/check_avx2.py $(OUT)/avx2-int4 $(OUT)/avx2-int8 $(ARGS)
+else
+	$(BIN)/python benchmarks/check_avx2.py $(AVX2_BUNDLES) $(ARGS)
 endif
 
 clean:
