@@ -1,10 +1,14 @@
 """`doel-train sft` runs on a tiny base model: exact resume after a kill, the chat template and
 model card in the result, a base whose vocabulary predates the turn markers, a planted loss
-mask refused before step 1, and the command line's one-line errors."""
+mask refused before step 1, the command line's one-line errors, and two ranks under torchrun
+equal to one process."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +137,40 @@ def test_the_command_line_names_a_bad_conversation_and_a_bad_base(tmp_path, old_
     with pytest.raises(SystemExit) as e:
         main([*argv, "--from", str(old_base), "--out", "x", "--set", "overlong=cut"])
     assert "overlong must be one of" in str(e.value)
+
+
+def test_sft_on_two_ranks_equals_one_process_taking_the_same_micro_batches(tmp_path, old_base):
+    """torchrun, 2 gloo ranks of 2 conversations each, against one process accumulating the same
+    two micro-batches (rank r's rows are micro-batch r: ChatLoader slices one global batch).
+    The loss is normalised by the step's assistant tokens over both ranks, which differ per
+    rank; halving is exact and gloo sums two numbers exactly, so the runs match bit for bit."""
+
+    def cmd(out, nproc, *sets):
+        args = ["sft", "--config", "tiny", "--data", CHAT, "--from", str(old_base)]
+        args += ["--out", str(out), "--steps", "3", "--skip-verify"]
+        for s in ("seq_len=128", "log_every=1", "eval_every=0", "checkpoint_every=0", *sets):
+            args += ["--set", s]
+        if nproc == 1:
+            return [sys.executable, "-m", "train", *args]
+        dist = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        return [*dist, f"--nproc_per_node={nproc}", "-m", "train", *args]
+
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    for out, nproc, sets in (
+        (tmp_path / "one", 1, ("batch_size=2", "grad_accum=2")),
+        (tmp_path / "two", 2, ("batch_size=2",)),
+    ):
+        p = subprocess.run(
+            cmd(out, nproc, *sets), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "2 ranks" in p.stdout
+
+    def losses(run):
+        return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+
+    assert len(losses(tmp_path / "one")) == 3
+    assert losses(tmp_path / "two") == losses(tmp_path / "one")
+    one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
