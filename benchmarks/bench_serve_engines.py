@@ -147,7 +147,7 @@ def measure(run, spec: dict) -> dict:
 async def _streams(scheduler, prompts: list[list[int]], new_tokens: int) -> dict:
     """All prompts submitted at once. A request's latency runs from submission to its last id;
     the decode phase from the moment every stream has its first id (all prompts are in) to
-    the last id of all."""
+    the last id of all, and its tokens are the ids that came in that span."""
     from serve.prefix import Hit
     from serve.sampling import SamplingParams
 
@@ -156,20 +156,20 @@ async def _streams(scheduler, prompts: list[list[int]], new_tokens: int) -> dict
     hits = [Hit() for _ in prompts]
 
     async def one(prompt, hit):
-        t0, first, n = time.perf_counter(), None, 0
+        t0, times = time.perf_counter(), []
         async for _ in scheduler.generate(prompt, params, hit=hit):
-            first = first or time.perf_counter()
-            n += 1
-        return t0, first, time.perf_counter(), n
+            times.append(time.perf_counter())
+        return t0, times, time.perf_counter()
 
     t0 = time.perf_counter()
     done = await asyncio.gather(*(one(p, h) for p, h in zip(prompts, hits)))
+    all_in = max(times[0] for _, times, _ in done)  # every stream has its first id
     return {
         "wall_s": time.perf_counter() - t0,
-        "latencies": [end - start for start, _, end, _ in done],
-        "tokens": sum(d[3] for d in done),
-        "decode_s": max(d[2] for d in done) - max(d[1] for d in done),
-        "decode_tokens": sum(d[3] - 1 for d in done),
+        "latencies": [end - start for start, _, end in done],
+        "tokens": sum(len(times) for _, times, _ in done),
+        "decode_s": max(end for _, _, end in done) - all_in,
+        "decode_tokens": sum(t > all_in for _, times, _ in done for t in times),
         "cached_prompt_tokens": sum(h.tokens for h in hits),  # taken from a slot's cache
     }
 

@@ -158,8 +158,8 @@ def markdown(result: dict) -> str:
         f"Streams arrive together, each a {p['sweep_prompt']}-token prompt and "
         f"{p['sweep_new_tokens']} new tokens; aggregate = all new tokens over the wall time "
         "(the prompts' prefill included: the target is checked on it); decode phase = the "
-        "tokens after each stream's first over the time from the last first token to the end "
-        "(every prompt prefilled); latency = a request's arrival to its last token; one stream "
+        "tokens that came after the last stream's first token, over the time from then to the "
+        "end (every prompt prefilled); latency = a request's arrival to its last token; one stream "
         f"alone is {p['single_stream_rounds']} requests in turn. Every request has a prompt "
         "of its own, so none is found in a slot's cache: prompt tokens taken from the cache "
         + ", ".join(
