@@ -183,7 +183,8 @@ class TrainConfig:
         if self.batch_ramp_fraction and self.grad_accum < 2:
             raise ValueError(
                 "batch_ramp_fraction needs grad_accum >= 2 (the ramp grows an optimizer "
-                "update from 1 micro-batch to grad_accum): lower batch_size and raise grad_accum"
+                "update from 1 micro-batch to grad_accum): lower batch_size and raise "
+                "grad_accum, or set batch_ramp_fraction=0"
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
