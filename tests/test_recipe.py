@@ -52,13 +52,15 @@ class Tty(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize("gpus", [1, 8])
+@pytest.mark.parametrize("gpus", [1, 8, 16])
 def test_the_shipped_recipe_trains_its_budget_bangla_first(tmp_path, gpus):
     recipe = load_recipe(RECIPE)
     one = make_plan(recipe, tmp_path).train_cfg
     cfg = make_plan(recipe, tmp_path, gpus=gpus).train_cfg
     per_step = cfg.tokens_per_step * gpus
     assert per_step == one.tokens_per_step  # the global batch does not depend on the GPUs
+    # The batch ramp splits a GPU's micro-batches; at one a GPU (16 GPUs) it is off.
+    assert cfg.batch_ramp_fraction == (one.batch_ramp_fraction if cfg.grad_accum > 1 else 0)
     assert recipe.token_budget <= cfg.steps * per_step < recipe.token_budget + per_step
     assert cfg.model.vocab_size == recipe.tokenizer.vocab_size == 32768
     assert (cfg.dtype, cfg.compile) == ("bfloat16", True)

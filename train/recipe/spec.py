@@ -321,6 +321,10 @@ def make_plan(recipe: Recipe, out, dry_run=False, gpus=1, yes=False, local=None,
     if gpus > 1:  # fewer micro-batches a GPU, else smaller ones
         if base.grad_accum % gpus == 0:
             sets.append(f"grad_accum={base.grad_accum // gpus}")
+            if base.batch_ramp_fraction and base.grad_accum // gpus < 2:
+                # The ramp splits a GPU's micro-batches into smaller updates; with one a GPU
+                # there is nothing to split, and the preset's run is the same without it.
+                sets.append("batch_ramp_fraction=0")
         elif base.batch_size % gpus == 0:
             sets.append(f"batch_size={base.batch_size // gpus}")
         else:
