@@ -47,11 +47,17 @@ class Prefixes:
         self.clock = 0
         self.context_length, self.enabled = context_length, enabled
 
-    def assign(self, prompt: list[int], free: list[int], reuse: bool = True) -> tuple[int, int]:
-        """(slot, tokens reused) for `prompt` among the `free` slots: the one with the longest
-        common prefix when that reaches MIN_REUSE, else an empty slot (lowest first, which
-        keeps batched runs narrow), else the least recently used. At least the prompt's last
-        token is fed again, for its logits. The slot keeps only the reused ids."""
+    def assign(
+        self, prompt: list[int], free: list[int], reuse: bool = True, busy: tuple[int, ...] = ()
+    ) -> tuple[int, int]:
+        """(slot, tokens reused) for `prompt` among the `free` slots, `busy` being those that
+        run: the one with the longest common prefix when that reaches MIN_REUSE, else the one
+        that keeps the running slots' span narrowest, and among those an empty slot (lowest
+        first), else the least recently used. A batched step runs every slot of that span, an
+        idle one as a placeholder row at a whole row's cost: new prompts given the emptiest
+        slots anywhere spread 8 streams over 16 slots (benchmarks/results/serve_0.4b_cpu-*.md).
+        At least the prompt's last token is fed again, for its logits. The slot keeps only the
+        reused ids."""
         best, k = None, 0
         if self.enabled and reuse:
             for s in free:
@@ -59,9 +65,12 @@ class Prefixes:
                 if n > k:
                     best, k = s, n
         if best is None or k < MIN_REUSE:
-            empty = [s for s in free if not self.held[s]]
-            best = empty[0] if empty else min(free, key=lambda s: self.used[s])
-            k = 0
+
+            def cost(s: int) -> tuple:
+                span = max(s, *busy) - min(s, *busy) if busy else 0
+                return span, bool(self.held[s]), self.used[s], s
+
+            best, k = min(free, key=cost), 0
         self.clock += 1
         self.used[best] = self.clock
         del self.held[best][k:]

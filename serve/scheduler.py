@@ -156,7 +156,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             # A prompt scored from its first token is computed whole.
             reuse = seq.record is None or not seq.record.prompt
-            seq.slot, seq.fed = self.prefixes.assign(seq.prompt, free, reuse)
+            seq.slot, seq.fed = self.prefixes.assign(seq.prompt, free, reuse, tuple(self.running))
             seq.hit.tokens = seq.fed
             free.remove(seq.slot)
             self.running[seq.slot] = seq  # the rest of its prompt goes in over the next steps

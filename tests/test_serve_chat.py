@@ -89,6 +89,21 @@ def test_slots_are_chosen_for_the_longest_cached_prefix():
     assert p.assign(list(range(100)), [0]) == (0, 99)  # the last token is fed again
 
 
+def test_a_new_prompt_takes_the_slot_that_keeps_the_running_ones_packed():
+    p = Prefixes(slots=8, context_length=100)
+    for slot in range(6):
+        p.assign([slot] * 20, [slot])
+        p.wrote(slot, 0, [slot] * 20)  # slots 0-5 hold old prompts, 6 and 7 are empty
+    # Nothing runs: an empty slot, as before.
+    assert p.assign([50] * 20, list(range(8))) == (6, 0)
+    # Slots 2 and 3 run: a free slot beside them, though 7 is empty and 0 least recently used;
+    # 7 would make every batched step run slots 2-7, four of them as placeholder rows.
+    assert p.assign([51] * 20, [0, 1, 4, 5, 7], busy=(2, 3)) == (1, 0)
+    assert p.assign([52] * 20, [0, 4, 5, 7], busy=(1, 2, 3)) == (0, 0)  # 0 before 4: older
+    # A hit still wins wherever it is: its prefill is saved.
+    assert p.assign([5] * 20 + [9], [4, 5, 7], busy=(0, 1)) == (5, 20)
+
+
 async def _collect(stream) -> list:
     return [p async for p in stream]
 
