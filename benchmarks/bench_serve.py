@@ -70,6 +70,7 @@ FULL = {
     "sweep_prompt": 128,
     "sweep_new_tokens": 128,
     "single_stream_rounds": 3,
+    "sweep_passes": 2,
     "eval_tokens": 256,
 }
 QUICK = FULL | {
@@ -82,6 +83,7 @@ QUICK = FULL | {
     "sweep_prompt": 16,
     "sweep_new_tokens": 8,
     "single_stream_rounds": 2,
+    "sweep_passes": 1,
     "eval_tokens": 64,
 }
 # (row, engine, variant, bits): ours and its llama.cpp peers at each width, then PyTorch.
@@ -308,7 +310,8 @@ def spec_for(p: dict, cfg: dict, vocab: int) -> dict:
 
     # Every request of the sweep gets a prompt of its own (two for the warm-up): a prompt seen
     # before would be found in a slot's cache (serve/prefix.py) and skip its prefill.
-    n_sweep = 2 + p["single_stream_rounds"] + sum(n for n in p["streams"] if n != 1)
+    passes = p.get("sweep_passes", 1)
+    n_sweep = 2 + passes * (p["single_stream_rounds"] + sum(n for n in p["streams"] if n != 1))
     return {
         "threads": THREADS,
         "n_ctx": spec_n_ctx(cfg),
@@ -319,6 +322,7 @@ def spec_for(p: dict, cfg: dict, vocab: int) -> dict:
         "sweep_prompts": [ids(p["sweep_prompt"]) for _ in range(n_sweep)],
         "sweep_new_tokens": p["sweep_new_tokens"],
         "single_stream_rounds": p["single_stream_rounds"],
+        "sweep_passes": p.get("sweep_passes", 1),
     }
 
 

@@ -57,6 +57,7 @@ QUICK = {
     "sweep_prompt": 8,
     "sweep_new_tokens": 5,
     "single_stream_rounds": 2,
+    "sweep_passes": 2,
 }
 
 
@@ -91,7 +92,7 @@ def test_serve_benchmark_times_our_engine_and_its_sweep_in_their_own_processes(
         assert 0 < p["p50_latency_s"] <= p["p95_latency_s"] <= p["wall_s"]
         assert p["cached_prompt_tokens"] == 0  # fresh prompts: every one is prefilled
     prompts = json.loads(spec.read_text())["sweep_prompts"]
-    assert len({tuple(x) for x in prompts}) == len(prompts) == 2 + 2 + 2 + 4
+    assert len({tuple(x) for x in prompts}) == len(prompts) == 2 + 2 * (2 + 2 + 4)  # 2 passes
 
     # Bytes per token from the graph: every weight but the embedding table; this model's table
     # is tied to the head, which reads all of it, so none is left out; the checkpoint agrees.
