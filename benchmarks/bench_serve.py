@@ -204,6 +204,31 @@ def run_engine(engine: str, model: Path, spec: Path, out: Path) -> dict:
     return json.loads(out.read_text()) | {"process_s": time.perf_counter() - t0}
 
 
+def best_points(runs: list[dict]) -> dict:
+    """The sweep processes merged: each stream count's point with the best aggregate tokens/s.
+    A process's memory reads ran at 8.4-11.3 ms a one-row int8 step from one process to the
+    next (same bundle, quiet machine), which moves a memory-bound single stream far more than
+    8 compute-bound ones: a ratio within one unlucky process flatters batching."""
+    if any("error" in r for r in runs):
+        return next(r for r in runs if "error" in r)
+    best: dict[int, dict] = {}
+    for r in runs:
+        for pt in r["points"]:
+            n = pt["streams"]
+            if n not in best or pt["aggregate_tok_s"] > best[n]["aggregate_tok_s"]:
+                best[n] = pt
+    merged = {k: v for k, v in runs[0].items() if k != "points"}
+    merged |= {
+        "points": [best[pt["streams"]] for pt in runs[0]["points"]],
+        "processes": len(runs),
+        "foreign_cpu_s": sum(r["foreign_cpu_s"] for r in runs),
+        "row_wall_s": sum(r["row_wall_s"] for r in runs),
+        "busy": any(r["busy"] for r in runs),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+    }
+    return merged
+
+
 def busy(foreign_s: float, wall_s: float) -> bool:
     """Other processes used more than BUSY_SHARE of the machine's CPU time during the row."""
     return foreign_s > BUSY_SHARE * wall_s * (os.cpu_count() or 1)
@@ -310,8 +335,7 @@ def spec_for(p: dict, cfg: dict, vocab: int) -> dict:
 
     # Every request of the sweep gets a prompt of its own (two for the warm-up): a prompt seen
     # before would be found in a slot's cache (serve/prefix.py) and skip its prefill.
-    passes = p.get("sweep_passes", 1)
-    n_sweep = 2 + passes * (p["single_stream_rounds"] + sum(n for n in p["streams"] if n != 1))
+    n_sweep = 2 + p["single_stream_rounds"] + sum(n for n in p["streams"] if n != 1)
     return {
         "threads": THREADS,
         "n_ctx": spec_n_ctx(cfg),
@@ -369,7 +393,10 @@ def run_all(work: Path, p: dict, with_llama: bool) -> dict:
     sweeps = {}
     for variant in ("int4", "int8"):  # int8 decodes slower alone, so batching gains it more
         print(f"measuring the concurrency sweep ({variant}) ...", flush=True)
-        sweeps[variant] = measured("doel-sweep", bundles[variant], spec, work)
+        runs = [
+            measured("doel-sweep", bundles[variant], spec, work) for _ in range(p["sweep_passes"])
+        ]
+        sweeps[variant] = best_points(runs)
     bw_end = bandwidth()
     keys = (
         "vocab_size",

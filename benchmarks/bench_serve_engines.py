@@ -184,9 +184,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def sweep(bundle: str, spec: dict) -> dict:
-    """Aggregate tokens/s and latency percentiles of our scheduler at each stream count, the
-    best of `sweep_passes` passes over the counts (the machine's memory bandwidth moves by ~10%
-    within a run, and the ratio of two points would carry both points' luck)."""
+    """Aggregate tokens/s and latency percentiles of our scheduler at each stream count, one
+    pass over the counts (bench_serve.py runs several such processes and keeps each count's
+    best)."""
     from serve.engine import Engine, read_bundle
     from serve.scheduler import Scheduler
 
@@ -222,16 +222,11 @@ def sweep(bundle: str, spec: dict) -> dict:
         scheduler = Scheduler(engine, max_queue=max(streams))
         fresh = iter(prompts)  # no prompt twice: a cached one would skip its prefill
         await _streams(scheduler, [next(fresh) for _ in range(2)], 2)  # warm-up
-        best: dict[int, dict] = {}
-        for _ in range(spec.get("sweep_passes", 1)):
-            for n in streams:
-                p = await point(scheduler, fresh, n)
-                if n not in best or p["aggregate_tok_s"] > best[n]["aggregate_tok_s"]:
-                    best[n] = p
+        points = [await point(scheduler, fresh, n) for n in streams]
         await scheduler.close()
-        return [best[n] for n in streams]
+        return points
 
-    return {"points": asyncio.run(main()), "passes": spec.get("sweep_passes", 1)}
+    return {"points": asyncio.run(main())}
 
 
 def peak_rss_mb() -> float:

@@ -161,7 +161,8 @@ def markdown(result: dict) -> str:
         "tokens that came after the last stream's first token, over the time from then to the "
         "end (every prompt prefilled); latency = a request's arrival to its last token; one stream "
         f"alone is {p['single_stream_rounds']} requests in turn; each point is the best of "
-        f"{p.get('sweep_passes', 1)} pass(es) over the stream counts. Every request has a prompt "
+        f"{p.get('sweep_passes', 1)} processes, each one pass over the stream counts. Every "
+        "request has a prompt "
         "of its own, so none is found in a slot's cache: prompt tokens taken from the cache "
         + ", ".join(
             f"{v} {sum(q.get('cached_prompt_tokens', 0) for q in sw.get('points', []))}"

@@ -92,7 +92,7 @@ def test_serve_benchmark_times_our_engine_and_its_sweep_in_their_own_processes(
         assert 0 < p["p50_latency_s"] <= p["p95_latency_s"] <= p["wall_s"]
         assert p["cached_prompt_tokens"] == 0  # fresh prompts: every one is prefilled
     prompts = json.loads(spec.read_text())["sweep_prompts"]
-    assert len({tuple(x) for x in prompts}) == len(prompts) == 2 + 2 * (2 + 2 + 4)  # 2 passes
+    assert len({tuple(x) for x in prompts}) == len(prompts) == 2 + 2 + 2 + 4
 
     # Bytes per token from the graph: every weight but the embedding table; this model's table
     # is tied to the head, which reads all of it, so none is left out; the checkpoint agrees.
@@ -349,3 +349,24 @@ def test_profile_ceiling_is_the_best_any_scheduling_of_the_measured_steps_gives(
         8 * profile_serve.linear_macs(cfg) / 100e9 * 1e3
     )
     assert "| int4 | 100 | 10.00 | 20.00 |" in "\n".join(profile_serve.ceiling_lines({"int4": c}))
+
+
+def test_sweep_processes_merge_into_each_stream_counts_best_point():
+    bench = _serve_bench()
+
+    def run(aggs, foreign):
+        pts = [{"streams": n, "aggregate_tok_s": a} for n, a in zip((1, 8), aggs)]
+        return {
+            "points": pts,
+            "foreign_cpu_s": foreign,
+            "row_wall_s": 10.0,
+            "busy": False,
+            "peak_rss_mb": 100.0 + foreign,
+            "load_s": 1.0,
+        }
+
+    merged = bench.best_points([run((100.0, 250.0), 0.0), run((120.0, 240.0), 1.0)])
+    assert [p["aggregate_tok_s"] for p in merged["points"]] == [120.0, 250.0]
+    assert merged["processes"] == 2 and merged["foreign_cpu_s"] == 1.0
+    assert merged["row_wall_s"] == 20.0 and merged["peak_rss_mb"] == 101.0
+    assert bench.best_points([run((1.0, 2.0), 0), {"error": "exit 1"}]) == {"error": "exit 1"}
