@@ -70,7 +70,7 @@ FULL = {
     "sweep_prompt": 128,
     "sweep_new_tokens": 128,
     "single_stream_rounds": 3,
-    "sweep_passes": 2,
+    "sweep_passes": 3,  # processes (best_points)
     "eval_tokens": 256,
 }
 QUICK = FULL | {
