@@ -118,7 +118,9 @@ def markdown(result: dict) -> str:
         f"{m['hidden_size']}, {m['num_attention_heads']}/{m['num_key_value_heads']} heads). "
         f"{p['threads']} threads everywhere; greedy, batch 1, {p['new_tokens']} new tokens after "
         f"each prompt; best of {p['repeats']['short']} ({p['short']} tokens) and "
-        f"{p['repeats']['long']} ({p['long']} tokens) runs; each engine in its own process. "
+        f"{p['repeats']['long']} ({p['long']} tokens) runs in each of {p.get('processes', 1)} "
+        "processes per engine (a process's memory reads run faster or slower for its whole "
+        "life, and a one-row decode moves with them). "
         f"llama.cpp: context {p['n_ctx']}, flash attention off and on (each target takes the "
         f"better); our engine: one slot of {p['n_ctx']} positions.",
         "",
@@ -161,7 +163,7 @@ def markdown(result: dict) -> str:
         "tokens that came after the last stream's first token, over the time from then to the "
         "end (every prompt prefilled); latency = a request's arrival to its last token; one stream "
         f"alone is {p['single_stream_rounds']} requests in turn; each point is the best of "
-        f"{p.get('sweep_passes', 1)} processes, each one pass over the stream counts. Every "
+        f"{p.get('processes', 1)} processes, each one pass over the stream counts. Every "
         "request has a prompt "
         "of its own, so none is found in a slot's cache: prompt tokens taken from the cache "
         + ", ".join(

@@ -57,7 +57,7 @@ QUICK = {
     "sweep_prompt": 8,
     "sweep_new_tokens": 5,
     "single_stream_rounds": 2,
-    "sweep_passes": 2,
+    "processes": 1,
 }
 
 
@@ -370,3 +370,26 @@ def test_sweep_processes_merge_into_each_stream_counts_best_point():
     assert merged["processes"] == 2 and merged["foreign_cpu_s"] == 1.0
     assert merged["row_wall_s"] == 20.0 and merged["peak_rss_mb"] == 101.0
     assert bench.best_points([run((1.0, 2.0), 0), {"error": "exit 1"}]) == {"error": "exit 1"}
+
+
+def test_engine_rows_pool_the_runs_of_their_processes():
+    bench = _serve_bench()
+
+    def proc(ttft, tok_s, load):
+        runs = [{"ttft_s": t, "decode_tok_s": d} for t, d in zip(ttft, tok_s)]
+        return {
+            "short": {"runs": runs, "ttft_s": min(ttft), "decode_tok_s": max(tok_s)},
+            "long": {"runs": runs[:1], "ttft_s": ttft[0], "decode_tok_s": tok_s[0]},
+            "load_s": load,
+            "foreign_cpu_s": 0.0,
+            "row_wall_s": 5.0,
+            "busy": False,
+            "peak_rss_mb": 300.0,
+        }
+
+    row = bench.best_row(
+        [proc((0.2, 0.3), (90.0, 95.0), 1.0), proc((0.25, 0.1), (120.0, 80.0), 0.5)]
+    )
+    assert (row["short"]["ttft_s"], row["short"]["decode_tok_s"]) == (0.1, 120.0)
+    assert len(row["short"]["runs"]) == 4 and (row["long"]["ttft_s"], row["load_s"]) == (0.2, 0.5)
+    assert row["processes"] == 2 and row["row_wall_s"] == 10.0
