@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.bench_train import setup  # noqa: E402
 from benchmarks.cpu_class import this_cpu  # noqa: E402
 from train.build import build_run  # noqa: E402
 from train.config import load_config  # noqa: E402
@@ -87,34 +88,6 @@ def config(steps: int, sets: list[str]) -> TrainConfig:
 
 
 # ---------------------------------------------------------------- data
-
-
-def setup(
-    data: Path, work: Path, vocab: int = VOCAB, bangla_share: float = 0.55
-) -> tuple[Path, Path, dict]:
-    """Tokenizer (VOCAB tokens, trained on the train split) and shards; cached in `work`."""
-    from benchmarks.bench_tokenizer import language_weights
-    from train.data.prepare import PrepareConfig, prepare
-    from train.data.textio import resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
-
-    splits = json.loads((data / "splits.json").read_text())
-    train = [str(data / p) for p in splits["bn"]["train"] + splits["en"]["train"]]
-    val = {lang: [str(data / p) for p in splits[lang]["validation"]] for lang in ("bn", "en")}
-    sources = resolve_sources(train)
-    weights = language_weights(sources, len(splits["bn"]["train"]), bangla_share)
-    tok = work / "tokenizer" / "tokenizer.json"
-    if not tok.is_file():
-        print(f"training the {vocab:,}-token tokenizer on the train split", flush=True)
-        train_tokenizer(
-            sources, TokenizerConfig(vocab_size=vocab), tok.parent, weights, progress=False
-        )
-    shards = work / "shards"
-    if not (shards / "meta.json").is_file():
-        print("writing shards", flush=True)
-        shares = [f"{k}={v}" for k, v in weights.items()]
-        prepare(tok, train, shards, PrepareConfig(), shares, progress=False)
-    return tok, shards, val
 
 
 class HeldOut:
@@ -362,7 +335,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     EXTRA[:] = [f"model.vocab_size={args.vocab}", *args.sets]
     args.work.mkdir(parents=True, exist_ok=True)
-    tok, shards, val = setup(args.data, args.work, args.vocab)
+    tok, shards, val = setup(args.data, args.work, vocab=args.vocab)
     held = HeldOut(tok, val, args.eval_chars, config(args.steps, []).seq_len)
     n = args.steps
     runs = {}

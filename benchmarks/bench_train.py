@@ -193,8 +193,10 @@ def calibrate(name, data, work) -> float:
 # ---------------------------------------------------------------- data and evaluation
 
 
-def setup(data: Path, work: Path, bangla_share: float) -> tuple[Path, Path, dict]:
-    """Tokenizer (32,768, trained on the train split) and shards; cached in `work`."""
+def setup(
+    data: Path, work: Path, bangla_share: float = 0.55, vocab: int = 32768
+) -> tuple[Path, Path, dict]:
+    """Tokenizer (`vocab` tokens, trained on the train split) and shards; cached in `work`."""
     from benchmarks.bench_tokenizer import language_weights
     from train.data.prepare import PrepareConfig, prepare
     from train.data.textio import resolve_sources
@@ -207,9 +209,9 @@ def setup(data: Path, work: Path, bangla_share: float) -> tuple[Path, Path, dict
     weights = language_weights(sources, len(splits["bn"]["train"]), bangla_share)
     tok = work / "tokenizer" / "tokenizer.json"
     if not tok.is_file():
-        print("training the 32,768-token tokenizer on the train split", flush=True)
+        print(f"training the {vocab:,}-token tokenizer on the train split", flush=True)
         train_tokenizer(
-            sources, TokenizerConfig(vocab_size=32768), tok.parent, weights, progress=False
+            sources, TokenizerConfig(vocab_size=vocab), tok.parent, weights, progress=False
         )
     shards = work / "shards"
     if not (shards / "meta.json").is_file():
