@@ -200,6 +200,20 @@ def cached(work: Path, name: str, fn) -> dict:
     return result
 
 
+def run_or_reuse(args, runs: dict, name: str, steps: int, sets: list, shards, held) -> None:
+    """Train run `name` into `runs` (cached in --work); with --runs not naming it, only take
+    its cached result, if any."""
+    if args.runs is not None and name not in args.runs:
+        path = args.work / "runs" / f"{name}.json"
+        if path.is_file():
+            runs[name] = json.loads(path.read_text())
+        return
+    print(f"{name}: {steps} steps, {' '.join(sets) or 'preset'}", flush=True)
+    runs[name] = cached(
+        args.work, name, lambda: train_run(name, config(steps, sets), shards, held, args.evals)
+    )
+
+
 def throughput(shards: Path, steps: int, rounds: int, block: int) -> dict:
     """AdamW and Muon steps alternated in one process, `rounds` blocks of `block` steps each
     (after one warm-up block), so both see the same machine load."""
@@ -344,15 +358,7 @@ def main() -> None:
         return
 
     def go(name, steps, sets):
-        if args.runs is not None and name not in args.runs:
-            path = args.work / "runs" / f"{name}.json"
-            if path.is_file():
-                runs[name] = json.loads(path.read_text())
-            return
-        print(f"{name}: {steps} steps, {' '.join(sets) or 'preset'}", flush=True)
-        runs[name] = cached(
-            args.work, name, lambda: train_run(name, config(steps, sets), shards, held, args.evals)
-        )
+        run_or_reuse(args, runs, name, steps, sets, shards, held)
 
     go("adamw", n, [])
     for lr in args.muon_lrs:
@@ -397,16 +403,7 @@ def ramp_runs(args, shards: Path, held: HeldOut) -> None:
         for frac in [0.0, *args.ramps]:
             name = f"muon-ramp{frac:g}-seed{seed}"
             sets = [*split, f"batch_ramp_fraction={frac}", f"seed={seed}"]
-            if args.runs is not None and name not in args.runs:
-                path = args.work / "runs" / f"{name}.json"
-                if path.is_file():
-                    runs[name] = json.loads(path.read_text())
-                continue
-            print(f"{name}: {args.steps} steps, {' '.join(sets)}", flush=True)
-            cfg = config(args.steps, sets)
-            runs[name] = cached(
-                args.work, name, lambda n=name, c=cfg: train_run(n, c, shards, held, args.evals)
-            )
+            run_or_reuse(args, runs, name, args.steps, sets, shards, held)
     rep = {
         "date": str(date.today()),
         "machine": _machine(args),
