@@ -168,13 +168,10 @@ def _until(http: httpx2.Client, running: int, waiting: int, timeout: float) -> f
 LONG = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 0}  # about 2 s alone
 
 
-def test_requests_whose_clients_left_free_their_slots_at_once(server, http):
-    """Issue 15: a non-streamed request ran to max_tokens after its client left. Two running
-    and two queued (2 slots, a queue of 2), 4,000 tokens each: once the clients close their
-    sockets the slots and the queue are empty within 0.5 s, and no token is made after."""
-    gone = 'doel_requests_total{route="/v1/completions",status="499"}'
-    made, left = metric(http, "doel_generation_tokens_total"), metric(http, gone)
-    socks = [_open(server, LONG) for _ in range(4)]
+def _leave_and_check_nothing_runs(http, socks, made: float) -> None:
+    """Two of `socks` running and two queued, their clients close them: the slots and the
+    queue are empty within 0.5 s, no token is made after, and fewer than 4,000 were made (the
+    running two were cut short, the queued two never began)."""
     try:
         _until(http, running=2, waiting=2, timeout=10)
     finally:
@@ -184,7 +181,16 @@ def test_requests_whose_clients_left_free_their_slots_at_once(server, http):
     after = metric(http, "doel_generation_tokens_total")
     time.sleep(0.5)
     assert metric(http, "doel_generation_tokens_total") == after
-    assert after - made < 4000  # the running two were cut short, the queued two never began
+    assert after - made < 4000
+
+
+def test_requests_whose_clients_left_free_their_slots_at_once(server, http):
+    """Issue 15: a non-streamed request ran to max_tokens after its client left. Two running
+    and two queued (2 slots, a queue of 2), 4,000 tokens each: once the clients close their
+    sockets the slots and the queue are empty within 0.5 s, and no token is made after."""
+    gone = 'doel_requests_total{route="/v1/completions",status="499"}'
+    made, left = metric(http, "doel_generation_tokens_total"), metric(http, gone)
+    _leave_and_check_nothing_runs(http, [_open(server, LONG) for _ in range(4)], made)
     assert metric(http, gone) - left == 4  # counted as "client closed request"
 
 
@@ -198,16 +204,7 @@ def test_chat_clients_that_leave_free_their_slots_at_once(server, http):
     # a few hundred tokens, and a request that ends by itself proves nothing about leaving.
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4000, "temperature": 0}
     socks = [_open(server, body | {"stream": i >= 2}, route) for i in range(4)]
-    try:
-        _until(http, running=2, waiting=2, timeout=10)
-    finally:
-        for s in socks:
-            s.close()
-    assert _until(http, running=0, waiting=0, timeout=0.5) < 0.5
-    after = metric(http, "doel_generation_tokens_total")
-    time.sleep(0.5)
-    assert metric(http, "doel_generation_tokens_total") == after
-    assert after - made < 4000
+    _leave_and_check_nothing_runs(http, socks, made)
     assert metric(http, gone) - left >= 2  # the whole ones that left (a stream began as 200)
 
 
