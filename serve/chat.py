@@ -9,12 +9,11 @@ delta names the role and whose last carries the finish reason (then, with
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from serve.protocol import Usage
+from serve.protocol import Usage, sse
 from serve.protocol_chat import AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest
 from serve.service import Piece, RequestError, Service
 from serve.template import ChatError
@@ -66,10 +65,6 @@ async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piec
             yield p
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 async def stream(
     svc: Service, req: ChatCompletionRequest, pieces: AsyncIterator[Piece]
 ) -> AsyncIterator[str]:
@@ -81,7 +76,7 @@ async def stream(
 
     def chunk(delta: dict, finish: str | None = None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return _sse(head | {"choices": [choice]} | empty)
+        return sse(head | {"choices": [choice]} | empty)
 
     yield chunk({"role": "assistant", "content": ""})
     async with contextlib.aclosing(pieces):
@@ -92,7 +87,7 @@ async def stream(
                 yield chunk({}, p.finish_reason)
                 if with_usage:
                     usage = Usage.of(p.prompt_tokens, p.completion_tokens, p.cached_tokens)
-                    yield _sse(head | {"choices": [], "usage": usage.model_dump()})
+                    yield sse(head | {"choices": [], "usage": usage.model_dump()})
     yield "data: [DONE]\n\n"
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -16,14 +15,10 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from serve.logprobs import Record
-from serve.protocol import Choice, Completion, CompletionRequest, Logprobs, Usage
+from serve.protocol import Choice, Completion, CompletionRequest, Logprobs, Usage, sse
 from serve.service import RequestError, Service
 
 T = TypeVar("T")
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def stream(svc: Service, req: CompletionRequest, pieces) -> AsyncIterator[str]:
@@ -37,10 +32,10 @@ async def stream(svc: Service, req: CompletionRequest, pieces) -> AsyncIterator[
             chunk = Completion(
                 id=rid, created=created, model=svc.name, choices=[choice], usage=usage
             )
-            yield _sse(chunk.model_dump(exclude_none=True) | {"choices": [choice.model_dump()]})
+            yield sse(chunk.model_dump(exclude_none=True) | {"choices": [choice.model_dump()]})
             if usage and req.include_usage():
                 last = Completion(id=rid, created=created, model=svc.name, choices=[], usage=usage)
-                yield _sse(last.model_dump())
+                yield sse(last.model_dump())
     yield "data: [DONE]\n\n"
 
 

@@ -6,6 +6,7 @@ serve/protocol_chat.py.
 
 from __future__ import annotations
 
+import json
 from contextvars import ContextVar
 from typing import Annotated, Literal
 
@@ -285,3 +286,8 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+def sse(obj) -> str:
+    """One server-sent event of a streamed answer (completions and chat alike)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,5 +1,6 @@
 """The chat wire format: POST /v1/chat/completions' request (messages, OpenAI's content
-parts of which only text is read) and its answers, whole and streamed. The fields shared with
+parts of which only text is read) and its whole answer (streamed chunks are built as plain
+dicts in serve/chat.py, on the hot path). The fields shared with
 completions, their bounds and `to_sampling_params` are serve/protocol.py's.
 """
 
@@ -112,24 +113,3 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
