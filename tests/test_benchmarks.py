@@ -351,6 +351,44 @@ def test_profile_ceiling_is_the_best_any_scheduling_of_the_measured_steps_gives(
     assert "| int4 | 100 | 10.00 | 20.00 |" in "\n".join(profile_serve.ceiling_lines({"int4": c}))
 
 
+def test_profile_ceiling_at_the_int8_peak_swaps_only_the_matrix_time():
+    """Every matrix at the machine's fastest int8 rate, the rest of each step as profiled, and
+    no step faster than reading its weights once (the 1-row step's matrix time)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_serve
+
+    cfg = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+    }
+    macs = profile_serve.linear_macs(cfg)
+    # profiled: MatMulNBits half of the 1-row run, 3/4 of the 8-row run, 4/5 of the prefill
+    decode = {
+        "1": {"wall_ms": 10.0, "run_ms": 12.0, "ops_ms": {"MatMulNBits": 6.0}},
+        "8": {"wall_ms": 40.0, "run_ms": 44.0, "ops_ms": {"MatMulNBits": 33.0}},
+    }
+    prefill = {"wall_ms": 100.0, "run_ms": 110.0, "ops_ms": {"MatMulNBits": 88.0}, "tokens": 16}
+    gmac_s = 2 * 8 * macs / 5.0 / 1e6  # 8 rows' matrices in 2.5 ms: under the 5 ms floor
+    r = {
+        "bundles": {"int4": {"prefill": prefill, "decode": decode}},
+        "int8_gemm_gmac_s": {"8": gmac_s / 2, "128": gmac_s},  # as read back from JSON
+    }
+    c = profile_serve.ceiling(r, cfg)["int4"]
+    p = 100 * (1 - 0.8) + 16 * macs / gmac_s / 1e6
+    t1 = 10 * 0.5 + 5.0  # the floor: the 1-row step's matrix time
+    t8 = 40 * 0.25 + 5.0  # 8 rows at the peak take 2.5 ms, under the floor
+    assert c["step_8_at_peak_ms"] == pytest.approx(t8)
+    assert c["step_8_rest_ms"] == pytest.approx(10.0)
+    assert c["ratio_ceiling_at_peak"] == pytest.approx(8 * (p + 127 * t1) / (8 * p + 127 * t8))
+    assert c["matmul_8_rows_at_int8_rate_ms"] == pytest.approx(8 * macs / (gmac_s / 2) * 1e3 / 1e9)
+    row = "\n".join(profile_serve.ceiling_lines({"int4": c}))
+    assert f"| 10.00 | {c['ratio_ceiling_at_peak']:.2f} |" in row
+
+
 def test_sweep_processes_merge_into_each_stream_counts_best_point():
     bench = _serve_bench()
 
