@@ -389,6 +389,26 @@ def test_profile_ceiling_at_the_int8_peak_swaps_only_the_matrix_time():
     assert f"| 10.00 | {c['ratio_ceiling_at_peak']:.2f} |" in row
 
 
+def test_profile_gemm_paragraph_says_what_its_rates_say():
+    """The plain GEMM is called no faster at 8 rows only where it is not (AMX hosts run it at
+    1.7x MatMulNBits: the sentence was fixed text)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_serve
+
+    def result(gemm_8: float) -> dict:
+        rows = {"1": {"gmac_s": 10.0}, "8": {"gmac_s": 100.0}, "128": {"gmac_s": 150.0}}
+        return {
+            "matmul_nbits": {"int4 block 256": rows},
+            "int8_gemm_gmac_s": {"8": gemm_8, "128": 1000.0, "512": 1300.0},
+        }
+
+    slow = profile_serve.gemm_paragraph(result(105.0))
+    assert "is no faster than the best MatMulNBits row (100)" in slow
+    assert "at best 15% of it: a prefill is held by the kernel" in slow
+    fast = profile_serve.gemm_paragraph(result(218.0))
+    assert "no faster" not in fast and "is 2.2× the best MatMulNBits row (100)" in fast
+
+
 def test_sweep_processes_merge_into_each_stream_counts_best_point():
     bench = _serve_bench()
 
