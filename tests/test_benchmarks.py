@@ -321,18 +321,27 @@ def test_percentile_is_numpys_linear_one():
         assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
 
 
-def test_profile_ceiling_is_the_best_any_scheduling_of_the_measured_steps_gives():
+# a model shape small enough to count its multiply-accumulates by hand
+PROFILE_CFG = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+}
+
+
+def _profile_serve():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import profile_serve
 
-    cfg = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 100,
-    }
+    return profile_serve
+
+
+def test_profile_ceiling_is_the_best_any_scheduling_of_the_measured_steps_gives():
+    profile_serve = _profile_serve()
+    cfg = PROFILE_CFG
     # q, k, v (16 dims a head: 4 + 2 + 2 heads), o, gate + up + down, per layer; then the head
     assert profile_serve.linear_macs(cfg) == 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128) + 64 * 100
     decode = {"1": {"wall_ms": 10.0, "ops_ms": {}}, "8": {"wall_ms": 20.0, "ops_ms": {}}}
@@ -354,17 +363,8 @@ def test_profile_ceiling_is_the_best_any_scheduling_of_the_measured_steps_gives(
 def test_profile_ceiling_at_the_int8_peak_swaps_only_the_matrix_time():
     """Every matrix at the machine's fastest int8 rate, the rest of each step as profiled, and
     no step faster than reading its weights once (the 1-row step's matrix time)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import profile_serve
-
-    cfg = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 100,
-    }
+    profile_serve = _profile_serve()
+    cfg = PROFILE_CFG
     macs = profile_serve.linear_macs(cfg)
     # profiled: MatMulNBits half of the 1-row run, 3/4 of the 8-row run, 4/5 of the prefill
     decode = {
@@ -392,8 +392,7 @@ def test_profile_ceiling_at_the_int8_peak_swaps_only_the_matrix_time():
 def test_profile_gemm_paragraph_says_what_its_rates_say():
     """The plain GEMM is called no faster at 8 rows only where it is not (AMX hosts run it at
     1.7x MatMulNBits: the sentence was fixed text)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import profile_serve
+    profile_serve = _profile_serve()
 
     def result(gemm_8: float) -> dict:
         rows = {"1": {"gmac_s": 10.0}, "8": {"gmac_s": 100.0}, "128": {"gmac_s": 150.0}}
