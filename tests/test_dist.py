@@ -137,8 +137,10 @@ def test_muon_under_ddp_and_fsdp_matches_one_process(shards, tmp_path):
     One process with batch_size=4 is the looser second statement: it sums each matrix's
     gradient over 4 rows in one product, in another order (~1e-7), and torch's Muon runs
     Newton-Schulz in bfloat16, which turns that into a visible difference of the update: 3
-    steps measured 9.3e-4 for an element, 1.2 % of a tensor's norm (o_proj, small at init),
-    above assert_same_model's 5e-4; a wrong sharded update moves whole matrices."""
+    steps measured 9.3e-4 for an element, 1.2 % of a tensor's norm (o_proj, small at init) on
+    an AMD AVX-512 host, and 2.2e-3 and 2.7 % on an Intel AMX host (its bfloat16 products take
+    another kernel), above assert_same_model's 5e-4; the bounds leave about 2x over the worst. A
+    wrong sharded update moves whole matrices, and the bit-for-bit checks catch it first."""
     run(muon_cmd(shards, tmp_path / "accum", 1, "batch_size=2", "grad_accum=2"))
     run(muon_cmd(shards, tmp_path / "one", 1, "batch_size=4"))
     for strategy in ("ddp", "fsdp"):
@@ -153,8 +155,8 @@ def test_muon_under_ddp_and_fsdp_matches_one_process(shards, tmp_path):
     fsdp, one = weights(tmp_path / "fsdp"), weights(tmp_path / "one")
     assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
     for k in one:
-        assert float((fsdp[k] - one[k]).abs().max()) < 2e-3, k
-        assert float((fsdp[k] - one[k]).norm() / one[k].norm()) < 2e-2, k
+        assert float((fsdp[k] - one[k]).abs().max()) < 5e-3, k
+        assert float((fsdp[k] - one[k]).norm() / one[k].norm()) < 5e-2, k
 
 
 @pytest.fixture(scope="module")
