@@ -120,8 +120,8 @@ def test_two_processes_match_one_with_the_same_global_batch(shards, reference, t
 MUON_STEPS = 3
 
 
-def muon_cmd(shards, out, nproc, *sets):
-    cmd = fit_cmd(shards, out, nproc, "optimizer=muon", *sets, steps=MUON_STEPS, every=MUON_STEPS)
+def muon_cmd(shards, out, nproc, *sets, steps=MUON_STEPS):
+    cmd = fit_cmd(shards, out, nproc, "optimizer=muon", *sets, steps=steps, every=steps)
     return [*cmd, "--skip-verify"]
 
 
@@ -134,15 +134,17 @@ def test_muon_under_ddp_and_fsdp_matches_one_process(shards, tmp_path):
     and halvings). FSDP gathers each matrix's update and orthogonalizes it whole, so it also
     equals DDP's (torch's Muon on whole matrices), for the model's wide, tall and square ones.
 
-    One process with batch_size=4 is the looser second statement: it sums each matrix's
-    gradient over 4 rows in one product, in another order (~1e-7), and torch's Muon runs
-    Newton-Schulz in bfloat16, which turns that into a visible difference of the update: 3
-    steps measured 9.3e-4 for an element, 1.2 % of a tensor's norm (o_proj, small at init) on
-    an AMD AVX-512 host, and 2.2e-3 and 2.7 % on an Intel AMX host (its bfloat16 products take
-    another kernel), above assert_same_model's 5e-4; the bounds leave about 2x over the worst. A
-    wrong sharded update moves whole matrices, and the bit-for-bit checks catch it first."""
+    One process with batch_size=4 is the looser second statement (losses over the 3 steps,
+    weights after one): it sums each matrix's gradient over 4 rows in one product, in another
+    order (~1e-7), and torch's Muon runs Newton-Schulz in bfloat16, which turns that into a
+    visible difference of the update (one step: 2.7e-4 for an element, 0.3 % of a tensor's
+    norm, o_proj, small at init, on an Intel AMX host), above assert_same_model's 5e-4. Later
+    steps compound it by CPU: after 3, 9.3e-4 and 1.2 % on an AMD AVX-512 host, 2.2e-3 and
+    2.7 % on the Intel one. A wrong sharded update moves whole matrices from the first step."""
     run(muon_cmd(shards, tmp_path / "accum", 1, "batch_size=2", "grad_accum=2"))
+    run(muon_cmd(shards, tmp_path / "accum1", 1, "batch_size=2", "grad_accum=2", steps=1))
     run(muon_cmd(shards, tmp_path / "one", 1, "batch_size=4"))
+    run(muon_cmd(shards, tmp_path / "one1", 1, "batch_size=4", steps=1))
     for strategy in ("ddp", "fsdp"):
         proc = run(muon_cmd(shards, tmp_path / strategy, 2, "batch_size=2", f"strategy={strategy}"))
         assert "optimizer group muon: 14 tensors" in proc.stdout
@@ -152,11 +154,11 @@ def test_muon_under_ddp_and_fsdp_matches_one_process(shards, tmp_path):
         got = weights(tmp_path / strategy)
         assert got.keys() == accum.keys()
         assert all(torch.equal(got[k], accum[k]) for k in accum), strategy
-    fsdp, one = weights(tmp_path / "fsdp"), weights(tmp_path / "one")
     assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    accum1, one = weights(tmp_path / "accum1"), weights(tmp_path / "one1")
     for k in one:
-        assert float((fsdp[k] - one[k]).abs().max()) < 5e-3, k
-        assert float((fsdp[k] - one[k]).norm() / one[k].norm()) < 5e-2, k
+        assert float((accum1[k] - one[k]).abs().max()) < 2e-3, k
+        assert float((accum1[k] - one[k]).norm() / one[k].norm()) < 2e-2, k
 
 
 @pytest.fixture(scope="module")
