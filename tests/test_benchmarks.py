@@ -3,6 +3,7 @@ benchmark's engine runs, bandwidth bound, targets and report work on the tiny bu
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -41,11 +42,10 @@ def test_gpu_benchmark_script_reports_mfu_and_the_gate(tmp_path):
 # ---------------------------------------------------------------- the serving benchmark
 
 
-def _serve_bench():
+def _bench(name: str = "bench_serve"):
+    """A script of benchmarks/ as a module (they import each other by name)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_serve
-
-    return bench_serve
+    return importlib.import_module(name)
 
 
 QUICK = {
@@ -66,14 +66,14 @@ def serve_spec(tmp_path_factory, tiny_bundle):
     bundle = tiny_bundle
     cfg = json.loads((bundle.parent / "serve-ckpt" / "config.json").read_text())
     spec = tmp_path_factory.mktemp("bench-serve") / "spec.json"
-    spec.write_text(json.dumps(_serve_bench().spec_for(QUICK, cfg, 2048)))
+    spec.write_text(json.dumps(_bench().spec_for(QUICK, cfg, 2048)))
     return bundle, cfg, spec
 
 
 def test_serve_benchmark_times_our_engine_and_its_sweep_in_their_own_processes(
     serve_spec, tmp_path
 ):
-    bench = _serve_bench()
+    bench = _bench()
     bundle, cfg, spec = serve_spec
     row = bench.measured("doel", bundle, spec, tmp_path)
     for name, runs in (("short", 2), ("long", 1)):
@@ -109,7 +109,7 @@ def test_serve_benchmark_times_our_engine_and_its_sweep_in_their_own_processes(
 
 
 def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
-    bench = _serve_bench()
+    bench = _bench()
     from bench_serve_report import markdown, plot
     from cpu_class import describe
 
@@ -231,7 +231,7 @@ def _cpuinfo(vendor: str, name: str, flags: str) -> str:
     ],
 )
 def test_cpu_class_names_the_best_int8_path_from_cpuinfo_flags(vendor, flags, slug):
-    _serve_bench()
+    _bench()
     from cpu_class import describe
 
     cpu = describe(_cpuinfo(vendor, "Some CPU", flags), "x86_64")
@@ -241,7 +241,7 @@ def test_cpu_class_names_the_best_int8_path_from_cpuinfo_flags(vendor, flags, sl
 
 
 def test_cpu_class_reads_arm_features_and_names_the_result_file():
-    bench = _serve_bench()
+    bench = _bench()
     from cpu_class import describe, this_cpu
 
     graviton3 = "processor\t: 0\nFeatures\t: fp asimd crc32 atomics asimddp sve i8mm bf16\n"
@@ -271,7 +271,7 @@ def _accuracy_levels(model: Path) -> set[int]:
 def test_accuracy_level_probe_changes_only_the_attribute_and_times_steps(
     tiny_bundle, tmp_path, monkeypatch
 ):
-    _serve_bench()
+    _bench()
     import bench_accuracy_level as probe
 
     from export.bundle import ExportOptions, export_checkpoint
@@ -298,7 +298,7 @@ def test_accuracy_level_probe_changes_only_the_attribute_and_times_steps(
 def test_gguf_tokenizer_lists_every_embedding_row_and_encodes_as_before(tokenizer_path):
     from tokenizers import Tokenizer
 
-    _serve_bench()
+    _bench()
     from bench_serve_llama import padded_tokenizer
 
     raw = json.loads(Path(tokenizer_path).read_text(encoding="utf-8"))
@@ -313,8 +313,7 @@ def test_gguf_tokenizer_lists_every_embedding_row_and_encodes_as_before(tokenize
 
 
 def test_percentile_is_numpys_linear_one():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_serve_engines import percentile
+    percentile = _bench("bench_serve_engines").percentile
 
     values = np.random.default_rng(0).random(13).tolist()
     for q in (0, 50, 95, 100):
@@ -332,15 +331,8 @@ PROFILE_CFG = {
 }
 
 
-def _profile_serve():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import profile_serve
-
-    return profile_serve
-
-
 def test_profile_ceiling_is_the_best_any_scheduling_of_the_measured_steps_gives():
-    profile_serve = _profile_serve()
+    profile_serve = _bench("profile_serve")
     cfg = PROFILE_CFG
     # q, k, v (16 dims a head: 4 + 2 + 2 heads), o, gate + up + down, per layer; then the head
     assert profile_serve.linear_macs(cfg) == 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128) + 64 * 100
@@ -363,7 +355,7 @@ def test_profile_ceiling_is_the_best_any_scheduling_of_the_measured_steps_gives(
 def test_profile_ceiling_at_the_int8_peak_swaps_only_the_matrix_time():
     """Every matrix at the machine's fastest int8 rate, the rest of each step as profiled, and
     no step faster than reading its weights once (the 1-row step's matrix time)."""
-    profile_serve = _profile_serve()
+    profile_serve = _bench("profile_serve")
     cfg = PROFILE_CFG
     macs = profile_serve.linear_macs(cfg)
     # profiled: MatMulNBits half of the 1-row run, 3/4 of the 8-row run, 4/5 of the prefill
@@ -392,10 +384,10 @@ def test_profile_ceiling_at_the_int8_peak_swaps_only_the_matrix_time():
 def test_profile_gemm_paragraph_says_what_its_rates_say():
     """The plain GEMM is called no faster at 8 rows only where it is not (AMX hosts run it at
     1.7x MatMulNBits: the sentence was fixed text)."""
-    profile_serve = _profile_serve()
+    profile_serve = _bench("profile_serve")
 
-    def result(gemm_8: float) -> dict:
-        rows = {"1": {"gmac_s": 10.0}, "8": {"gmac_s": 100.0}, "128": {"gmac_s": 150.0}}
+    def result(gemm_8: float, nbits_128: float = 150.0) -> dict:
+        rows = {"1": {"gmac_s": 10.0}, "8": {"gmac_s": 100.0}, "128": {"gmac_s": nbits_128}}
         return {
             "matmul_nbits": {"int4 block 256": rows},
             "int8_gemm_gmac_s": {"8": gemm_8, "128": 1000.0, "512": 1300.0},
@@ -406,10 +398,12 @@ def test_profile_gemm_paragraph_says_what_its_rates_say():
     assert "at best 15% of it: a prefill is held by the kernel" in slow
     fast = profile_serve.gemm_paragraph(result(218.0))
     assert "no faster" not in fast and "is 2.2× the best MatMulNBits row (100)" in fast
+    close = profile_serve.gemm_paragraph(result(105.0, nbits_128=900.0))
+    assert "at best 90% of it. " in close and "held by the kernel" not in close
 
 
 def test_sweep_processes_merge_into_each_stream_counts_best_point():
-    bench = _serve_bench()
+    bench = _bench()
 
     def run(aggs, foreign):
         pts = [{"streams": n, "aggregate_tok_s": a} for n, a in zip((1, 8), aggs)]
@@ -430,7 +424,7 @@ def test_sweep_processes_merge_into_each_stream_counts_best_point():
 
 
 def test_engine_rows_pool_the_runs_of_their_processes():
-    bench = _serve_bench()
+    bench = _bench()
 
     def proc(ttft, tok_s, load):
         runs = [{"ttft_s": t, "decode_tok_s": d} for t, d in zip(ttft, tok_s)]
