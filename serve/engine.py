@@ -93,7 +93,14 @@ class Engine:
     (the caller serialises requests); `forward(slot=)` and `decode` let a scheduler prefill a
     slot while others wait and then step all slots 0..n-1 in one batched run."""
 
-    def __init__(self, bundle: Bundle, threads: int = 0, slots: int = 1, profile: bool = False):
+    def __init__(
+        self,
+        bundle: Bundle,
+        threads: int = 0,
+        slots: int = 1,
+        profile: bool = False,
+        session_config: dict[str, str] | None = None,
+    ):
         if slots > 1 and not bundle.share_buffer:
             raise BundleError("batched slots need a graph with a shared KV buffer (genai engine)")
         self.bundle, self.slots = bundle, slots
@@ -102,6 +109,9 @@ class Engine:
         opts.intra_op_num_threads = threads  # 0: one per core
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # ONNX Runtime's own session options (benchmarks/probe_ort_options.py measures them)
+        for key, value in (session_config or {}).items():
+            opts.add_session_config_entry(key, value)
         # Errors only: ONNX Runtime warns at every load that the overridable logits_to_keep
         # input is not folded as a constant, which is its point.
         opts.log_severity_level = 3
@@ -113,20 +123,29 @@ class Engine:
         self.last_only = "logits_to_keep" in optional
         self._last = ort.OrtValue.ortvalue_from_numpy(LAST)
         self._all = ort.OrtValue.ortvalue_from_numpy(ALL)
-        inputs = {i.name: i.type for i in self.session.get_inputs()}
+        inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
         # fp32, or fp16 where the export keeps the cache in half precision (export/kvcache.py)
-        self.kv_dtype = KV_DTYPES[inputs[self.past_names[0]]]
+        self.kv_dtype = KV_DTYPES[inputs[self.past_names[0]].type]
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
         # Allocated here, once: every request reuses them (see the module docstring). A slot's
         # rows are contiguous (batch is the outer axis), so slots lo..lo+n-1 are a plain view.
-        shape = (slots, bundle.kv_heads, bundle.context_length, bundle.head_dim)
-        self.kv_arrays = [np.zeros(shape, self.kv_dtype) for _ in self.past_names]
+        self.kv_arrays = [
+            np.zeros(self._cache_shape(inputs[n].shape), self.kv_dtype) for n in self.past_names
+        ]
         self.logits_array = np.zeros((slots, 1, bundle.vocab_size), np.float32)
         self._view_cache: dict[tuple[int, int], tuple[list, object]] = {}
         self.kv = self._views(0, slots)[0]
         self.binding = self.session.io_binding()
         self._past: dict[str, np.ndarray] = {}
+
+    def _cache_shape(self, dims: list) -> tuple[int, int, int, int]:
+        """[slots, kv heads, positions, head dim]; or with the positions last where the session
+        takes that layout (ONNX Runtime's session.gqa_value_layout=BNHS turns the value cache)."""
+        b = self.bundle
+        if isinstance(dims[3], str) and "sequence" in dims[3]:
+            return (self.slots, b.kv_heads, b.head_dim, b.context_length)
+        return (self.slots, b.kv_heads, b.context_length, b.head_dim)
 
     @property
     def context_length(self) -> int:

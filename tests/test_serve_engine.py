@@ -127,6 +127,26 @@ def test_slots_prefilled_apart_then_stepped_together_match_full_forwards(tiny_bu
         engine.decode([1, 2], [5, CONTEXT + 1])
 
 
+def test_session_options_reach_onnx_runtime_and_a_turned_value_cache_is_allocated_so(
+    tiny_bundle, engine
+):
+    """ONNX Runtime's session.gqa_value_layout=BNHS asks for the value cache with the positions
+    last (benchmarks/probe_ort_options.py): the engine allocates what the session takes, and the
+    tokens stay the same, alone and batched. An unknown value is refused by ONNX Runtime."""
+    b = read_bundle(tiny_bundle)
+    turned = Engine(b, threads=1, slots=2, session_config={"session.gqa_value_layout": "BNHS"})
+    shapes = {a.shape for a in turned.kv_arrays}
+    assert shapes == {(2, b.kv_heads, CONTEXT, b.head_dim), (2, b.kv_heads, b.head_dim, CONTEXT)}
+    want = list(engine.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0)))
+    assert list(turned.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))) == want
+    for slot in (0, 1):
+        turned.forward(PROMPT, 0, slot=slot)
+    step = turned.decode([want[0]] * 2, [len(PROMPT) + 1] * 2)
+    assert step.argmax(-1).tolist() == [want[1]] * 2
+    with pytest.raises(Exception, match="gqa_value_layout"):
+        Engine(b, threads=1, session_config={"session.gqa_value_layout": "sideways"})
+
+
 def test_the_prompt_asks_the_graph_for_its_last_logits_only(tiny_bundle, engine):
     """Bundles take logits_to_keep: the prompt's run returns one position's logits into the
     preallocated buffer, and gives what the run returning every position gives."""
