@@ -377,8 +377,60 @@ def test_profile_ceiling_at_the_int8_peak_swaps_only_the_matrix_time():
     assert c["step_8_rest_ms"] == pytest.approx(10.0)
     assert c["ratio_ceiling_at_peak"] == pytest.approx(8 * (p + 127 * t1) / (8 * p + 127 * t8))
     assert c["matmul_8_rows_at_int8_rate_ms"] == pytest.approx(8 * macs / (gmac_s / 2) * 1e3 / 1e9)
-    row = "\n".join(profile_serve.ceiling_lines({"int4": c}))
-    assert f"| 10.00 | {c['ratio_ceiling_at_peak']:.2f} |" in row
+    lines = "\n".join(profile_serve.ceiling_lines({"int4": c}))
+    assert "| 0.00 | – | 10.00 |" in lines  # no attention profiled, no bandwidth: no floor
+    ceilings = f"| int4 | {c['ratio_ceiling']:.2f} | – | {c['ratio_ceiling_at_peak']:.2f} | – |"
+    assert ceilings in lines
+
+
+def test_profile_ceiling_with_attention_at_its_floor_keeps_the_matrices_as_measured():
+    """Attention at the time each row's cache takes to read once; with the matrices at the peak
+    too, what the hardware allows."""
+    profile_serve = _bench("profile_serve")
+    cfg = PROFILE_CFG
+    macs = profile_serve.linear_macs(cfg)
+    # profiled runs take 1.25x their walls: an operator's wall share is its ms / 1.25
+    decode = {
+        "1": {
+            "wall_ms": 8.0,
+            "run_ms": 10.0,
+            "ops_ms": {"MatMulNBits": 5.0, "GroupQueryAttention": 1.0},
+        },
+        "8": {
+            "wall_ms": 16.0,
+            "run_ms": 20.0,
+            "ops_ms": {"MatMulNBits": 10.0, "GroupQueryAttention": 5.0},
+        },
+    }
+    prefill = {"wall_ms": 80.0, "run_ms": 100.0, "ops_ms": {"MatMulNBits": 75.0}, "tokens": 16}
+    gmac_s = 8 * macs / 2.0 / 1e6  # 8 rows' matrices in 2 ms: under the 4 ms floor
+    r = {
+        "bundles": {"int4": {"prefill": prefill, "decode": decode}},
+        "int8_gemm_gmac_s": {"128": gmac_s},
+        "read_gb_s": 10.0,
+        "prompt": 100,
+        "steps": 19,  # the profile's steps end at 100 + 19 positions: 110 on average
+    }
+    c = profile_serve.ceiling(r, cfg)["int4"]
+    # 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes x 110 positions
+    row_bytes = 2 * 2 * 2 * 16 * 4 * 110
+    assert profile_serve.kv_row_bytes(cfg, 110) == row_bytes
+    floor8 = 8 * row_bytes / 10e9 * 1e3
+    assert c["attention_8_rows_ms"] == pytest.approx(4.0)
+    assert c["attention_8_rows_floor_ms"] == pytest.approx(floor8)
+    t1 = 8.0 - 0.8 + row_bytes / 10e9 * 1e3
+    t8 = 16.0 - 4.0 + floor8
+    assert c["step_8_attention_floor_ms"] == pytest.approx(t8)
+    ratio = profile_serve.ratio_ceiling
+    assert c["ratio_ceiling_attention_floor"] == pytest.approx(ratio(80.0, t1, t8))
+    assert ratio(80.0, t1, t8) == pytest.approx(8 * (80 + 127 * t1) / (8 * 80 + 127 * t8))
+    # both: matrices at the peak but never under the 1-row step's 4 ms, attention at its floor
+    p = 80 * (1 - 0.75) + 16 * macs / gmac_s / 1e6
+    t1_hw, t8_hw = 4.0 + row_bytes / 10e9 * 1e3 + 3.2, 4.0 + floor8 + 4.0  # + the rest
+    assert c["step_8_hardware_ms"] == pytest.approx(t8_hw)
+    assert c["ratio_ceiling_hardware"] == pytest.approx(ratio(p, t1_hw, t8_hw))
+    lines = "\n".join(profile_serve.ceiling_lines({"int4": c}))
+    assert f"| {c['ratio_ceiling_hardware']:.2f} |" in lines and f"| 4.00 | {floor8:.2f} |" in lines
 
 
 def test_profile_gemm_paragraph_says_what_its_rates_say():
