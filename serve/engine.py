@@ -147,6 +147,15 @@ class Engine:
             return (self.slots, b.kv_heads, b.head_dim, b.context_length)
         return (self.slots, b.kv_heads, b.context_length, b.head_dim)
 
+    def copy_slot(self, src: int, dst: int, n: int) -> None:
+        """Copy the first `n` cache positions of slot `src` to slot `dst` (the scheduler parks a
+        held prefix there; serve/scheduler.py)."""
+        for a in self.kv_arrays:
+            if a.shape[2] == self.bundle.context_length:
+                a[dst, :, :n] = a[src, :, :n]
+            else:  # positions last (_cache_shape)
+                a[dst, :, :, :n] = a[src, :, :, :n]
+
     @property
     def context_length(self) -> int:
         return self.bundle.context_length

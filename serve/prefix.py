@@ -21,6 +21,9 @@ from dataclasses import dataclass
 # template tokens) with every cached one, and taking a slot for them would evict a conversation
 # whose next turn needs it, to save a few tokens of prefill (about 3 ms each at 0.4B).
 MIN_REUSE = 16
+# An idle slot inside a batched step's span holding at least this many ids is parked outside it
+# (Prefixes.parking): the copy costs about what one step's attention over the same ids does.
+PARK_MIN = 64
 
 
 @dataclass
@@ -94,6 +97,27 @@ class Prefixes:
         if len(held) >= self.context_length:
             del held[self.context_length - 1 :]
         return len(held) + 1
+
+    def parking(self, slot: int, lo: int, top: int, busy: set[int]) -> int | None:
+        """Where to move what idle `slot`, inside a batched step's span lo..top-1, holds: the
+        free slot nearest the span outside it that holds nothing reusable (shorter than
+        MIN_REUSE, so no conversation is evicted), or None. In the span its placeholder row
+        attends over all it holds at every step, which slowed the streams around a held
+        1,536-token conversation by a third (benchmarks/results/held_prefix_0.4b_cpu-*.md);
+        parked, its conversation stays cached and its row attends over one entry."""
+        if len(self.held[slot]) < PARK_MIN:
+            return None
+        spare = [
+            s
+            for s in range(len(self.held))
+            if not lo <= s < top and s not in busy and len(self.held[s]) < MIN_REUSE
+        ]
+        return min(spare, key=lambda s: (lo - s if s < lo else s - top + 1, s), default=None)
+
+    def moved(self, src: int, dst: int) -> None:
+        """The engine copied what `src` holds to `dst`: the claim follows, `src` is empty."""
+        self.held[dst], self.held[src] = self.held[src], []
+        self.used[dst] = self.used[src]
 
     def forget(self, slot: int) -> None:
         self.held[slot].clear()

@@ -8,8 +8,10 @@ length thus delays the running streams by one chunk's time per token, not by its
 (prefill times by prompt length: benchmarks/results/serve_0.4b_cpu-*.md). A finished
 or abandoned sequence frees its slot at the next step, and a waiting request takes it: the free
 slot whose cache already holds the longest start of its prompt, whose prefill then begins after
-it (serve/prefix.py keeps that account). Engine work and sampling run in a worker thread; slots,
-queues and cancellation are handled on the event loop alone.
+it (serve/prefix.py keeps that account). An idle slot inside a step's span runs as a placeholder
+row that attends over all its slot holds; one holding a conversation is first moved out of the
+span (`_park`), so it stays cached without slowing the others. Engine work and sampling run in a
+worker thread; slots, queues and cancellation are handled on the event loop alone.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_queue: int = 16):
+    def __init__(self, engine: Engine, max_queue: int = 16, park: bool = True):
         self.engine, self.max_queue = engine, max_queue
+        self.park = park and engine.bundle.share_buffer  # held prefixes out of a step's span
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: dict[int, Seq] = {}  # slot → sequence
         self.prefixes = Prefixes(
@@ -174,6 +177,7 @@ class Scheduler:
             # over a held prefix too: benchmarks/results/profile_serve_0.4b_cpu-*.md).
             lo = min(s.slot for s in decoding)
             top = max(s.slot for s in decoding) + 1
+            self._park(lo, top, {s.slot for s in stepping})
             # Other slots in between take a placeholder row. It writes one cache entry, past
             # what the slot holds: after an idle slot's cached prefix, or at the next position
             # of a filling one, which that prompt's next chunk overwrites before anything reads.
@@ -209,6 +213,21 @@ class Scheduler:
                 else:
                     events.append(self._pick(s, logits))
         return events
+
+    def _park(self, lo: int, top: int, busy: set[int]) -> None:
+        """In the worker thread, before a step of slots lo..top-1: move what idle slots among
+        them hold to free slots outside (serve/prefix.py says where, and when it pays), so
+        their placeholder rows attend over one entry, not over a held conversation. Only the
+        worker writes the cache, and no admission happens during a step."""
+        if not self.park:
+            return
+        for slot in range(lo, top):
+            if slot in busy:
+                continue
+            dst = self.prefixes.parking(slot, lo, top, busy)
+            if dst is not None:
+                self.engine.copy_slot(slot, dst, len(self.prefixes.held[slot]))
+                self.prefixes.moved(slot, dst)
 
     def _pick(self, s: Seq, logits: np.ndarray) -> tuple[Seq, int | None, bool]:
         """Sample the next id; (sequence, id or None at a stop id, finished)."""

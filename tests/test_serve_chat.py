@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve.app import Settings, create_app
-from serve.prefix import MIN_REUSE, Hit, Prefixes
+from serve.prefix import MIN_REUSE, PARK_MIN, Hit, Prefixes
 from serve.protocol import CompletionRequest
 from serve.service import Service
 from serve.template import ChatError, ChatTemplate
@@ -102,6 +102,66 @@ def test_a_new_prompt_takes_the_slot_that_keeps_the_running_ones_packed():
     assert p.assign([52] * 20, [0, 4, 5, 7], busy=(1, 2, 3)) == (0, 0)  # 0 before 4: older
     # A hit still wins wherever it is: its prefill is saved.
     assert p.assign([5] * 20 + [9], [4, 5, 7], busy=(0, 1)) == (5, 20)
+
+
+def test_a_held_conversation_inside_a_steps_span_is_parked_beside_it():
+    """Where an idle slot's held ids go when a step runs slots 2-4 around it: the nearest free
+    slot outside the span that holds nothing reusable; nowhere when it holds too little."""
+    p = Prefixes(slots=8, context_length=200)
+    p.wrote(3, 0, list(range(PARK_MIN)))
+    p.wrote(5, 0, [7] * MIN_REUSE)  # a reusable prefix: not overwritten
+    p.wrote(1, 0, [8] * (MIN_REUSE - 1))  # too short to reuse: a place to park
+    assert p.parking(3, 2, 5, busy={2, 4}) == 1  # 5 holds a conversation, 1 is as near
+    assert p.parking(3, 2, 5, busy={1, 2, 4}) == 0  # as near as 6: the lower
+    p.wrote(0, 0, [9] * MIN_REUSE)
+    assert p.parking(3, 2, 5, busy={1, 2, 4}) == 6
+    assert p.parking(3, 0, 8, busy={2, 4}) is None  # no slot outside the span
+    p.moved(3, 6)
+    assert p.held[6] == list(range(PARK_MIN)) and p.held[3] == [] and p.idle_total(3) == 1
+    p.wrote(3, 0, list(range(PARK_MIN - 1)))
+    assert p.parking(3, 2, 5, busy={2, 4}) is None  # too little held to be worth a copy
+
+
+def test_a_conversation_that_ends_between_running_streams_is_parked_and_still_reused(
+    tiny_bundle,
+):
+    """Three streams in slots 0-2; the middle one ends holding a long prompt while the others
+    go on. Its cache moves to slot 3 before the next step, so the steps of slots 0-2 attend
+    over one entry in slot 1; the others' ids are those of a scheduler that does not park, and
+    the conversation's next turn finds its prefix in slot 3 and gives the ids a cold prefill
+    gives."""
+    svc = Service.load(str(tiny_bundle), threads=1, slots=4)
+    still = Service.load(str(tiny_bundle), threads=1, slots=4)
+    still.scheduler.park = False
+    cold = Service.load(str(tiny_bundle), threads=1, slots=1)
+    cold.scheduler.prefixes.enabled = False
+    long = svc.encode(SYSTEM * 3)[: PARK_MIN + 2]
+    short = [svc.encode(" নদী"), svc.encode(" পাখি")]
+    totals, decode = [], svc.engine.decode
+
+    def recorded(tokens, lengths, lo=0):
+        totals.append((lo, list(lengths)))
+        return decode(tokens, lengths, lo)
+
+    svc.engine.decode = recorded
+
+    async def three(s: Service) -> list[list[int]]:
+        runs = [(short[0], 20), (long, 2), (short[1], 20)]
+        return await asyncio.gather(*(_run(s, p, _params(n)) for p, n in runs))
+
+    got = asyncio.run(three(svc))
+    assert got == asyncio.run(three(still))
+    held = svc.scheduler.prefixes.held
+    assert held[3] == long + got[1][:1] and held[1] == []
+    # After the middle one ended, slot 1 ran as a placeholder over one entry.
+    after = [t for lo, t in totals if lo == 0 and len(t) == 3 and t[1] == 1]
+    assert len(after) >= 10
+    turn = long + got[1] + svc.encode(" আবার", False)
+    hit = Hit()
+    assert asyncio.run(_run(svc, turn, _params(4), hit)) == asyncio.run(
+        _run(cold, turn, _params(4))
+    )
+    assert hit.tokens == len(long) + 1
 
 
 async def _collect(stream) -> list:
