@@ -88,6 +88,11 @@ def read_bundle(folder: str | Path) -> Bundle:
     return bundle
 
 
+def _positions_last(dims: list) -> bool:
+    """Whether a cache input [batch, heads, ., .] has its (symbolic) sequence axis last."""
+    return isinstance(dims[3], str) and "sequence" in dims[3]
+
+
 class Engine:
     """Sequences in `slots` rows of one preallocated cache. `generate` runs one request in slot 0
     (the caller serialises requests); `forward(slot=)` and `decode` let a scheduler prefill a
@@ -130,8 +135,10 @@ class Engine:
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
         # Allocated here, once: every request reuses them (see the module docstring). A slot's
         # rows are contiguous (batch is the outer axis), so slots lo..lo+n-1 are a plain view.
+        # ONNX Runtime's session.gqa_value_layout=BNHS asks for the value cache positions-last
+        self._positions_last = [_positions_last(inputs[n].shape) for n in self.past_names]
         self.kv_arrays = [
-            np.zeros(self._cache_shape(inputs[n].shape), self.kv_dtype) for n in self.past_names
+            np.zeros(self._cache_shape(t), self.kv_dtype) for t in self._positions_last
         ]
         self.logits_array = np.zeros((slots, 1, bundle.vocab_size), np.float32)
         self._view_cache: dict[tuple[int, int], tuple[list, object]] = {}
@@ -139,22 +146,21 @@ class Engine:
         self.binding = self.session.io_binding()
         self._past: dict[str, np.ndarray] = {}
 
-    def _cache_shape(self, dims: list) -> tuple[int, int, int, int]:
-        """[slots, kv heads, positions, head dim]; or with the positions last where the session
-        takes that layout (ONNX Runtime's session.gqa_value_layout=BNHS turns the value cache)."""
+    def _cache_shape(self, positions_last: bool) -> tuple[int, int, int, int]:
+        """[slots, kv heads, positions, head dim], or with the positions last."""
         b = self.bundle
-        if isinstance(dims[3], str) and "sequence" in dims[3]:
+        if positions_last:
             return (self.slots, b.kv_heads, b.head_dim, b.context_length)
         return (self.slots, b.kv_heads, b.context_length, b.head_dim)
 
     def copy_slot(self, src: int, dst: int, n: int) -> None:
         """Copy the first `n` cache positions of slot `src` to slot `dst` (the scheduler parks a
         held prefix there; serve/scheduler.py)."""
-        for a in self.kv_arrays:
-            if a.shape[2] == self.bundle.context_length:
-                a[dst, :, :n] = a[src, :, :n]
-            else:  # positions last (_cache_shape)
+        for a, last in zip(self.kv_arrays, self._positions_last):
+            if last:  # _cache_shape
                 a[dst, :, :, :n] = a[src, :, :, :n]
+            else:
+                a[dst, :, :n] = a[src, :, :n]
 
     @property
     def context_length(self) -> int:
