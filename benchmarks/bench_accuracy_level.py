@@ -17,7 +17,6 @@ whose bundles are reused; made there if missing), a minute or two on a quiet mac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_export import foreign_cpu  # noqa: E402
 from bench_serve import FULL, THREADS, busy, setup  # noqa: E402
-from cpu_class import isa_summary, this_cpu  # noqa: E402
+from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
 
 from serve.engine import Engine, read_bundle  # noqa: E402
 
@@ -160,12 +159,10 @@ def main(argv: list[str] | None = None) -> None:
         "cpu": cpu,
         "rows": run(Path(args.work)),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"accuracy_level_0.4b_cpu-{cpu['class']}"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_result(args.out, name, result, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_serve import FULL, measured, setup  # noqa: E402
 from bench_serve_llama import THREADS, converter, silenced  # noqa: E402
 from bench_tokenizer import measure  # noqa: E402
-from cpu_class import this_cpu  # noqa: E402
+from cpu_class import this_cpu, write_result  # noqa: E402
 
 from train.data.fertility import AnyTokenizer  # noqa: E402
 from train.data.textio import iter_source, resolve_sources  # noqa: E402
@@ -298,12 +298,10 @@ def main(argv: list[str] | None = None) -> None:
     r["table"] = chars_per_second(r)
     r["wall_s"] = time.time() - t0
     r["machine_load"] = f"load average {os.getloadavg()[0]:.1f} at the end (2 cores)"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"bangla_chars_cpu-{r['cpu']['class']}"
-    (out / f"{name}.json").write_text(json.dumps(r, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(r))
-    print(markdown(r))
+    text = markdown(r)
+    write_result(args.out, name, r, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(out).write_text(json.dumps(res))
         return
     from bench_serve import FULL, setup
-    from cpu_class import this_cpu
+    from cpu_class import this_cpu, write_result
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_chat_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -291,12 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         "engines": engines,
         "targets": targets(engines),
     }  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"chat_0.4b_cpu-{result['cpu']['class']}"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_result(args.out, name, result, text)
+    print(text)
 
 
 if __name__ == "__main__":

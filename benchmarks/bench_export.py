@@ -35,6 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cpu_class import write_result  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS, THREADS = 128, 64, 2
 QUANTS = ("fp32", "int8", "int4")
@@ -76,9 +79,10 @@ def make_checkpoint(folder: Path, preset: str) -> Path:
 
     cfg = load_config(TrainConfig, ROOT / "configs" / f"{preset}.toml").model
     sample = [str(p) for p in sorted((ROOT / "train" / "sample").glob("*.txt"))]
-    tok = train_tokenizer(
-        resolve_sources(sample), TokenizerConfig(vocab_size=4096), folder / "tok", progress=False
-    )
+    # 4,096 tokens (the sample holds about 2,600 merges), never more than the model's embedding
+    # table has rows: the tiny preset's 2,048 (bench_serve.py --quick)
+    vocab = TokenizerConfig(vocab_size=min(4096, cfg.vocab_size))
+    tok = train_tokenizer(resolve_sources(sample), vocab, folder / "tok", progress=False)
     torch.manual_seed(0)
     model = Llama(cfg)
     print(f"{preset}: {model.num_parameters() / 1e6:.1f}M parameters", flush=True)
@@ -289,12 +293,10 @@ def main() -> None:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = "export_0.4b_cpu" if args.preset == "bangla-0.4b" else f"export_{args.preset}_cpu"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_result(args.out, name, result, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_export import foreign_cpu  # noqa: E402
 from bench_serve import FULL, THREADS, setup  # noqa: E402
-from cpu_class import isa_summary, this_cpu  # noqa: E402
+from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
 
 from serve.engine import Engine, read_bundle  # noqa: E402
 from serve.prefix import Hit  # noqa: E402
@@ -173,12 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": time.perf_counter() - t0,
         "machine_load": f"load average {os.getloadavg()[0]:.1f} at the end",
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"held_prefix_0.4b_cpu-{result['cpu']['class']}"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_result(args.out, name, result, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from bench_serve_llama import (  # noqa: E402
     make_ggufs,
 )
 from bench_serve_report import markdown, plot  # noqa: E402
-from cpu_class import this_cpu  # noqa: E402
+from cpu_class import this_cpu, write_result  # noqa: E402
 
 THREADS = 2
 BUSY_SHARE = 0.05  # of the machine's CPU time used by others during a row
@@ -470,12 +470,11 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(work, ignore_errors=True)
     default_out = ROOT / ("out/bench_serve_quick" if args.quick else "benchmarks/results")
     out = Path(args.out or default_out)
-    out.mkdir(parents=True, exist_ok=True)
     name = result_name(p["preset"], result["cpu"]["class"])
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
+    text = markdown(result)
+    write_result(out, name, result, text)
     plot(result, out / f"{name}.png")
-    print(markdown(result))
+    print(text)
 
 
 if __name__ == "__main__":

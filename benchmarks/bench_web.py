@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_export import machine_busy_s, make_checkpoint, own_cpu_s  # noqa: E402
-from cpu_class import isa_summary, this_cpu  # noqa: E402
+from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
 
 SHORT, LONG, NEW, REPEATS = 128, 512, 64, 2
 THREADS = (1, 2)
@@ -367,12 +367,10 @@ def main(argv: list[str] | None = None) -> None:
         "load_after": os.getloadavg(),
         "bundles": measured,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"web_cpu-{result['cpu']['class']}"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_result(args.out, name, result, text)
+    print(text)
 
 
 if __name__ == "__main__":

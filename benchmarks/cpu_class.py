@@ -9,8 +9,13 @@ machine name alone.
 
 from __future__ import annotations
 
+import json
 import platform
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train.common import atomic_write_bytes  # noqa: E402  (no torch: plain file writes)
 
 # Reported name -> the kernel flags as Linux spells them (x86 `flags`, ARM `Features`).
 ISA = {
@@ -83,6 +88,15 @@ def isa_summary(cpu: dict) -> str:
     """`AVX2, AVX-512F, ...` (the extensions present), or `none of ...` when none is."""
     have = [name for name, on in cpu["isa"].items() if on]
     return ", ".join(have) if have else f"none of {', '.join(cpu['isa'])}"
+
+
+def write_result(out: str | Path, name: str, result: dict, text: str) -> Path:
+    """`name`.json and `name`.md in `out` (made if missing), each written whole and renamed into
+    place: a benchmark stopped midway leaves the last result as it was."""
+    out = Path(out)
+    atomic_write_bytes(out / f"{name}.json", (json.dumps(result, indent=2) + "\n").encode())
+    atomic_write_bytes(out / f"{name}.md", text.encode("utf-8"))
+    return out / f"{name}.md"
 
 
 if __name__ == "__main__":

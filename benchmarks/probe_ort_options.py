@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_export import foreign_cpu  # noqa: E402
 from bench_serve import FULL, THREADS, busy, setup  # noqa: E402
-from cpu_class import isa_summary, this_cpu  # noqa: E402
+from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
 from profile_serve import ratio_ceiling  # noqa: E402
 
 from serve.engine import Engine, read_bundle  # noqa: E402
@@ -203,12 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         "rows": run(work),
     }
     result["machine_load"] = f"load average {os.getloadavg()[0]:.1f} at the end"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"ort_options_0.4b_cpu-{result['cpu']['class']}"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_result(args.out, name, result, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_export import foreign_cpu  # noqa: E402
 from bench_serve import FULL, bandwidth, setup  # noqa: E402
-from cpu_class import this_cpu  # noqa: E402
+from cpu_class import this_cpu, write_result  # noqa: E402
 
 from serve.engine import Engine, read_bundle  # noqa: E402
 from serve.sampling import SamplingParams, sample  # noqa: E402
@@ -652,12 +652,10 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="profile_serve_"))
     result = run(work)
     result["machine_load"] = f"load average {os.getloadavg()[0]:.1f} at the end (2 cores)"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"profile_serve_0.4b_cpu-{result['cpu']['class']}"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_result(args.out, name, result, text)
+    print(text)
 
 
 if __name__ == "__main__":

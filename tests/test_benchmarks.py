@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -521,3 +522,23 @@ def test_ort_options_probe_keeps_each_options_best_and_slowest_process():
     cells = f"| 90 | 6.00 | 18.00 | {r['ratio_ceiling']:.2f} |"
     assert f"| int4 | LUT GEMM | `mlas.use_lut_gemm=1` {cells}" in text
     assert "| 100 / 7.00 / 20.00 |" in text
+
+
+def test_a_benchmark_result_is_written_whole_beside_its_markdown(tmp_path, monkeypatch):
+    """Both files land in a folder made for them; a write that fails leaves the last result."""
+    write_result = _bench("cpu_class").write_result
+    md = write_result(tmp_path / "results", "x_cpu-amd-avx2", {"ratio": 2.5}, "# x\n")
+    assert md.read_text() == "# x\n"
+    assert json.loads((tmp_path / "results" / "x_cpu-amd-avx2.json").read_text()) == {"ratio": 2.5}
+
+    def full(*_a, **_k):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="no space"):
+        write_result(tmp_path / "results", "x_cpu-amd-avx2", {"ratio": 9.9}, "# y\n")
+    assert md.read_text() == "# x\n"
+    assert sorted(p.name for p in md.parent.iterdir()) == [
+        "x_cpu-amd-avx2.json",
+        "x_cpu-amd-avx2.md",
+    ]
