@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     work = Path(args.work or ROOT / "out" / "bench-serve")
-    if not (work / "bundle-int4" / "manifest.json").is_file():
-        setup(work, FULL, with_llama=False)
+    setup(work, FULL, with_llama=False)  # reuses the checkpoint and bundles already there
     t0 = time.perf_counter()
     m, foreign = foreign_cpu(measure, work / "bundle-int4")
     ids = {w: [r["ids"] for r in m["runs"][w]] for w in WAYS}

@@ -129,8 +129,7 @@ def one(bundle: Path, label: str, logits: Path) -> dict:
 def run(work: Path) -> list[dict]:
     """Every option once a round, PROCESSES rounds: the machine's drift over the minutes of the
     probe falls on every option alike, not on the ones measured last."""
-    if not all((work / f"bundle-{q}" / "manifest.json").is_file() for q in ("int4", "int8")):
-        setup(work, FULL, with_llama=False)
+    setup(work, FULL, with_llama=False)  # reuses the checkpoint and bundles already there
     rows = []
     for quant in ("int4", "int8"):
         bundle = work / f"bundle-{quant}"
