@@ -23,17 +23,17 @@ $(BIN)/.installed: pyproject.toml
 	touch $@ $(BIN)/.installed-demo
 
 demo: $(BIN)/.installed-demo  # make demo DEMO_ARGS=--serve: keep the server up at the end
-	$(BIN)/doel-train demo --out $(OUT) $(DEMO_ARGS)
+	$(BIN)/doel demo --out $(OUT) $(DEMO_ARGS)
 
 # The rented-GPU recipe: data -> tokenizer -> shards -> verify -> train -> eval -> bundles, with
 # the projected time and cost asked for before training (ARGS='--yes --price-per-hour 2.5').
 recipe: $(BIN)/.installed-demo
 	$(BIN)/pip install -q -e '.[all,hub]'
-	$(BIN)/doel-train recipe $(RECIPE) $(ARGS)
+	$(BIN)/doel recipe $(RECIPE) $(ARGS)
 
 # The same stages at tiny scale on this CPU, from local stand-ins: a few minutes, no GPU, no network.
 recipe-dry-run: $(BIN)/.installed-demo
-	$(BIN)/doel-train recipe $(RECIPE) --dry-run --yes $(ARGS)
+	$(BIN)/doel recipe $(RECIPE) --dry-run --yes $(ARGS)
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .

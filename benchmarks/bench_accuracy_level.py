@@ -35,7 +35,7 @@ from bench_export import foreign_cpu  # noqa: E402
 from bench_serve import FULL, THREADS, busy, setup  # noqa: E402
 from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
 
-from serve.engine import Engine, read_bundle  # noqa: E402
+from doel.serve.engine import Engine, read_bundle  # noqa: E402
 
 LEVELS = (4, 1)  # the default first: the others' logits are compared with it
 SLOTS, PROMPT, STEPS = 8, 128, 32

@@ -43,8 +43,8 @@ from bench_serve_llama import THREADS, converter, silenced  # noqa: E402
 from bench_tokenizer import measure  # noqa: E402
 from cpu_class import this_cpu, write_result  # noqa: E402
 
-from train.data.fertility import AnyTokenizer  # noqa: E402
-from train.data.textio import iter_source, resolve_sources  # noqa: E402
+from doel.train.data.fertility import AnyTokenizer  # noqa: E402
+from doel.train.data.textio import iter_source, resolve_sources  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 QWEN_VOCAB = "tokenizers/llamacpp_vocab_gguf/ggml-vocab-qwen2.gguf"

@@ -50,7 +50,7 @@ QUESTIONS = ("এই লেখাটির মূল কথা কী? সংক
 
 def conversations(bundle: Path) -> dict:
     """Turn-1 prompts and the turn-2 suffix, as ids of the bundle's chat template."""
-    from serve.template import ChatTemplate
+    from doel.serve.template import ChatTemplate
 
     tmpl = ChatTemplate.load(bundle)
     if tmpl is None:
@@ -75,9 +75,9 @@ def conversations(bundle: Path) -> dict:
 
 
 def doel_child(bundle: str, spec: dict) -> dict:
-    from serve.prefix import Hit
-    from serve.sampling import SamplingParams
-    from serve.service import Service
+    from doel.serve.prefix import Hit
+    from doel.serve.sampling import SamplingParams
+    from doel.serve.service import Service
 
     svc = Service.load(bundle, threads=THREADS, slots=4)
     params = SamplingParams(max_tokens=REPLY, temperature=0.0)

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 def make_shards(work: Path) -> Path:
     """The built-in sample, tokenized at the preset's vocabulary (no external data needed)."""
-    from train.data.prepare import PrepareConfig, prepare
-    from train.data.textio import resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from doel.train.data.prepare import PrepareConfig, prepare
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     sample = [str(ROOT / "train" / "sample" / n) for n in ("bn.txt", "en.txt")]
     tok = train_tokenizer(
@@ -76,7 +76,7 @@ def run(work, shards, nproc, strategy, args, rows_per_rank) -> float:
     ]
     env = dict(os.environ)
     if nproc == 1:
-        cmd = [sys.executable, "-m", "train", *fit]
+        cmd = [sys.executable, "-m", "doel.train", *fit]
     else:
         cmd = [
             sys.executable,

@@ -60,7 +60,7 @@ def limits_arg(specs: list[str]) -> dict[str, int]:
 
 
 def held_out(folder: Path, data: Path, max_chars: int, device: str) -> dict:
-    from train.evals.heldout import evaluate_checkpoint
+    from doel.train.evals.heldout import evaluate_checkpoint
 
     splits = json.loads((data / "splits.json").read_text())
     val = {lang: [str(data / p) for p in splits[lang]["validation"]] for lang in ("bn", "en")}
@@ -79,10 +79,10 @@ def held_out(folder: Path, data: Path, max_chars: int, device: str) -> dict:
 
 def run_tasks(folder: Path, data: Path, limits: dict, default: int | None, device: str):
     """Every task: its summary (with items available, seconds) and the per-item lls."""
-    from train.data.tokenizer import load_tokenizer
-    from train.evals.scoring import score_items, summarize
-    from train.evals.tasks import load_task
-    from train.hf import load_model
+    from doel.train.data.tokenizer import load_tokenizer
+    from doel.train.evals.scoring import score_items, summarize
+    from doel.train.evals.tasks import load_task
+    from doel.train.hf import load_model
 
     model, tok = load_model(folder, device=device).eval(), load_tokenizer(folder)
     results, lls = {}, {}
@@ -111,11 +111,11 @@ def run_tasks(folder: Path, data: Path, limits: dict, default: int | None, devic
 def crosscheck(folder: Path, data: Path, task: str, ours, n: int, device: str) -> dict:
     """lm-eval on the first n items; agreement with our verdicts (`ours`: our per-item lls,
     or None to score them here) item by item."""
-    from train.data.tokenizer import load_tokenizer
-    from train.evals.crosscheck import lm_eval_choices
-    from train.evals.scoring import predictions, score_items
-    from train.evals.tasks import load_task
-    from train.hf import load_model
+    from doel.train.data.tokenizer import load_tokenizer
+    from doel.train.evals.crosscheck import lm_eval_choices
+    from doel.train.evals.scoring import predictions, score_items
+    from doel.train.evals.tasks import load_task
+    from doel.train.hf import load_model
 
     items = load_task(task, data / TASK_FILES[task], limit=n)
     if ours is None:
@@ -151,8 +151,8 @@ def model_card(folder: Path, rep: dict, out: Path, meta_path: Path | None = None
     import shutil
     import tempfile
 
-    from train.evals.modelcard import write_model_card
-    from train.metrics import read_metrics
+    from doel.train.evals.modelcard import write_model_card
+    from doel.train.metrics import read_metrics
 
     run = folder.parent
     meta_path = meta_path or run.parent / "shards" / "meta.json"
@@ -177,7 +177,7 @@ def model_card(folder: Path, rep: dict, out: Path, meta_path: Path | None = None
 
 
 def markdown(rep: dict) -> str:
-    from train.evals.heldout import format_eval
+    from doel.train.evals.heldout import format_eval
 
     lines = [
         f"# Evaluation of `{rep['model']}` ({rep['date']}, {rep['machine']}, commit "

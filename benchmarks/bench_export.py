@@ -70,12 +70,12 @@ def make_checkpoint(folder: Path, preset: str) -> Path:
     """Random-weight model of a preset in Hugging Face layout, with a sample-trained tokenizer."""
     import torch
 
-    from train.config import load_config
-    from train.data.textio import resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
-    from train.hf import save_model
-    from train.model import Llama
-    from train.trainer import TrainConfig
+    from doel.train.config import load_config
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from doel.train.hf import save_model
+    from doel.train.model import Llama
+    from doel.train.trainer import TrainConfig
 
     cfg = load_config(TrainConfig, ROOT / "configs" / f"{preset}.toml").model
     sample = [str(p) for p in sorted((ROOT / "train" / "sample").glob("*.txt"))]
@@ -91,7 +91,7 @@ def make_checkpoint(folder: Path, preset: str) -> Path:
 
 def export(ckpt: Path, out: Path, quant: str) -> dict:
     """`doel-export` in its own process; its manifest plus wall time and peak RSS."""
-    cmd = [sys.executable, "-m", "export", str(ckpt), "--out", str(out), "--quant", quant]
+    cmd = [sys.executable, "-m", "doel.export", str(ckpt), "--out", str(out), "--quant", quant]
     cmd += ["--force"] + (["--mobile"] if quant == "int4" else [])
     timed = ["/usr/bin/time", "-f", "PEAK_RSS_KB %M"] if Path("/usr/bin/time").exists() else []
     t0 = time.perf_counter()
@@ -115,7 +115,7 @@ def prompt(vocab: int) -> list[int]:
 
 
 def onnx_decode(bundle: Path, ckpt_cfg: dict, ids: list[int]) -> dict:
-    from export.runner import OnnxLM
+    from doel.export.runner import OnnxLM
 
     kv = ckpt_cfg["num_key_value_heads"]
     head_dim = ckpt_cfg["hidden_size"] // ckpt_cfg["num_attention_heads"]

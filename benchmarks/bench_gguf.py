@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_tokenizer import language_weights, measure  # noqa: E402
 
-import train.data.tokenizer as tokmod  # noqa: E402
-from train.data.fertility import load_any  # noqa: E402
-from train.data.textio import iter_source, resolve_sources  # noqa: E402
-from train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer  # noqa: E402
+import doel.train.data.tokenizer as tokmod  # noqa: E402
+from doel.train.data.fertility import load_any  # noqa: E402
+from doel.train.data.textio import iter_source, resolve_sources  # noqa: E402
+from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer  # noqa: E402
 
 
 def machine() -> dict:
@@ -121,9 +121,9 @@ def proof(tok_path: Path, lines: dict[str, list[str]], work: Path) -> dict:
     import numpy as np
     import torch
 
-    from export.gguf import export_gguf
-    from train.hf import save_model
-    from train.model import Llama, ModelConfig
+    from doel.export.gguf import export_gguf
+    from doel.train.hf import save_model
+    from doel.train.model import Llama, ModelConfig
 
     tok = load_tokenizer(tok_path)
     cfg = ModelConfig(
@@ -193,10 +193,10 @@ def quant_losses(model: Path, texts: list[Path], eval_tokens: int, work: Path) -
     import bench_quant_quality as bq
     import llama_cpp
 
-    from export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint
-    from export.checkpoint import inspect_checkpoint
-    from export.gguf import export_gguf
-    from export.parity import eval_texts, torch_reference
+    from doel.export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint
+    from doel.export.checkpoint import inspect_checkpoint
+    from doel.export.gguf import export_gguf
+    from doel.export.parity import eval_texts, torch_reference
 
     ckpt = inspect_checkpoint(model)
     docs = eval_texts(ckpt, texts, eval_tokens)

@@ -30,12 +30,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from train.config import load_config, resolve_config, resolved  # noqa: E402
-from train.dist import autocast, resolve_device, resolve_dtype  # noqa: E402
-from train.gradflow import check_gradient_flow  # noqa: E402
-from train.metrics import format_flops, mfu, peak_flops  # noqa: E402
-from train.model import Llama  # noqa: E402
-from train.trainer import TrainConfig, build_optimizer, train_step  # noqa: E402
+from doel.train.config import load_config, resolve_config, resolved  # noqa: E402
+from doel.train.dist import autocast, resolve_device, resolve_dtype  # noqa: E402
+from doel.train.gradflow import check_gradient_flow  # noqa: E402
+from doel.train.metrics import format_flops, mfu, peak_flops  # noqa: E402
+from doel.train.model import Llama  # noqa: E402
+from doel.train.trainer import TrainConfig, build_optimizer, train_step  # noqa: E402
 
 
 def sync(device):
@@ -178,7 +178,7 @@ def run_verify(cfg: TrainConfig, out: Path) -> bool:
     import tempfile
 
     from benchmarks.bench_dist import make_shards
-    from train.checks.suite import run_suite
+    from doel.train.checks.suite import run_suite
 
     shards = make_shards(Path(tempfile.mkdtemp(prefix="doel-verify-")))
     vocab = json.loads((shards / "meta.json").read_text())["tokenizer"]["vocab_size"]

@@ -36,10 +36,10 @@ from bench_export import foreign_cpu  # noqa: E402
 from bench_serve import FULL, THREADS, setup  # noqa: E402
 from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
 
-from serve.engine import Engine, read_bundle  # noqa: E402
-from serve.prefix import Hit  # noqa: E402
-from serve.sampling import SamplingParams  # noqa: E402
-from serve.scheduler import Scheduler  # noqa: E402
+from doel.serve.engine import Engine, read_bundle  # noqa: E402
+from doel.serve.prefix import Hit  # noqa: E402
+from doel.serve.sampling import SamplingParams  # noqa: E402
+from doel.serve.scheduler import Scheduler  # noqa: E402
 
 SLOTS, SHORT, LONG, NEW, LONG_NEW, ROUNDS, STEPS = 4, 128, 1536, 128, 8, 3, 32
 WAYS = ("held in the span", "parked")

@@ -45,10 +45,10 @@ import torch  # noqa: E402
 
 from benchmarks.bench_train import setup  # noqa: E402
 from benchmarks.cpu_class import this_cpu  # noqa: E402
-from train.build import build_run  # noqa: E402
-from train.config import load_config  # noqa: E402
-from train.loop import batches_on  # noqa: E402
-from train.trainer import (  # noqa: E402
+from doel.train.build import build_run  # noqa: E402
+from doel.train.config import load_config  # noqa: E402
+from doel.train.loop import batches_on  # noqa: E402
+from doel.train.trainer import (  # noqa: E402
     TrainConfig,
     lr_at,
     micro_batches_per_update,
@@ -94,8 +94,8 @@ class HeldOut:
     """The validation files of each language, encoded once, scored in bits/char."""
 
     def __init__(self, tok: Path, val: dict, max_chars: int, seq_len: int):
-        from train.data.tokenizer import load_tokenizer
-        from train.evals.heldout import encode_texts, read_texts
+        from doel.train.data.tokenizer import load_tokenizer
+        from doel.train.evals.heldout import encode_texts, read_texts
 
         tokenizer = load_tokenizer(tok)
         self.seq_len = seq_len
@@ -105,7 +105,7 @@ class HeldOut:
         }
 
     def score(self, model) -> dict[str, float]:
-        from train.evals.heldout import doc_figures
+        from doel.train.evals.heldout import doc_figures
 
         return {
             lang: doc_figures(model, texts, docs, self.seq_len, batch_size=16)["bits_per_char"]

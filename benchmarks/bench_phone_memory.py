@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve.engine import Engine, read_bundle  # noqa: E402
+from doel.serve.engine import Engine, read_bundle  # noqa: E402
 
 CONTEXTS = (512, 2048)
 DECODE = 32
@@ -145,7 +145,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from cpu_class import this_cpu
 
-    from serve.engine import PREFILL_CHUNK
+    from doel.serve.engine import PREFILL_CHUNK
 
     rows = []
     for model in args.models:

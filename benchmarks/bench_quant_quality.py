@@ -48,10 +48,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_serve_llama import converter, llama_cpp_available, llama_info, make_ggufs  # noqa: E402
 
-from export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint  # noqa: E402
-from export.checkpoint import inspect_checkpoint  # noqa: E402
-from export.parity import eval_texts, torch_reference  # noqa: E402
-from export.runner import OnnxLM, bits, score, windows  # noqa: E402
+from doel.export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint  # noqa: E402
+from doel.export.checkpoint import inspect_checkpoint  # noqa: E402
+from doel.export.parity import eval_texts, torch_reference  # noqa: E402
+from doel.export.runner import OnnxLM, bits, score, windows  # noqa: E402
 
 THREADS = 2
 REL_TOL = 1e-3  # llama.cpp f32 vs PyTorch fp32, relative, nats/token

@@ -184,7 +184,7 @@ def bandwidth(threads: int = THREADS, mib: int = 512, repeats: int = 5) -> dict:
 def export_bundle(ckpt: Path, out: Path, quant: str, eval_tokens: int) -> Path:
     """`doel-export` in its own process (its parity checks kept short: bench_export has them)."""
     if not (out / "manifest.json").is_file():
-        cmd = [sys.executable, "-m", "export", str(ckpt), "--out", str(out), "--quant", quant]
+        cmd = [sys.executable, "-m", "doel.export", str(ckpt), "--out", str(out), "--quant", quant]
         proc = subprocess.run(
             cmd + ["--force", "--eval-tokens", str(eval_tokens)],
             cwd=ROOT,

@@ -56,8 +56,8 @@ def best_of(runs: list[dict]) -> dict:
 
 def doel_runner(bundle: str, threads: int):
     """Our engine's generate loop: prefill, then one step per id, greedy sampling as served."""
-    from serve.engine import Engine, read_bundle
-    from serve.sampling import SamplingParams
+    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.sampling import SamplingParams
 
     engine = Engine(read_bundle(bundle), threads=threads, slots=1)
     engine.warm_up()  # as doel-serve does at load (counted in load_s)
@@ -148,8 +148,8 @@ async def _streams(scheduler, prompts: list[list[int]], new_tokens: int) -> dict
     """All prompts submitted at once. A request's latency runs from submission to its last id;
     the decode phase from the moment every stream has its first id (all prompts are in) to
     the last id of all, and its tokens are the ids that came in that span."""
-    from serve.prefix import Hit
-    from serve.sampling import SamplingParams
+    from doel.serve.prefix import Hit
+    from doel.serve.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
 
@@ -187,8 +187,8 @@ def sweep(bundle: str, spec: dict) -> dict:
     """Aggregate tokens/s and latency percentiles of our scheduler at each stream count, one
     pass over the counts (bench_serve.py runs several such processes and keeps each count's
     best)."""
-    from serve.engine import Engine, read_bundle
-    from serve.scheduler import Scheduler
+    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.scheduler import Scheduler
 
     streams = spec["streams"]
     engine = Engine(read_bundle(bundle), threads=spec["threads"], slots=max(streams))

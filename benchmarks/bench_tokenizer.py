@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from train.data.fertility import fertility, load_any  # noqa: E402
-from train.data.prepare import PrepareConfig, prepare  # noqa: E402
-from train.data.textio import iter_source, resolve_sources  # noqa: E402
-from train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer  # noqa: E402
+from doel.train.data.fertility import fertility, load_any  # noqa: E402
+from doel.train.data.prepare import PrepareConfig, prepare  # noqa: E402
+from doel.train.data.textio import iter_source, resolve_sources  # noqa: E402
+from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer  # noqa: E402
 
 REFERENCES = {
     "GPT-2": "gpt2/tokenizer.json",

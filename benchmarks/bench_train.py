@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from train.config import load_config  # noqa: E402
-from train.trainer import TrainConfig, lr_at  # noqa: E402
+from doel.train.config import load_config  # noqa: E402
+from doel.train.trainer import TrainConfig, lr_at  # noqa: E402
 
 CONTENDERS = ("doel", "plain", "plain-bf16")
 
@@ -52,7 +52,7 @@ def plain_loop(data: Path, out: Path, steps: int, budget: float, bf16: bool) -> 
     """What a user would write with transformers and PyTorch, same settings as `small`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from train.data.loader import TokenLoader
+    from doel.train.data.loader import TokenLoader
 
     cfg = small_config(f"steps={steps}")
     torch.manual_seed(cfg.seed)
@@ -198,9 +198,9 @@ def setup(
 ) -> tuple[Path, Path, dict]:
     """Tokenizer (`vocab` tokens, trained on the train split) and shards; cached in `work`."""
     from benchmarks.bench_tokenizer import language_weights
-    from train.data.prepare import PrepareConfig, prepare
-    from train.data.textio import resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from doel.train.data.prepare import PrepareConfig, prepare
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     splits = json.loads((data / "splits.json").read_text())
     train = [str(data / p) for p in splits["bn"]["train"] + splits["en"]["train"]]
@@ -229,9 +229,14 @@ def setup(
 
 def evaluate_all(folders: dict[str, Path], tok: Path, val: dict, max_chars: int) -> dict:
     """The same scorer for every contender, plus the random twin and the compressors."""
-    from train.data.tokenizer import load_tokenizer
-    from train.evals.heldout import bits_per_char, compressor_bits_per_char, random_twin, read_texts
-    from train.hf import load_model
+    from doel.train.data.tokenizer import load_tokenizer
+    from doel.train.evals.heldout import (
+        bits_per_char,
+        compressor_bits_per_char,
+        random_twin,
+        read_texts,
+    )
+    from doel.train.hf import load_model
 
     tokenizer = load_tokenizer(tok)
     texts = {lang: read_texts(paths, max_chars) for lang, paths in val.items()}
@@ -257,13 +262,13 @@ def evaluate_all(folders: dict[str, Path], tok: Path, val: dict, max_chars: int)
 
 
 def peaks() -> dict:
-    from train.metrics import cpu_peak_flops
+    from doel.train.metrics import cpu_peak_flops
 
     return {"float32": cpu_peak_flops(torch.float32), "bfloat16": cpu_peak_flops(torch.bfloat16)}
 
 
 def summarise(runs: dict, scores: dict, budget: float, peak: dict) -> dict:
-    from train.model import Llama
+    from doel.train.model import Llama
 
     with torch.device("meta"):
         flops = Llama(small_config().model).flops_per_token(small_config().seq_len)["total"]

@@ -111,7 +111,7 @@ def engine_ids(bundle: Path, prompt: list[int]) -> tuple[list[int], list[float]]
     gap is small, the page's WebAssembly kernels may round to the other token)."""
     import numpy as np
 
-    from serve.engine import Engine, read_bundle
+    from doel.serve.engine import Engine, read_bundle
 
     engine = Engine(read_bundle(bundle), threads=2)
     ids, gaps, logits = [], [], engine.forward(list(prompt), 0)
@@ -201,7 +201,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def measure_bundle(name: str, bundle: Path, work: Path) -> dict:
     import numpy as np
 
-    from export.web import static_server, write_web
+    from doel.export.web import static_server, write_web
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     if not (bundle / "web" / "web.json").is_file():
@@ -332,7 +332,7 @@ def make_big(work: Path) -> Path:
         make_checkpoint(work, "bangla-0.4b")
     out = work / "bundle-int4"
     if not (out / "web" / "web.json").is_file():
-        cmd = [sys.executable, "-m", "export", str(ckpt), "--out", str(out), "--quant", "int4"]
+        cmd = [sys.executable, "-m", "doel.export", str(ckpt), "--out", str(out), "--quant", "int4"]
         subprocess.run(cmd + ["--web", "--force", "--eval-tokens", "256"], cwd=ROOT, check=True)
     return out
 
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         bundles.append(("0.4b", str(make_big(Path(args.big)))))
     import onnxruntime
 
-    from export.web import runtime_versions
+    from doel.export.web import runtime_versions
 
     chromium = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True).stdout
     load_before = os.getloadavg()

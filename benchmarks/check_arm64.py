@@ -41,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve.engine import BundleError, Engine, read_bundle  # noqa: E402  (also run under qemu)
+from doel.serve.engine import BundleError, Engine, read_bundle  # noqa: E402  (also run under qemu)
 
 CACHE = Path(os.environ.get("DOEL_ARM64_CACHE", Path.home() / ".cache" / "doel" / "arm64"))
 SUITE, PYTHON = "bookworm", "python3.11"  # the arm64 userland: Debian 12's Python 3.11

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train.common import atomic_write_bytes  # noqa: E402  (no torch: plain file writes)
+from doel.train.common import atomic_write_bytes  # noqa: E402  (no torch: plain file writes)
 
 # Reported name -> the kernel flags as Linux spells them (x86 `flags`, ARM `Features`).
 ISA = {

@@ -36,7 +36,7 @@ from bench_serve import FULL, THREADS, busy, setup  # noqa: E402
 from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
 from profile_serve import ratio_ceiling  # noqa: E402
 
-from serve.engine import Engine, read_bundle  # noqa: E402
+from doel.serve.engine import Engine, read_bundle  # noqa: E402
 
 # label -> (session config entries, what the option changes); the default first
 OPTIONS = {

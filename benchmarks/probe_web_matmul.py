@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from export.web import runtime_modules  # noqa: E402
+from doel.export.web import runtime_modules  # noqa: E402
 
 K, N, RUNS = 1024, 2816, 40
 

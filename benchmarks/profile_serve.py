@@ -44,8 +44,8 @@ from bench_export import foreign_cpu  # noqa: E402
 from bench_serve import FULL, bandwidth, setup  # noqa: E402
 from cpu_class import this_cpu, write_result  # noqa: E402
 
-from serve.engine import Engine, read_bundle  # noqa: E402
-from serve.sampling import SamplingParams, sample  # noqa: E402
+from doel.serve.engine import Engine, read_bundle  # noqa: E402
+from doel.serve.sampling import SamplingParams, sample  # noqa: E402
 
 THREADS = 2
 PROMPT = 128

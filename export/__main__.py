@@ -1,5 +1,5 @@
-"""`python -m export ...` is the same as `doel-export ...`."""
+"""`python -m doel.export ...` is the same as `doel-export ...`."""
 
-from export.cli import main
+from doel.export.cli import main
 
 main()

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from export import card, graph, parity, web
-from export.checkpoint import Checkpoint, inspect_checkpoint
-from export.common import ExportError, file_table, sha256_file, staging, write_json
-from export.runner import OnnxLM
+from doel.export import card, graph, parity, web
+from doel.export.checkpoint import Checkpoint, inspect_checkpoint
+from doel.export.common import ExportError, file_table, sha256_file, staging, write_json
+from doel.export.runner import OnnxLM
 
 FORMAT_VERSION = 1
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits implements

@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-from export.common import ExportError
+from doel.export.common import ExportError
 
 PLACEHOLDER_OWNER = "YOUR-NAME"  # what a reader replaces when no --repo-id was given
 DEFAULT_LICENSE = "apache-2.0"  # doel's model cards' default

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from export.common import ExportError, sha256_file
+from doel.export.common import ExportError, sha256_file
 
 # What `doel-train fit` writes; any Hugging Face folder with these files works too.
 HF_HINT = (

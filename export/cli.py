@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from export.common import ExportError  # standard library only, so it imports without the extra
+from doel.export.common import ExportError  # standard library only, so it imports without the extra
 
 EXTRA_HINT = "pip install 'doel[export]'"
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             f"error: --quant {args.quant} is a GGUF type; an ONNX bundle is fp32, int8 or int4"
         )
     try:
-        from export.bundle import ExportOptions, export_checkpoint, summary
+        from doel.export.bundle import ExportOptions, export_checkpoint, summary
 
         opts = ExportOptions(
             quant=args.quant or "int4",
@@ -131,7 +131,7 @@ def _gguf(args) -> None:
     if quant not in ("f32", "f16", "q8_0", "q4_0"):
         sys.exit(f"error: --quant {quant} is an ONNX type; a GGUF is f32, f16, q8_0 or q4_0")
     try:
-        from export.gguf import export_gguf
+        from doel.export.gguf import export_gguf
 
         result = export_gguf(
             args.checkpoint,

@@ -26,9 +26,9 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
-from export import card
-from export.checkpoint import Checkpoint, inspect_checkpoint
-from export.common import ExportError, file_table, staging, write_json
+from doel.export import card
+from doel.export.checkpoint import Checkpoint, inspect_checkpoint
+from doel.export.common import ExportError, file_table, staging, write_json
 
 QUANTS = ("f32", "f16", "q8_0", "q4_0")
 STYLE_HINT = (

@@ -32,9 +32,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from export import embedding, kvcache
-from export.checkpoint import Checkpoint
-from export.common import ExportError
+from doel.export import embedding, kvcache
+from doel.export.checkpoint import Checkpoint
+from doel.export.common import ExportError
 
 GENAI_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 BITS = {"fp32": None, "int8": 8, "int4": 4}

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from export.checkpoint import Checkpoint
-from export.common import ExportError, sha256_file
-from export.runner import OnnxLM, bits, score
+from doel.export.checkpoint import Checkpoint
+from doel.export.common import ExportError, sha256_file
+from doel.export.runner import OnnxLM, bits, score
 
 PROMPTS = [
     "আমাদের গ্রামের নাম নদীপাড়া। সকালে বৃষ্টি হলে আমরা স্কুলে যাই না।",

@@ -54,7 +54,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from export.common import ExportError, fresh_dir, sha256_file, write_json
+from doel.export.common import ExportError, fresh_dir, sha256_file, write_json
 
 PAGE = Path(__file__).with_name("web")  # index.html, worker.js, package.json, package-lock.json
 PAGE_FILES = ("index.html", "worker.js", "sw.js")

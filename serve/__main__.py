@@ -1,5 +1,5 @@
-"""`python -m serve ...` is the same as `doel-serve ...`."""
+"""`python -m doel.serve ...` is the same as `doel-serve ...`."""
 
-from serve.cli import main
+from doel.serve.cli import main
 
 main()

@@ -24,11 +24,11 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve import chat
-from serve.completions import first_piece, stream, unless_gone, whole
-from serve.guard import AllowedHosts, Guard
-from serve.metrics import CountRequests, Metrics
-from serve.protocol import (
+from doel.serve import chat
+from doel.serve.completions import first_piece, stream, unless_gone, whole
+from doel.serve.guard import AllowedHosts, Guard
+from doel.serve.metrics import CountRequests, Metrics
+from doel.serve.protocol import (
     CONTEXT_LENGTH,
     MAX_ERRORS_SHOWN,
     Completion,
@@ -41,8 +41,8 @@ from serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from serve.protocol_chat import ChatCompletion, ChatCompletionRequest
-from serve.service import RequestError, Service
+from doel.serve.protocol_chat import ChatCompletion, ChatCompletionRequest
+from doel.serve.service import RequestError, Service
 
 log = logging.getLogger("doel.serve")
 T = TypeVar("T")

@@ -13,10 +13,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from serve.protocol import Usage, sse
-from serve.protocol_chat import AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest
-from serve.service import Piece, RequestError, Service
-from serve.template import ChatError
+from doel.serve.protocol import Usage, sse
+from doel.serve.protocol_chat import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+)
+from doel.serve.service import Piece, RequestError, Service
+from doel.serve.template import ChatError
 
 
 def prompt_ids(svc: Service, req: ChatCompletionRequest) -> list[int]:

@@ -140,7 +140,7 @@ def is_loopback(host: str) -> bool:
 def allowed_hosts(host: str, extra: list[str]) -> tuple[str, ...] | None:
     """The Host names answered: on loopback (or with --allowed-host) the loopback names, the
     bound address and those given; None (any) on another address without --allowed-host."""
-    from serve.guard import LOOPBACK_HOSTS
+    from doel.serve.guard import LOOPBACK_HOSTS
 
     if "*" in extra or not (is_loopback(host) or extra):
         return None
@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvicorn
 
-        from serve.app import Settings, create_app
-        from serve.engine import BundleError, read_bundle
-        from serve.limits import QuietFloods, Refusals, protocol_class, raise_open_files
+        from doel.serve.app import Settings, create_app
+        from doel.serve.engine import BundleError, read_bundle
+        from doel.serve.limits import QuietFloods, Refusals, protocol_class, raise_open_files
     except ModuleNotFoundError as e:
         sys.exit(f"doel-serve needs the {e.name!r} package, part of the serve extra: {EXTRA_HINT}")
     try:

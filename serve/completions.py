@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from serve.logprobs import Record
-from serve.protocol import Choice, Completion, CompletionRequest, Logprobs, Usage, sse
-from serve.service import RequestError, Service
+from doel.serve.logprobs import Record
+from doel.serve.protocol import Choice, Completion, CompletionRequest, Logprobs, Usage, sse
+from doel.serve.service import RequestError, Service
 
 T = TypeVar("T")
 

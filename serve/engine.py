@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from serve.sampling import SamplingParams, sample
+from doel.serve.sampling import SamplingParams, sample
 
 LAST = np.array([1], np.int64)  # logits_to_keep: the last position only
 ALL = np.array([0], np.int64)  # logits_to_keep: every position (a scored prompt, `echo`)

@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from serve.logprobs import MAX_TOP
-from serve.sampling import MIN_REPETITION_PENALTY, SamplingParams
+from doel.serve.logprobs import MAX_TOP
+from doel.serve.sampling import MIN_REPETITION_PENALTY, SamplingParams
 
 MAX_TOKENS = 1 << 20  # a bound for the schema; the context length is checked per request
 MAX_STOPS = 4  # as OpenAI

@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from serve.logprobs import MAX_TOP
-from serve.protocol import MAX_TOKENS, Request, SamplingRequest, Usage, unicode_text
+from doel.serve.logprobs import MAX_TOP
+from doel.serve.protocol import MAX_TOKENS, Request, SamplingRequest, Usage, unicode_text
 
 # Messages in one chat request: each renders to 2 tokens at least (its role and end markers),
 # so more than this cannot fit any context a doel model has.

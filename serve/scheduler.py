@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import anyio
 import numpy as np
 
-from serve.engine import Engine
-from serve.logprobs import Record, score_rows
-from serve.prefix import Hit, Prefixes
-from serve.sampling import SamplingParams, sample
+from doel.serve.engine import Engine
+from doel.serve.logprobs import Record, score_rows
+from doel.serve.prefix import Hit, Prefixes
+from doel.serve.sampling import SamplingParams, sample
 
 DONE = -1  # end of a sequence in its queue
 log = logging.getLogger("doel.serve")

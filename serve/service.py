@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer, normalizers
 
-from serve.engine import Engine, read_bundle
-from serve.logprobs import Record, openai_logprobs
-from serve.metrics import Metrics
-from serve.prefix import Hit
-from serve.protocol import CompletionRequest
-from serve.sampling import SamplingParams
-from serve.scheduler import QueueFull, Scheduler
-from serve.template import ChatTemplate
-from serve.textstream import TextStream
+from doel.serve.engine import Engine, read_bundle
+from doel.serve.logprobs import Record, openai_logprobs
+from doel.serve.metrics import Metrics
+from doel.serve.prefix import Hit
+from doel.serve.protocol import CompletionRequest
+from doel.serve.sampling import SamplingParams
+from doel.serve.scheduler import QueueFull, Scheduler
+from doel.serve.template import ChatTemplate
+from doel.serve.textstream import TextStream
 
 CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream)
 # Tokenizing runs here, off the event loop: a 1 MB text took 0.8-4.7 s. The batch calls let go

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.config import load_config
-from train.data.prepare import PrepareConfig, prepare
-from train.data.textio import resolve_sources
-from train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
-from train.model import ModelConfig
-from train.trainer import TrainConfig
+from doel.train.config import load_config
+from doel.train.data.prepare import PrepareConfig, prepare
+from doel.train.data.textio import resolve_sources
+from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
+from doel.train.model import ModelConfig
+from doel.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "train" / "sample"
@@ -96,9 +96,9 @@ def tiny_bundle(tmp_path_factory, tokenizer_path, tiny_model_config) -> Path:
     out = tmp_path_factory.getbasetemp() / "serve-bundle"
     pytest.importorskip("onnxruntime_genai")
     torch = pytest.importorskip("torch")
-    from export.bundle import ExportOptions, export_checkpoint  # the export extra
-    from train.hf import save_model
-    from train.model import Llama
+    from doel.export.bundle import ExportOptions, export_checkpoint  # the export extra
+    from doel.train.hf import save_model
+    from doel.train.model import Llama
 
     torch.manual_seed(0)
     ckpt = save_model(Llama(tiny_model_config), out.parent / "serve-ckpt", tokenizer=tokenizer_path)

@@ -4,9 +4,9 @@ import os
 import sys
 import time
 
-from train.config import load_config
-from train.fit import fit
-from train.trainer import TrainConfig
+from doel.train.config import load_config
+from doel.train.fit import fit
+from doel.train.trainer import TrainConfig
 
 
 def hang(step: int) -> None:

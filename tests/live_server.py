@@ -108,7 +108,16 @@ def live_server(
     for attempt in range(1, tries + 1):
         port = free_port()
         log = log_dir / f"serve-{port}.log"
-        cmd = [sys.executable, "-m", "serve", str(bundle), "--port", str(port), "--threads", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "doel.serve",
+            str(bundle),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ]
         cmd += ["--log-level", "warning", *args]
         with open(log, "wb") as out:
             proc = subprocess.Popen(

@@ -275,7 +275,7 @@ def test_accuracy_level_probe_changes_only_the_attribute_and_times_steps(
     _bench()
     import bench_accuracy_level as probe
 
-    from export.bundle import ExportOptions, export_checkpoint
+    from doel.export.bundle import ExportOptions, export_checkpoint
 
     opts = ExportOptions(quant="int4", eval_tokens=64, log=lambda _m: None)
     export_checkpoint(tiny_bundle.parent / "serve-ckpt", tmp_path / "int4", opts)

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train.checks.chat import check_loss_mask
-from train.common import DoelError
-from train.config import load_config
-from train.data.chat import (
+from doel.train.checks.chat import check_loss_mask
+from doel.train.common import DoelError
+from doel.train.config import load_config
+from doel.train.data.chat import (
     ChatData,
     ChatLoader,
     SFTConfig,
@@ -26,7 +26,7 @@ from train.data.chat import (
     render_many,
     special_ids,
 )
-from train.data.tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, END, load_tokenizer
+from doel.train.data.tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, END, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = ROOT / "train" / "sample" / "chat.jsonl"

@@ -91,8 +91,8 @@ def test_the_worker_decodes_as_serving_does(tiny_bundle, tmp_path):
     temperature 0, its window logits the engine's, and a run compared with itself passes."""
     from check_arm64 import make_job, work
 
-    from serve.engine import Engine, read_bundle
-    from serve.sampling import SamplingParams
+    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.sampling import SamplingParams
 
     text = Path(__file__).resolve().parents[1] / "train" / "sample" / "bn.txt"
     job = make_job(tiny_bundle, [text], ("model.onnx",), ("বাংলা ভাষা", "The river"), 6, 24)

@@ -22,8 +22,8 @@ def small_model(folder: Path, tokenizer_path) -> Path:
     """A random one-layer model on the session tokenizer, saved in Hugging Face layout."""
     import torch
 
-    from train.hf import save_model
-    from train.model import Llama, ModelConfig
+    from doel.train.hf import save_model
+    from doel.train.model import Llama, ModelConfig
 
     torch.manual_seed(0)
     cfg = ModelConfig(
@@ -93,7 +93,7 @@ def test_tokenizer_fertility_prepare_contract(tmp_path, sample_paths):
 
 def test_python_dash_m_train_works():
     proc = subprocess.run(
-        [sys.executable, "-m", "train", "--help"], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "doel.train", "--help"], capture_output=True, text=True, cwd=ROOT
     )
     assert proc.returncode == 0 and "fertility" in proc.stdout
 
@@ -154,8 +154,8 @@ def test_demo_runs_the_main_job(tmp_path):
     # request is seeded, so the bundle served again here gives the text it printed.
     from fastapi.testclient import TestClient
 
-    from serve.app import Settings, create_app
-    from train.recipe.demo import DEMO_CHAT, DEMO_REQUEST
+    from doel.pipeline.demo import DEMO_CHAT, DEMO_REQUEST
+    from doel.serve.app import Settings, create_app
 
     with TestClient(create_app(Settings(bundle=str(tmp_path / "bundle-int4")))) as c:
         end = time.monotonic() + 60
@@ -285,7 +285,7 @@ def test_ctrl_c_during_fit_is_one_line_and_a_damaged_checkpoint_is_named(tmp_pat
     args = ["fit", "--config", "tiny", "--data", str(shards), "--out", str(run_dir)]
     args += ["--set", "steps=100000", "--set", "checkpoint_every=2", "--skip-verify"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "train", *args],
+        [sys.executable, "-m", "doel.train", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -350,3 +350,12 @@ def test_fit_needs_a_config_unless_its_run_folder_recorded_one(tmp_path, shards)
         one_line_error(proc, f"{command} needs --config: a preset (", "tiny", "small")
         assert proc.stdout.strip() == "False"  # refused before torch loads
     assert not (tmp_path / "fit").exists()
+
+
+def test_the_moved_commands_name_their_new_home(capsys):
+    from doel.train.cli import main
+
+    for name in ("demo", "recipe"):
+        with pytest.raises(SystemExit) as e:
+            main([name, "--dry-run"])
+        assert f"`doel {name}`" in str(e.value.code)

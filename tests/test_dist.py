@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.checkpoint import latest_checkpoint
-from train.data.loader import TokenLoader
-from train.metrics import read_metrics
+from doel.train.checkpoint import latest_checkpoint
+from doel.train.data.loader import TokenLoader
+from doel.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # every test here spawns torchrun and its ranks
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,12 +37,12 @@ def fit_cmd(shards, out, nproc, *sets, steps=STEPS, every=12, restarts=None):
     for s in (*FLAT, *sets):
         args += ["--set", s]
     if nproc == 1:
-        return [sys.executable, "-m", "train", *args]
+        return [sys.executable, "-m", "doel.train", *args]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     launcher += [f"--nproc_per_node={nproc}"]
     if restarts is not None:
         launcher += [f"--max-restarts={restarts}"]
-    return [*launcher, "-m", "train", *args]
+    return [*launcher, "-m", "doel.train", *args]
 
 
 def run(cmd) -> subprocess.CompletedProcess:

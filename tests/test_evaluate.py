@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.evals import heldout as ev
-from train.evals.generate import DEFAULT_PROMPTS
-from train.model import IGNORE_INDEX, Llama, ModelConfig
+from doel.train.evals import heldout as ev
+from doel.train.evals.generate import DEFAULT_PROMPTS
+from doel.train.model import IGNORE_INDEX, Llama, ModelConfig
 
 
 def tiny(vocab: int, hidden: int = 32, seed: int = 0, max_pos: int = 256) -> Llama:
@@ -197,7 +197,7 @@ def test_continuations_are_deterministic(tok):
 
 
 def test_evaluate_checkpoint_and_report(tok, tokenizer_path, sample_paths, tmp_path):
-    from train.hf import save_model
+    from doel.train.hf import save_model
 
     model = tiny(tok.get_vocab_size(), seed=1, max_pos=64)  # not the twin (seed 0)
     folder = save_model(model, tmp_path / "ckpt", tokenizer=tokenizer_path)

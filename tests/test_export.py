@@ -21,12 +21,12 @@ import torch
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxruntime_genai")
 
-from export.bundle import ExportOptions, export_checkpoint, fit_block  # noqa: E402
-from export.cli import main  # noqa: E402
-from export.common import ExportError, sha256_file  # noqa: E402
-from export.runner import OnnxLM  # noqa: E402
-from train.hf import load_model, save_model  # noqa: E402
-from train.model import Llama, ModelConfig  # noqa: E402
+from doel.export.bundle import ExportOptions, export_checkpoint, fit_block  # noqa: E402
+from doel.export.cli import main  # noqa: E402
+from doel.export.common import ExportError, sha256_file  # noqa: E402
+from doel.export.runner import OnnxLM  # noqa: E402
+from doel.train.hf import load_model, save_model  # noqa: E402
+from doel.train.model import Llama, ModelConfig  # noqa: E402
 
 TINY = ModelConfig(
     vocab_size=2048,
@@ -281,7 +281,7 @@ def test_the_8_bit_embedding_gathers_exactly_its_dequantized_rows(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from export.embedding import dequantize_rows, quantize_rows
+    from doel.export.embedding import dequantize_rows, quantize_rows
 
     rng = np.random.default_rng(0)
     table = rng.normal(0, 0.02, (300, 64)).astype(np.float32)
@@ -434,7 +434,7 @@ DAMAGE = {
 def test_a_damaged_checkpoint_is_refused_before_any_work_naming_the_file(
     ckpt, tmp_path, monkeypatch, how
 ):
-    from export import graph
+    from doel.export import graph
 
     def build_graph(*_args, **_kw):
         raise AssertionError("the graph builder ran on a damaged checkpoint")
@@ -451,7 +451,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_work_naming_the_file(
 
 def test_only_the_model_weights_are_checked_and_hashed(ckpt, tmp_path):
     """A training checkpoint also holds optimizer and RNG state: not the model's, not read."""
-    from export.checkpoint import inspect_checkpoint
+    from doel.export.checkpoint import inspect_checkpoint
 
     step = tmp_path / "step-000100"
     shutil.copytree(ckpt, step)
@@ -462,7 +462,7 @@ def test_only_the_model_weights_are_checked_and_hashed(ckpt, tmp_path):
 def test_doel_export_on_a_truncated_checkpoint_prints_one_line(ckpt, tmp_path):
     """The reproduction: a model.safetensors cut short, as by an interrupted copy."""
     bad, weights = _damage(ckpt, tmp_path, "cut in the weights")
-    cmd = [sys.executable, "-m", "export", str(bad), "--out", str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "doel.export", str(bad), "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith(f"error: {weights} is truncated or damaged")
@@ -489,8 +489,8 @@ def test_not_a_folder_and_bad_options(tmp_path, ckpt):
 
 
 def test_held_out_text_is_cut_at_the_token_budget_with_exact_characters(ckpt, tmp_path):
-    from export.checkpoint import inspect_checkpoint
-    from export.parity import eval_texts
+    from doel.export.checkpoint import inspect_checkpoint
+    from doel.export.parity import eval_texts
 
     long = "নদীর ধারে একটি ছোট গ্রাম ছিল। " * 40
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": long}) + "\n", encoding="utf-8")
@@ -510,7 +510,7 @@ def _figures(kv: float, quantized_vs_torch: float) -> dict:
 
 
 def test_the_cache_path_may_differ_by_no_more_than_quantization_does():
-    from export.parity import check
+    from doel.export.parity import check
 
     check(_figures(0.024, 0.045), "int8", None)  # measured at 0.4B: int8 kernels differ by shape
     with pytest.raises(ExportError, match=r"KV-cache path differs .* by 5\.00e-02 \(bound 4"):
@@ -520,7 +520,7 @@ def test_the_cache_path_may_differ_by_no_more_than_quantization_does():
 
 
 def test_the_summary_prints_each_figure_with_its_bound_and_whether_it_holds():
-    from export.bundle import summary
+    from doel.export.bundle import summary
 
     def manifest(scheme, logits_bound, kv, kv_bound, loss, loss_bound):
         return {

@@ -43,9 +43,9 @@ def _script(driver, body: str, *args):
 @pytest.fixture(scope="module")
 def web_bundle(tiny_bundle, tmp_path_factory):
     """tiny_bundle's checkpoint at int4 with --web (skips where the npm packages cannot come)."""
-    from export import web
-    from export.bundle import ExportOptions, export_checkpoint
-    from export.common import ExportError
+    from doel.export import web
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.export.common import ExportError
 
     try:
         web.runtime_modules(log=lambda _m: None)
@@ -65,7 +65,7 @@ def test_web_folder_holds_the_bundles_weights_in_hashed_pieces(web_bundle, tmp_p
     import onnx
     from onnx import numpy_helper
 
-    from export import web
+    from doel.export import web
 
     page = web_bundle / "web"
     spec = json.loads((page / "web.json").read_text())
@@ -121,7 +121,7 @@ def page(web_bundle):
         pytest.skip("headless Chromium is not installed: apt-get install chromium chromium-driver")
     from selenium.webdriver.chrome.service import Service
 
-    from export.web import static_server
+    from doel.export.web import static_server
 
     server = static_server(web_bundle / "web")
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -171,8 +171,8 @@ def _engine_ids(bundle, prompt: str) -> list[int]:
     """doel-serve's engine's greedy ids for `prompt`, stopping where the page stops."""
     from tokenizers import Tokenizer
 
-    from serve.engine import Engine, read_bundle
-    from serve.sampling import SamplingParams
+    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.sampling import SamplingParams
 
     stops = tuple(json.loads((bundle / "web" / "web.json").read_text())["stop_ids"])
     ids = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(prompt).ids
@@ -197,8 +197,8 @@ def test_page_continues_greedily_as_doel_serve_and_streams_whole_clusters(
 ):
     from tokenizers import Tokenizer
 
-    from serve.engine import Engine, read_bundle
-    from serve.sampling import SamplingParams
+    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.sampling import SamplingParams
 
     driver, _ = page
     engine = Engine(read_bundle(web_bundle), threads=1)
@@ -247,7 +247,7 @@ def test_page_continues_greedily_as_doel_serve_and_streams_whole_clusters(
 def test_page_isolates_itself_where_the_host_sends_no_headers(page, web_bundle):
     """On a plain static server (as GitHub Pages), sw.js makes the page cross-origin isolated
     after one reload, so it still gets threads; with ?no-sw it runs one thread, and says so."""
-    from export.web import static_server
+    from doel.export.web import static_server
 
     driver, _ = page
     server = static_server(web_bundle / "web", isolated=False)

@@ -8,9 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from train.data.fertility import balance_warnings, fertility, format_report, load_any, script_runs
-from train.data.textio import iter_documents, resolve_sources
-from train.data.tokenizer import TokenizerConfig, train_tokenizer
+from doel.train.data.fertility import (
+    balance_warnings,
+    fertility,
+    format_report,
+    load_any,
+    script_runs,
+)
+from doel.train.data.textio import iter_documents, resolve_sources
+from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
 
 MIXED = st.text(st.sampled_from(list("আমি ভাত খাই। I eat rice, 2024 ১৯৭১ Ωμέγα \n\t")))
 
@@ -98,7 +104,7 @@ def test_wordpiece_unknowns_count_as_fallback(tmp_path):
 
 
 def test_a_damaged_tokenizer_file_of_any_format_is_one_line_naming_it(tmp_path, tokenizer_path):
-    from train.common import DoelError
+    from doel.train.common import DoelError
 
     full = tokenizer_path.read_bytes()
     ranks = b"".join(base64.b64encode(bytes([b])) + b" %d\n" % b for b in range(256))

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.checkpoint import latest_checkpoint, list_checkpoints
-from train.fit import fit
-from train.loop import NonFiniteLossError
-from train.metrics import read_metrics
-from train.plot import plot_run
+from doel.train.checkpoint import latest_checkpoint, list_checkpoints
+from doel.train.fit import fit
+from doel.train.loop import NonFiniteLossError
+from doel.train.metrics import read_metrics
+from doel.train.plot import plot_run
 
 pytestmark = pytest.mark.slow  # every test here trains a run (tens of seconds on 2 cores)
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_plot_draws_the_curves(tmp_path, shards, tiny_run_config):
 
 
 def _fit_cmd(shards, out, *sets):
-    args = [sys.executable, "-m", "train", "fit", "--config", "tiny", "--data", str(shards)]
+    args = [sys.executable, "-m", "doel.train", "fit", "--config", "tiny", "--data", str(shards)]
     args += ["--out", str(out), "--steps", "16", "--checkpoint-every", "4", "--skip-verify"]
     # A model big enough that steps take a noticeable time, so the kill lands mid-run.
     for s in ("model.hidden_size=256", "model.num_hidden_layers=4", "seq_len=128", *sets):
@@ -200,9 +200,9 @@ def test_every_checkpoint_carries_a_tokenizer_of_exactly_the_models_vocab_size(
 ):
     from tokenizers import Tokenizer
 
-    from train.common import DoelError
-    from train.data.textio import resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from doel.train.common import DoelError
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     # A model larger than the shards' tokenizer (2,048) is refused before anything is written.
     with pytest.raises(DoelError, match=r"has 2048 tokens but model.vocab_size is 4096; .*=2048"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.fit import fit
+from doel.train.fit import fit
 
 
 class Killed(Exception):

@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from train.evals import heldout as ev
-from train.evals.generate import KVCache, continuations, forward_cached, generate
-from train.model import Llama, ModelConfig
+from doel.train.evals import heldout as ev
+from doel.train.evals.generate import KVCache, continuations, forward_cached, generate
+from doel.train.model import Llama, ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ class Terminal(io.StringIO):
 
 
 def test_the_bars_show_on_a_terminal_only(model, tok, tokenizer_path, sample_paths, tmp_path):
-    from train.hf import save_model
+    from doel.train.hf import save_model
 
     cfg = replace(model.config, vocab_size=tok.get_vocab_size(), max_position_embeddings=64)
     folder = save_model(Llama(cfg), tmp_path / "m", tokenizer=tokenizer_path)
@@ -121,8 +121,8 @@ def test_the_bars_show_on_a_terminal_only(model, tok, tokenizer_path, sample_pat
 def test_doel_train_eval_quiet_shows_no_bar_on_a_terminal(
     model, tok, tokenizer_path, sample_paths, tmp_path, monkeypatch, capsys
 ):
-    from train.cli import main
-    from train.hf import save_model
+    from doel.train.cli import main
+    from doel.train.hf import save_model
 
     cfg = replace(model.config, vocab_size=tok.get_vocab_size(), max_position_embeddings=64)
     folder = save_model(Llama(cfg), tmp_path / "m", tokenizer=tokenizer_path)

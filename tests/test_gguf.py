@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from train.data.bytelevel import byte_chars
-from train.data.textio import resolve_sources
-from train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
+from doel.train.data.bytelevel import byte_chars
+from doel.train.data.textio import resolve_sources
+from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -31,7 +31,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def gguf_tokenizer(tmp_path_factory, sample_paths):
     """The sample's "gguf"-style tokenizer, and its character-level form before re-spelling."""
-    import train.data.tokenizer as tokmod
+    import doel.train.data.tokenizer as tokmod
 
     seen = {}
     real = tokmod.respell_byte_level
@@ -80,8 +80,8 @@ def test_gguf_style_tokenizes_into_the_units_of_its_character_level_bpe(gguf_tok
 
 def _checkpoint(folder, tokenizer, cfg, chat_template=None):
     """A random model of `cfg` (conftest's tiny_model_config) saved with `tokenizer`."""
-    from train.hf import save_model
-    from train.model import Llama
+    from doel.train.hf import save_model
+    from doel.train.model import Llama
 
     torch.manual_seed(0)
     model = Llama(cfg)
@@ -97,7 +97,7 @@ def _checkpoint(folder, tokenizer, cfg, chat_template=None):
 def test_a_tokenizer_llama_cpp_cannot_reproduce_is_refused_in_one_line(
     tmp_path, tokenizer_path, tiny_model_config, capsys
 ):
-    from export.cli import main
+    from doel.export.cli import main
 
     ckpt, _ = _checkpoint(tmp_path / "ckpt", tokenizer_path, tiny_model_config)  # doel's style
     with pytest.raises(SystemExit) as e:
@@ -111,7 +111,7 @@ def test_a_tokenizer_llama_cpp_cannot_reproduce_is_refused_in_one_line(
 def test_gguf_reads_back_with_tokenizer_metadata_and_tensors(
     tmp_path, gguf_tokenizer, tiny_model_config, quant
 ):
-    from export.cli import main
+    from doel.export.cli import main
 
     path = gguf_tokenizer[0]
     ckpt, model = _checkpoint(
@@ -183,7 +183,7 @@ def test_llama_cpp_tokenizes_id_for_id_and_its_f32_logits_equal_pytorchs(
         reason="llama-cpp-python is a benchmark-only dependency, built from source in 6-9 min "
         "(benchmarks/bench_serve_llama.py install_llama_cpp); CI does not build it",
     )
-    from export.gguf import export_gguf
+    from doel.export.gguf import export_gguf
 
     path = gguf_tokenizer[0]
     ckpt, model = _checkpoint(tmp_path / "ckpt", path, tiny_model_config)
@@ -213,8 +213,8 @@ def test_llama_cpp_tokenizes_id_for_id_and_its_f32_logits_equal_pytorchs(
 def test_doel_train_tokenizer_style_gguf_gives_a_tokenizer_the_gguf_export_accepts(
     tmp_path, sample_paths
 ):
-    from export.gguf import llama_cpp_pre_type
-    from train.cli import main
+    from doel.export.gguf import llama_cpp_pre_type
+    from doel.train.cli import main
 
     main(["tokenizer", "--data", *sample_paths, "--vocab-size", "1024", "--style", "gguf"]
          + ["--out", str(tmp_path), "--set", "min_frequency=1", "--quiet"])  # fmt: skip

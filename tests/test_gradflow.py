@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from train.gradflow import check_gradient_flow
-from train.model import Llama, ModelConfig
+from doel.train.gradflow import check_gradient_flow
+from doel.train.model import Llama, ModelConfig
 
 
 def make_model(tied=True) -> Llama:

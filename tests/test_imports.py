@@ -1,7 +1,9 @@
-"""The import graph of train/, export/ and serve/, read from the source (imports at module level
-and inside functions alike): no circle anywhere, and the stage boundaries of the guide. The
-runtime side of serve's boundary (no torch after answering a request) is test_serve_imports.py;
-train's is the fresh-interpreter test below."""
+"""The import graph of doel's folders, read from the source (imports at module level and inside
+functions alike): no circle anywhere, and the boundaries of the guide: no stage (train, export,
+serve) imports another, with no exception; only the pipeline (recipe, demo) uses all three;
+doel.contracts imports the standard library alone. The runtime side of serve's boundary (no
+torch after answering a request) is test_serve_imports.py; train's is the fresh-interpreter
+test below."""
 
 from __future__ import annotations
 
@@ -14,16 +16,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("train", "export", "serve")
+STAGES = ("train", "export", "serve")
+FOLDERS = {  # installed name -> folder in the checkout (the wheel maps each under doel/)
+    **{f"doel.{s}": ROOT / s for s in (*STAGES, "pipeline")},
+    "doel.contracts": ROOT / "doel" / "contracts",
+}
+# The names the checkout's folders would have if imported from the root: never used.
+BARE = (*STAGES, "pipeline", "contracts")
 
 
 def module_name(path: Path) -> str:
+    for name, folder in FOLDERS.items():
+        if path.is_relative_to(folder):
+            parts = [*name.split("."), *path.relative_to(folder).with_suffix("").parts]
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {module_name(p): p for f in FOLDERS.values() for p in sorted(f.rglob("*.py"))}
 
 
 def imported(path: Path, name: str | None = None) -> list[tuple[str, int]]:
@@ -89,50 +101,93 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def offenders(prefix: str, banned: tuple[str, ...], allowed: str | None = None) -> list[str]:
-    """`file:line module` for each import under `prefix` of a top-level name in `banned`."""
+def offenders(prefix: str, banned: tuple[str, ...]) -> list[str]:
+    """`file:line module` for each import under `prefix` of a module in `banned` (a dotted
+    prefix: `doel.export` bans doel.export and everything under it)."""
     out = []
     for m, path in modules().items():
         if not (m == prefix or m.startswith(prefix + ".")):
             continue
-        if allowed and (m == allowed or m.startswith(allowed + ".")):
-            continue
         for target, line in imported(path):
-            if target.split(".")[0] in banned:
-                out.append(f"{path.relative_to(ROOT)}:{line} {target}")
+            if any(target == b or target.startswith(b + ".") for b in banned):
+                shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                out.append(f"{shown}:{line} {target}")
     return sorted(set(out))
 
 
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     src = tmp_path / "probe.py"
-    src.write_text("def f():\n    from train.loop import RunLoop\n    from . import fit\n")
-    names = {target for target, _ in imported(src, "train.probe")}
-    assert {"train.loop", "train.loop.RunLoop", "train.fit"} <= names
+    src.write_text("def f():\n    from doel.train.loop import RunLoop\n    from . import fit\n")
+    names = {target for target, _ in imported(src, "doel.train.probe")}
+    assert {"doel.train.loop", "doel.train.loop.RunLoop", "doel.train.fit"} <= names
 
 
-def test_no_import_circle_in_train_export_or_serve():
+def test_modules_are_named_as_installed():
+    mods = modules()
+    assert mods["doel.train.fit"] == ROOT / "train" / "fit.py"
+    assert mods["doel.pipeline.demo"] == ROOT / "pipeline" / "demo.py"
+    assert mods["doel.contracts"] == ROOT / "doel" / "contracts" / "__init__.py"
+
+
+def test_no_import_circle_anywhere_in_doel():
     edges = graph()
-    assert len(edges) > 60 and "train.fit" in edges["train.cli"] | set().union(*edges.values())
+    assert len(edges) > 60
+    assert "doel.train.fit" in edges["doel.train.cli"] | set().union(*edges.values())
     assert cycles(edges) == []
 
 
 def test_cycle_finder_finds_a_planted_circle():
     edges = graph()
-    edges["train.model"] = edges["train.model"] | {"train.fit"}  # fit reaches model
-    assert any("train.model" in c and "train.fit" in c for c in cycles(edges))
+    edges["doel.train.model"] = edges["doel.train.model"] | {"doel.train.fit"}  # fit reaches model
+    assert any("doel.train.model" in c and "doel.train.fit" in c for c in cycles(edges))
 
 
-def test_only_the_recipe_wing_of_train_imports_other_stages():
-    assert offenders("train", ("export", "serve"), allowed="train.recipe") == []
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_stage_imports_another_or_the_pipeline(stage):
+    others = tuple(f"doel.{s}" for s in (*STAGES, "pipeline") if s != stage)
+    assert offenders(f"doel.{stage}", others) == []
 
 
-def test_export_imports_nothing_from_train():
-    assert offenders("export", ("train",)) == []
+def test_the_stage_check_finds_a_planted_import(tmp_path, monkeypatch):
+    planted = tmp_path / "train"
+    planted.mkdir()
+    (planted / "probe.py").write_text("def f():\n    from doel.export.bundle import x\n")
+    monkeypatch.setitem(FOLDERS, "doel.train", planted)
+    assert offenders("doel.train", ("doel.export",)) == [
+        "probe.py:2 doel.export.bundle",
+        "probe.py:2 doel.export.bundle.x",
+    ]
 
 
-def test_serve_imports_no_torch_train_or_export():
-    banned = ("torch", "transformers", "train", "export", "onnxruntime_genai", "optimum")
-    assert offenders("serve", banned) == []
+def test_serve_imports_no_torch_or_the_export_toolchain():
+    banned = ("torch", "transformers", "onnxruntime_genai", "optimum")
+    assert offenders("doel.serve", banned) == []
+
+
+def test_contracts_import_the_standard_library_alone():
+    allowed = set(sys.stdlib_module_names) | {"doel.contracts", "__future__"}
+    used = {
+        t for m, p in modules().items() if m.startswith("doel.contracts") for t, _ in imported(p)
+    }
+    assert used, "doel.contracts imports nothing at all: the check would pass vacuously"
+    outside = {
+        t for t in used if t.split(".")[0] not in allowed and not t.startswith("doel.contracts")
+    }
+    assert outside == set()
+
+
+def test_no_file_imports_a_folder_by_its_bare_name():
+    """`import train` would load the checkout's folder a second time, under another name."""
+    files = [
+        p for top in (*BARE[:4], "doel", "tests", "benchmarks") for p in (ROOT / top).rglob("*.py")
+    ]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line} {t}"
+        for p in files
+        for t, line in imported(p, "tests.probe")
+        if t.split(".")[0] in BARE
+    ]
+    assert bad == []
 
 
 def imports_of_test_modules(folder: Path) -> list[str]:
@@ -172,18 +227,20 @@ def test_an_import_of_a_test_module_is_found_however_spelled(tmp_path):
 
 TRAIN_SCRIPT = """
 import importlib, json, pkgutil, sys
-import train
-names = [m.name for m in pkgutil.walk_packages(train.__path__, "train.")]
+import doel.train
+names = [m.name for m in pkgutil.walk_packages(doel.train.__path__, "doel.train.")]
 for name in names:
-    if not name.startswith("train.recipe") and name != "train.__main__":
+    if name != "doel.train.__main__":
         importlib.import_module(name)
-banned = ("export", "serve", "onnx", "onnxruntime", "fastapi", "uvicorn")
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in banned)))
+banned = ("doel.export", "doel.serve", "doel.pipeline", "onnx", "onnxruntime", "fastapi",
+          "uvicorn", "train", "export", "serve", "pipeline")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in banned
+                        or ".".join(m.split(".")[:2]) in banned)))
 """
 
 
 @pytest.mark.slow
-def test_importing_train_outside_the_recipe_loads_no_other_stage():
+def test_importing_all_of_train_loads_no_other_stage_and_no_bare_name():
     proc = subprocess.run(
         [sys.executable, "-c", TRAIN_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
@@ -210,12 +267,14 @@ def test_the_readme_file_tree_names_every_module_and_only_modules_that_exist():
             listed.add("/".join([*folders, name]))
     code = {
         p.relative_to(ROOT).as_posix()
-        for top in ("train", "export", "serve", "benchmarks")
+        for top in ("train", "export", "serve", "pipeline", "doel", "benchmarks")
         for p in (ROOT / top).rglob("*.py")
         if p.name not in ("__init__.py", "__main__.py") and "results" not in p.parts
     }
     listed_code = {
-        p for p in listed if p.split("/")[0] in ("train", "export", "serve", "benchmarks")
+        p
+        for p in listed
+        if p.split("/")[0] in ("train", "export", "serve", "pipeline", "doel", "benchmarks")
     }
     assert code - listed_code == set(), "modules missing from the README's file tree"
     assert listed_code - code == set(), "the README's file tree names modules that do not exist"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import train.metrics as metrics
-from train.build import describe
-from train.dist import DistInfo
-from train.model import Llama
+import doel.train.metrics as metrics
+from doel.train.build import describe
+from doel.train.dist import DistInfo
+from doel.train.model import Llama
 
 
 @pytest.mark.parametrize(

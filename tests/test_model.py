@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.common import DoelError
-from train.config import load_config
-from train.hf import load_model, save_model
-from train.model import Llama, ModelConfig
-from train.trainer import TrainConfig
+from doel.train.common import DoelError
+from doel.train.config import load_config
+from doel.train.hf import load_model, save_model
+from doel.train.model import Llama, ModelConfig
+from doel.train.trainer import TrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -142,7 +142,7 @@ def test_dotted_overrides_reach_the_model_table():
     ],
 )
 def test_a_damaged_weights_file_is_refused_naming_it(tmp_path, damage, reason):
-    from train.hf import read_safetensors, safetensors_problem
+    from doel.train.hf import read_safetensors, safetensors_problem
 
     save_model(Llama(model_config()), tmp_path)
     weights = tmp_path / "model.safetensors"

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from train.common import DoelError
-from train.evals.modelcard import SAMPLE, stored_parameters, write_model_card
-from train.hf import save_model
-from train.metrics import read_metrics
-from train.model import Llama, ModelConfig
+from doel.train.common import DoelError
+from doel.train.evals.modelcard import SAMPLE, stored_parameters, write_model_card
+from doel.train.hf import save_model
+from doel.train.metrics import read_metrics
+from doel.train.model import Llama, ModelConfig
 
 
 @pytest.fixture
@@ -49,9 +49,9 @@ META = {
 
 
 def test_card_with_everything(folder, sample_paths, tmp_path):
-    from train.data.fertility import fertility, load_any
-    from train.data.textio import iter_documents
-    from train.evals.heldout import evaluate_checkpoint
+    from doel.train.data.fertility import fertility, load_any
+    from doel.train.data.textio import iter_documents
+    from doel.train.evals.heldout import evaluate_checkpoint
 
     piqa = tmp_path / "piqa"
     piqa.mkdir()
@@ -132,11 +132,11 @@ def test_a_resumed_run_card_sums_every_attempt_and_eval_fills_it_in(
     tmp_path, shards, tiny_config, sample_paths, monkeypatch
 ):
     """The demo's path: fit, killed at step 6 (checkpoint at 4), fit again, then evaluate."""
-    import train.loop
-    from train.evals.heldout import evaluate_checkpoint, format_eval
-    from train.fit import fit
+    import doel.train.loop
+    from doel.train.evals.heldout import evaluate_checkpoint, format_eval
+    from doel.train.fit import fit
 
-    monkeypatch.setattr(train.loop, "time", FakeClock())
+    monkeypatch.setattr(doel.train.loop, "time", FakeClock())
     cfg = tiny_config("steps=8", "checkpoint_every=4", "eval_every=0", "log_every=1")
 
     class Killed(Exception):
@@ -173,7 +173,7 @@ def test_a_resumed_run_card_sums_every_attempt_and_eval_fills_it_in(
 
 
 def test_eval_leaves_a_folder_without_a_doel_card_alone(folder, sample_paths):
-    from train.evals.heldout import evaluate_checkpoint
+    from doel.train.evals.heldout import evaluate_checkpoint
 
     result = evaluate_checkpoint(folder, sample_paths, max_chars=200, prompts=["The"])
     assert result["model_card"] is None and not (folder / "README.md").exists()
@@ -277,7 +277,7 @@ def test_a_training_checkpoint_uploads_without_its_resume_files(folder, tmp_path
 
 
 def test_eval_records_the_repo_id_and_refuses_a_bad_one(folder, sample_paths, capsys):
-    from train.cli import main
+    from doel.train.cli import main
 
     args = ["eval", str(folder), "--text", *sample_paths, "--max-chars", "200", "--quiet"]
     main([*args, "--repo-id", "ann/doel-x"])  # no doel card to record it in: said, not lost

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train.common import DoelError
-from train.data.loader import TokenLoader
-from train.data.prepare import PrepareConfig, prepare
-from train.data.shards import HEADER_BYTES, ShardWriter, itemsize_for, open_shard, read_header
+from doel.train.common import DoelError
+from doel.train.data.loader import TokenLoader
+from doel.train.data.prepare import PrepareConfig, prepare
+from doel.train.data.shards import HEADER_BYTES, ShardWriter, itemsize_for, open_shard, read_header
 
 
 def quiet(*_):
@@ -48,7 +48,7 @@ def documents_in(out, meta, split, tok):
 
 def test_stream_holds_every_document_once_each_after_bos(shards, tok, sample_paths):
     out, meta = shards
-    from train.data.textio import iter_documents
+    from doel.train.data.textio import iter_documents
 
     original = [unicodedata.normalize("NFC", d) for p in sample_paths for d in iter_documents(p)]
     train, val = documents_in(out, meta, "train", tok), documents_in(out, meta, "val", tok)
@@ -62,7 +62,7 @@ def test_stream_holds_every_document_once_each_after_bos(shards, tok, sample_pat
 
 def test_meta_shows_characters_and_tokens_side_by_side(shards, tokenizer_path):
     out, meta = shards
-    from train.common import sha256_file
+    from doel.train.common import sha256_file
 
     assert json.loads((out / "meta.json").read_text()) == meta
     assert meta["tokenizer"]["sha256"] == sha256_file(tokenizer_path)
@@ -178,8 +178,8 @@ def test_loader_resumes_exactly_across_epochs(shards):
 
 
 def test_loader_refuses_another_tokenizer(shards, tmp_path, sample_paths):
-    from train.data.textio import resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     out, _ = shards
     other = train_tokenizer(

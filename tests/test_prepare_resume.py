@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import train.data.prepare as prep
-from train.cli import main
-from train.common import DoelError
-from train.data.prepare import PrepareConfig, prepare
-from train.data.stream import Reader
+import doel.train.data.prepare as prep
+from doel.train.cli import main
+from doel.train.common import DoelError
+from doel.train.data.prepare import PrepareConfig, prepare
+from doel.train.data.stream import Reader
 
 # Small batches and shards: a few dozen batches, several shards, records in between.
 CFG = PrepareConfig(val_fraction=0.1, shard_tokens=1500, batch_chars=1500)

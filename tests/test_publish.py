@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from export.card import check_repo_id, gguf_card, onnx_card, parity_rows
-from export.cli import main as export_main
-from export.common import ExportError
+from doel.export.card import check_repo_id, gguf_card, onnx_card, parity_rows
+from doel.export.cli import main as export_main
+from doel.export.common import ExportError
 
 ModelCard = pytest.importorskip("huggingface_hub").ModelCard
 
@@ -143,10 +143,10 @@ def test_the_gguf_card_says_gguf_and_how_llama_cpp_and_ollama_run_it():
 def test_a_gguf_folder_is_a_hub_model_repo_on_its_own(tmp_path, sample_paths, tiny_model_config):
     pytest.importorskip("gguf")
     torch = pytest.importorskip("torch")
-    from train.data.textio import resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
-    from train.hf import save_model
-    from train.model import Llama
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from doel.train.hf import save_model
+    from doel.train.model import Llama
 
     cfg = TokenizerConfig(vocab_size=tiny_model_config.vocab_size, min_frequency=1, style="gguf")
     tok = train_tokenizer(resolve_sources(sample_paths), cfg, tmp_path / "tok", progress=False)

@@ -13,9 +13,9 @@ import shutil
 import numpy as np
 import pytest
 
-from serve.engine import Engine, read_bundle
-from serve.sampling import SamplingParams
-from train.data.tokenizer import BOS, EOS, PAD
+from doel.serve.engine import Engine, read_bundle
+from doel.serve.sampling import SamplingParams
+from doel.train.data.tokenizer import BOS, EOS, PAD
 
 TEXTS = [
     "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।",
@@ -43,8 +43,8 @@ def test_transformers_generates_from_a_checkpoint_with_doels_ids(
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    from train.hf import save_model
-    from train.model import Llama
+    from doel.train.hf import save_model
+    from doel.train.model import Llama
 
     # A tokenizer folder written before model_input_names existed still makes a complete
     # checkpoint.
@@ -165,10 +165,10 @@ def test_a_bundle_of_an_older_checkpoint_gets_complete_hugging_face_files(
     pytest.importorskip("torch")
     from transformers import AutoTokenizer
 
-    from export.bundle import hf_files
-    from export.checkpoint import inspect_checkpoint
-    from train.hf import save_model
-    from train.model import Llama
+    from doel.export.bundle import hf_files
+    from doel.export.checkpoint import inspect_checkpoint
+    from doel.train.hf import save_model
+    from doel.train.model import Llama
 
     folder = save_model(Llama(tiny_model_config), tmp_path / "ckpt", tokenizer=tokenizer_path)
     conf_path, gen_path = folder / "tokenizer_config.json", folder / "generation_config.json"

@@ -1,4 +1,4 @@
-"""The rented-GPU recipe (`doel-train recipe`): the shipped file and its budget, bad recipes named
+"""The rented-GPU recipe (`doel recipe`): the shipped file and its budget, bad recipes named
 by field, the disk and memory estimate and its refusal, the projection and the confirmation, a
 download that resumes where it stopped (local files and the `datasets` streaming path), a
 tokenization that resumes to the same shards, the whole dry run from .txt/.jsonl/.parquet
@@ -18,15 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.cli import build_parser, main, train_config
-from train.common import DoelError
-from train.config import load_config
-from train.data.chat import SFTConfig
-from train.data.prepare import prepare
-from train.data.textio import iter_documents
-from train.model import Llama, ModelConfig
-from train.optim import build_optimizer, hidden_matrices
-from train.recipe.budget import (
+from doel.pipeline.budget import (
     MUON_TOKEN_RATIO,
     check_stage,
     confirm,
@@ -36,11 +28,20 @@ from train.recipe.budget import (
     parameter_count,
     projection,
 )
-from train.recipe.fetch import fetch_source
-from train.recipe.runner import DEPENDS, RecipeRun, run_recipe
-from train.recipe.spec import DataSpec, HubSource, load_recipe, make_plan
-from train.recipe.stages import torchrun_command
-from train.trainer import TrainConfig
+from doel.pipeline.cli import main
+from doel.pipeline.fetch import fetch_source
+from doel.pipeline.runner import DEPENDS, RecipeRun, run_recipe
+from doel.pipeline.spec import DataSpec, HubSource, load_recipe, make_plan
+from doel.pipeline.stages import torchrun_command
+from doel.train.cli import build_parser, train_config
+from doel.train.common import DoelError
+from doel.train.config import load_config
+from doel.train.data.chat import SFTConfig
+from doel.train.data.prepare import prepare
+from doel.train.data.textio import iter_documents
+from doel.train.model import Llama, ModelConfig
+from doel.train.optim import build_optimizer, hidden_matrices
+from doel.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "bangla-0.4b" / "recipe.toml"
@@ -438,7 +439,7 @@ def test_an_interrupted_data_stage_resumes_and_counts_both_attempts(tmp_path, dr
 
 
 def test_an_interrupted_shards_stage_resumes_to_the_same_shards(tmp_path, stand_ins, monkeypatch):
-    import train.data.prepare as prep
+    import doel.train.data.prepare as prep
 
     # Small batches and shards, so that the stage stops with shards finished and one open.
     plan = dry_plan(
@@ -527,7 +528,7 @@ def test_the_torchrun_launch_trains_doel_from_a_folder_holding_a_decoy_train_py(
     """`python -m train` from this folder runs the decoy; the recipe's launch still trains."""
     (tmp_path / "train.py").write_text(DECOY, encoding="utf-8")
     old = subprocess.run(
-        [sys.executable, "-m", "train", "fit", "--help"],
+        [sys.executable, "-m", "doel.train", "fit", "--help"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -29,9 +29,9 @@ PROMPT = "নদীর ধারে একটি ছোট গ্রাম"
 def bundle(tmp_path_factory, tokenizer_path, tiny_model_config):
     pytest.importorskip("onnxruntime_genai")
     torch = pytest.importorskip("torch")
-    from export.bundle import ExportOptions, export_checkpoint
-    from train.hf import save_model
-    from train.model import Llama
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.train.hf import save_model
+    from doel.train.model import Llama
 
     # The tiny bundle's model with a long context (conftest).
     cfg = dataclasses.replace(tiny_model_config, max_position_embeddings=CONTEXT)

@@ -11,9 +11,9 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.app import Settings, create_app, default_loader
-from serve.engine import Engine, read_bundle
-from serve.sampling import SamplingParams
+from doel.serve.app import Settings, create_app, default_loader
+from doel.serve.engine import Engine, read_bundle
+from doel.serve.sampling import SamplingParams
 
 
 def ready(client: TestClient, timeout: float = 30) -> TestClient:

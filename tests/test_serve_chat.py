@@ -14,11 +14,11 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.app import Settings, create_app
-from serve.prefix import MIN_REUSE, PARK_MIN, Hit, Prefixes
-from serve.protocol import CompletionRequest
-from serve.service import Service
-from serve.template import ChatError, ChatTemplate
+from doel.serve.app import Settings, create_app
+from doel.serve.prefix import MIN_REUSE, PARK_MIN, Hit, Prefixes
+from doel.serve.protocol import CompletionRequest
+from doel.serve.service import Service
+from doel.serve.template import ChatError, ChatTemplate
 
 CONVERSATIONS = [
     [{"role": "user", "content": "নমস্কার! কেমন আছ?"}],

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve.cli import build_parser, main
+from doel.serve.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,16 @@ def _free_port() -> int:
 
 def test_a_real_server_answers_completions_and_streams(tiny_bundle):
     port = _free_port()
-    cmd = [sys.executable, "-m", "serve", str(tiny_bundle), "--port", str(port), "--threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "doel.serve",
+        str(tiny_bundle),
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "DOEL_API_KEY"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"

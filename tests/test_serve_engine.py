@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve.engine import BundleError, Engine, read_bundle
-from serve.sampling import SamplingParams
+from doel.serve.engine import BundleError, Engine, read_bundle
+from doel.serve.sampling import SamplingParams
 
 CONTEXT = 96  # the tiny bundle's (conftest.BUNDLE_CONTEXT)
 
@@ -21,7 +21,7 @@ def engine(tiny_bundle) -> Engine:
 
 
 def _reference(bundle: Path):
-    from export.runner import OnnxLM
+    from doel.export.runner import OnnxLM
 
     b = read_bundle(bundle)
     return OnnxLM(b.model, b.kv_heads, b.head_dim, threads=1)
@@ -88,7 +88,7 @@ def test_a_folder_that_is_not_a_bundle_is_refused(tmp_path, tiny_bundle):
 
 def test_a_graph_without_a_shared_cache_gives_the_same_tokens(tiny_bundle, engine, tmp_path):
     """optimum's graphs (other architectures) concatenate their cache; same weights, same ids."""
-    from export.bundle import ExportOptions, export_checkpoint
+    from doel.export.bundle import ExportOptions, export_checkpoint
 
     opts = ExportOptions(quant="fp32", engine="optimum", eval_tokens=64, log=lambda _m: None)
     export_checkpoint(tiny_bundle.parent / "serve-ckpt", tmp_path / "optimum", opts)
@@ -198,7 +198,7 @@ def test_the_warm_up_at_load_changes_no_request(tiny_bundle):
 
 
 def test_the_service_warms_its_engine_up_when_it_loads(tiny_bundle, monkeypatch):
-    from serve.service import Service
+    from doel.serve.service import Service
 
     calls = []
     monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append(self.slots))
@@ -210,7 +210,7 @@ def test_the_service_warms_its_engine_up_when_it_loads(tiny_bundle, monkeypatch)
 def test_a_quantized_bundle_decodes_as_its_plain_loop(tiny_bundle, tmp_path, kv_cache, dtype):
     """An int4 bundle with either cache precision (fp16: export/kvcache.py): the engine allocates
     the cache so, in every slot, and gives the export stage's greedy tokens, alone and batched."""
-    from export.bundle import ExportOptions, export_checkpoint
+    from doel.export.bundle import ExportOptions, export_checkpoint
 
     opts = ExportOptions(quant="int4", kv_cache=kv_cache, eval_tokens=64, log=lambda _m: None)
     export_checkpoint(tiny_bundle.parent / "serve-ckpt", tmp_path / "int4", opts)

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from serve.app import Settings, create_app
+from doel.serve.app import Settings, create_app
 
 FIELDS = [
     "prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",

@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import json, sys, time
-import serve, serve.app, serve.cli, serve.engine, serve.sampling, serve.textstream
+import doel.serve.app, doel.serve.cli, doel.serve.engine, doel.serve.sampling
+import doel.serve.textstream
 from fastapi.testclient import TestClient
-from serve.app import Settings, create_app
+from doel.serve.app import Settings, create_app
 
 with TestClient(create_app(Settings(bundle=sys.argv[1], threads=1))) as c:
     while c.get("/health").status_code != 200:

@@ -45,9 +45,9 @@ def checkpoint_and_bundle(tmp_path_factory, tokenizer_path, tiny_model_config):
     which would hide a token scored at the wrong place) and its fp32 bundle."""
     pytest.importorskip("onnxruntime_genai")
     torch = pytest.importorskip("torch")
-    from export.bundle import ExportOptions, export_checkpoint
-    from train.hf import save_model
-    from train.model import Llama
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.train.hf import save_model
+    from doel.train.model import Llama
 
     torch.manual_seed(0)
     model = Llama(tiny_model_config)
@@ -70,10 +70,10 @@ def test_lm_eval_against_doel_serve_equals_doel_train_eval(
 ):
     pytest.importorskip("lm_eval")
     pytest.importorskip("tenacity")  # lm-eval's API models need it (its `api` extra)
-    from train.data.tokenizer import load_tokenizer
-    from train.evals import scoring, tasks
-    from train.evals.crosscheck import lm_eval_choices
-    from train.hf import load_model
+    from doel.train.data.tokenizer import load_tokenizer
+    from doel.train.evals import scoring, tasks
+    from doel.train.evals.crosscheck import lm_eval_choices
+    from doel.train.hf import load_model
 
     ckpt, bundle = checkpoint_and_bundle
     assert read_context(bundle) == CONTEXT

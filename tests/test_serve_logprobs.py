@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.app import Settings, create_app
-from serve.engine import Engine, read_bundle
-from serve.logprobs import logsumexp, score_rows
-from serve.protocol import MAX_PROMPTS, CompletionRequest
+from doel.serve.app import Settings, create_app
+from doel.serve.engine import Engine, read_bundle
+from doel.serve.logprobs import logsumexp, score_rows
+from doel.serve.protocol import MAX_PROMPTS, CompletionRequest
 
 BN = "আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।"
 EN = "The quick brown fox jumps over the lazy dog."
@@ -118,9 +118,9 @@ def test_every_positions_logits_on_a_growing_cache_graph(tmp_path, tokenizer_pat
     position's logits too."""
     pytest.importorskip("optimum")
     torch = pytest.importorskip("torch")
-    from export.bundle import ExportOptions, export_checkpoint
-    from train.hf import save_model
-    from train.model import Llama, ModelConfig
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.train.hf import save_model
+    from doel.train.model import Llama, ModelConfig
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve.sampling import SamplingParams, sample, top_p_probs
-from serve.textstream import TextStream, open_cluster_start
+from doel.serve.sampling import SamplingParams, sample, top_p_probs
+from doel.serve.textstream import TextStream, open_cluster_start
 
 LOGITS = np.log(np.array([0.05, 0.5, 0.15, 0.3]))
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.app import Settings, create_app
-from serve.completions import first_piece
-from serve.protocol import CompletionRequest
-from serve.sampling import SamplingParams
-from serve.service import RequestError, Service
+from doel.serve.app import Settings, create_app
+from doel.serve.completions import first_piece
+from doel.serve.protocol import CompletionRequest
+from doel.serve.sampling import SamplingParams
+from doel.serve.service import RequestError, Service
 
 
 def _req(**kw) -> CompletionRequest:

@@ -16,17 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train.data.chat as chat
-from train.checkpoint import latest_checkpoint
-from train.checks.suite import VerificationError
-from train.cli import main
-from train.config import load_config
-from train.data.chat import SFTConfig
-from train.data.tokenizer import CHAT_TOKENS
-from train.hf import save_model
-from train.metrics import read_metrics
-from train.model import Llama
-from train.sft import sft
+import doel.train.data.chat as chat
+from doel.train.checkpoint import latest_checkpoint
+from doel.train.checks.suite import VerificationError
+from doel.train.cli import main
+from doel.train.config import load_config
+from doel.train.data.chat import SFTConfig
+from doel.train.data.tokenizer import CHAT_TOKENS
+from doel.train.hf import save_model
+from doel.train.metrics import read_metrics
+from doel.train.model import Llama
+from doel.train.sft import sft
 
 pytestmark = pytest.mark.slow  # each test fine-tunes (or starts to) a model
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,9 +151,9 @@ def test_sft_on_two_ranks_equals_one_process_taking_the_same_micro_batches(tmp_p
         for s in ("seq_len=128", "log_every=1", "eval_every=0", "checkpoint_every=0", *sets):
             args += ["--set", s]
         if nproc == 1:
-            return [sys.executable, "-m", "train", *args]
+            return [sys.executable, "-m", "doel.train", *args]
         dist = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        return [*dist, f"--nproc_per_node={nproc}", "-m", "train", *args]
+        return [*dist, f"--nproc_per_node={nproc}", "-m", "doel.train", *args]
 
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     for out, nproc, sets in (

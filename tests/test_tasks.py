@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.common import DoelError
-from train.evals import scoring, tasks
-from train.evals.tasks import Item
-from train.model import Llama, ModelConfig
+from doel.train.common import DoelError
+from doel.train.evals import scoring, tasks
+from doel.train.evals.tasks import Item
+from doel.train.model import Llama, ModelConfig
 
 WORDS = (
     "the river rose in the night and the boats were pulled up onto the bank while the "
@@ -304,8 +304,8 @@ def test_task_accuracy_follows_the_models_ranking(model, tok):
 
 
 def test_eval_cli_runs_tasks(tok, tokenizer_path, sample_paths, tmp_path, capsys):
-    from train.cli import main
-    from train.hf import save_model
+    from doel.train.cli import main
+    from doel.train.hf import save_model
 
     folder = save_model(tiny(tok.get_vocab_size()), tmp_path / "m", tokenizer_path)
     hs = write_jsonl(tmp_path / "hs.jsonl", hellaswag_rows(10))
@@ -314,7 +314,7 @@ def test_eval_cli_runs_tasks(tok, tokenizer_path, sample_paths, tmp_path, capsys
     main([*argv, "--tasks", f"hellaswag={hs}", f"piqa={piqa}", "--limit", "4", "--json"])
     r = json.loads(capsys.readouterr().out)
     assert r["tasks"]["hellaswag"]["items"] == 4 and r["tasks"]["piqa"]["chance"] == 0.5
-    from train.evals.heldout import format_eval
+    from doel.train.evals.heldout import format_eval
 
     assert "| piqa | 4 | " in format_eval(r) and "acc_norm" in format_eval(r)
 
@@ -324,9 +324,9 @@ def test_item_by_item_equal_to_lm_eval(tok, tokenizer_path, tmp_path):
     """lm-eval (its own hellaswag/piqa task definitions, transformers' Llama and tokenizer) and
     our scorer give the same choice log-likelihoods and the same verdicts, item by item."""
     pytest.importorskip("lm_eval")
-    from train.data.tokenizer import load_tokenizer
-    from train.evals.crosscheck import lm_eval_choices
-    from train.hf import load_model, save_model
+    from doel.train.data.tokenizer import load_tokenizer
+    from doel.train.evals.crosscheck import lm_eval_choices
+    from doel.train.hf import load_model, save_model
 
     net = tiny(tok.get_vocab_size(), scale=2.0)
     folder = save_model(net, tmp_path / "ckpt", tokenizer_path)

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from train.common import DoelError
-from train.data.textio import (
+from doel.train.common import DoelError
+from doel.train.data.textio import (
     MissingTextField,
     iter_documents,
     iter_source,

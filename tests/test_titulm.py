@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from train.common import DoelError
-from train.evals import scoring, tasks
-from train.evals.hubtasks import HubTask, fetch_task, fetch_tasks
-from train.model import Llama, ModelConfig
+from doel.train.common import DoelError
+from doel.train.evals import scoring, tasks
+from doel.train.evals.hubtasks import HubTask, fetch_task, fetch_tasks
+from doel.train.model import Llama, ModelConfig
 
 # Made-up items in the columns of each hub dataset (hishab-nlp's lm-eval task yamls).
 MMLU = [  # hishab/bangla-mmlu: question, choices, answer (ClassLabel index)
@@ -202,11 +202,11 @@ def test_eval_cli_scores_a_hub_set_from_a_stand_in(tok, tokenizer_path, sample_p
     import subprocess
     import sys
 
-    from train.hf import save_model
+    from doel.train.hf import save_model
 
     folder = save_model(tiny(tok.get_vocab_size()), tmp_path / "m", tokenizer_path)
     standin = write_rows(tmp_path / "mmlu.parquet", MMLU)
-    argv = [sys.executable, "-m", "train", "eval", str(folder), "--text", sample_paths[1]]
+    argv = [sys.executable, "-m", "doel.train", "eval", str(folder), "--text", sample_paths[1]]
     argv += ["--max-chars", "300", "--json", "--task-cache", str(tmp_path / "cache")]
     argv += ["--tasks", "bangla_mmlu=hf:hishab/bangla-mmlu", "boolq_bn=hf:nobody/none"]
     argv += ["--local", f"bangla_mmlu={standin}"]
@@ -218,16 +218,16 @@ def test_eval_cli_scores_a_hub_set_from_a_stand_in(tok, tokenizer_path, sample_p
     assert r["tasks"]["bangla_mmlu"]["items"] == 4 and r["tasks"]["bangla_mmlu"]["chance"] == 0.25
     assert r["tasks"]["bangla_mmlu"]["path"].endswith("hishab__bangla-mmlu--test.jsonl")
     assert "left out" in p.stderr and "boolq_bn" in p.stderr
-    from train.evals.heldout import format_eval
+    from doel.train.evals.heldout import format_eval
 
     text = format_eval(r)  # the printed report sets it beside the published baselines
     assert "| Bangla MMLU (`bangla_mmlu`) | 0.25 | 0.282 ± 0.004 | 0.308 ± 0.004 | " in text
 
 
 def test_the_card_sets_doel_beside_the_published_baselines(tok, tokenizer_path, tmp_path):
-    from train.evals.modelcard import write_model_card
-    from train.evals.published import BASELINES, binomial_stderr
-    from train.hf import save_model
+    from doel.train.evals.modelcard import write_model_card
+    from doel.train.evals.published import BASELINES, binomial_stderr
+    from doel.train.hf import save_model
 
     # The stored counts give back the published fractions (the 0.282, 0.308, 0.53).
     mmlu, piqa = BASELINES["bangla_mmlu"][2], BASELINES["piqa_bn"][2]

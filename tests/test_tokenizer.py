@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, pre_tokenizers
 
-from train.common import DoelError
-from train.config import load_config
-from train.data.textio import resolve_sources
-from train.data.tokenizer import (
+from doel.train.common import DoelError
+from doel.train.config import load_config
+from doel.train.data.textio import resolve_sources
+from doel.train.data.tokenizer import (
     ASSISTANT,
     BOS,
     CHAT_TOKENS,
@@ -166,7 +166,7 @@ def test_the_chat_template_renders_the_turn_markers_as_their_ids_in_transformers
 
 
 def test_an_older_vocabulary_without_the_turn_markers_gets_no_template(tmp_path, tokenizer_path):
-    from train.data.tokenizer import write_hf_side_files
+    from doel.train.data.tokenizer import write_hf_side_files
 
     data = json.loads(tokenizer_path.read_text(encoding="utf-8"))
     for i in range(len(CHAT_TOKENS)):  # as tokenizers made before chat named them
@@ -205,7 +205,7 @@ def test_config_from_toml_with_overrides(tmp_path):
 
 
 def test_empty_corpus_is_an_error(tmp_path):
-    from train.data.tokenizer import train_tokenizer
+    from doel.train.data.tokenizer import train_tokenizer
 
     (tmp_path / "empty.txt").write_text("\n\n   \n")
     with pytest.raises(DoelError, match="empty"):

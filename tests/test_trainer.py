@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from train.common import DoelError
-from train.config import load_config
-from train.model import Llama, ModelConfig
-from train.optim import MuonAdamW, describe_groups
-from train.trainer import (
+from doel.train.common import DoelError
+from doel.train.config import load_config
+from doel.train.model import Llama, ModelConfig
+from doel.train.optim import MuonAdamW, describe_groups
+from doel.train.trainer import (
     TrainConfig,
     build_optimizer,
     lr_at,

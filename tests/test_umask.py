@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from export.common import staging, write_json
-from train.common import atomic_write_bytes, atomic_write_json
+from doel.export.common import staging, write_json
+from doel.train.common import atomic_write_bytes, atomic_write_json
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX permission bits")
 

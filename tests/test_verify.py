@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.checks.base import VerifyConfig
-from train.checks.suite import CHECKS, VerificationError, run_suite, verify_before_training
-from train.data.loader import TokenLoader
-from train.data.prepare import PrepareConfig, prepare
-from train.data.textio import resolve_sources
-from train.data.tokenizer import TokenizerConfig, train_tokenizer
-from train.model import IGNORE_INDEX, Llama
-from train.optim import MuonAdamW
-from train.trainer import build_optimizer, lr_at, train_step
+from doel.train.checks.base import VerifyConfig
+from doel.train.checks.suite import CHECKS, VerificationError, run_suite, verify_before_training
+from doel.train.data.loader import TokenLoader
+from doel.train.data.prepare import PrepareConfig, prepare
+from doel.train.data.textio import resolve_sources
+from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
+from doel.train.model import IGNORE_INDEX, Llama
+from doel.train.optim import MuonAdamW
+from doel.train.trainer import build_optimizer, lr_at, train_step
 
 pytestmark = pytest.mark.slow  # every test here runs the suite or trains (seconds to minutes)
 ALL = list(CHECKS)
@@ -226,7 +226,7 @@ def leaky(cfg):
     attn = model.model.layers[0].self_attn
 
     def forward(x, cos, sin):
-        from train.model import apply_rotary
+        from doel.train.model import apply_rotary
 
         b, t, _ = x.shape
         q = attn.q_proj(x).view(b, t, attn.n_head, attn.head_dim).transpose(1, 2)
@@ -398,7 +398,7 @@ def test_verify_config_and_subsets_are_validated(shards, tiny_config):
 
 
 def test_the_command_writes_the_report_and_exits_1_on_a_failure(shards, tmp_path, capsys):
-    from train.cli import main
+    from doel.train.cli import main
 
     args = ["verify", "--config", "tiny", "--data", str(shards), "--out", str(tmp_path)]
     main([*args, "--only", "data", "tokenizer"])
@@ -423,9 +423,9 @@ def head_sees_a_detached_weight(cfg):
 def test_ties_need_one_tensor_holding_both_uses_gradients(shards, tiny_config, monkeypatch, ranks):
     """At 2 ranks (simulated: no process group) the check takes its DDP/FSDP path, where each
     use's gradient is rebuilt by hooks instead of by splitting the tie."""
-    import train.checks.ties
+    import doel.train.checks.ties
 
-    monkeypatch.setattr(train.checks.ties, "_world_size", lambda: ranks)
+    monkeypatch.setattr(doel.train.checks.ties, "_world_size", lambda: ranks)
     cfg = tiny_config()
     row = suite(cfg, shards, ["ties"]).results[0]
     assert row.passed, row.detail

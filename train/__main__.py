@@ -1,5 +1,5 @@
-"""`python -m train ...` is the same as `doel-train ...`."""
+"""`python -m doel.train ...` is the same as `doel-train ...`."""
 
-from train.cli import main
+from doel.train.cli import main
 
 main()

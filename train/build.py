@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from train.checkpoint import load_checkpoint
-from train.common import DoelError
-from train.data.loader import TokenLoader, read_meta
-from train.dist import DistInfo, autocast, resolve_device, resolve_dtype, wrap_model
-from train.metrics import format_flops, peak_flops
-from train.model import Llama
-from train.optim import build_optimizer, describe_groups
-from train.trainer import TrainConfig
+from doel.train.checkpoint import load_checkpoint
+from doel.train.common import DoelError
+from doel.train.data.loader import TokenLoader, read_meta
+from doel.train.dist import DistInfo, autocast, resolve_device, resolve_dtype, wrap_model
+from doel.train.metrics import format_flops, peak_flops
+from doel.train.model import Llama
+from doel.train.optim import build_optimizer, describe_groups
+from doel.train.trainer import TrainConfig
 
 
 @dataclass(kw_only=True)

@@ -33,10 +33,10 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dcp_state
 from safetensors.torch import save_file
 
-from train.common import DoelError, atomic_write_json
-from train.dist import full_model_state, full_state, is_sharded, load_full_state
-from train.gradflow import unwrap
-from train.hf import WEIGHTS, load_model, read_config, read_safetensors, save_model
+from doel.train.common import DoelError, atomic_write_json
+from doel.train.dist import full_model_state, full_state, is_sharded, load_full_state
+from doel.train.gradflow import unwrap
+from doel.train.hf import WEIGHTS, load_model, read_config, read_safetensors, save_model
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 SHARDED = "sharded"  # the DCP shards of an FSDP run's model and optimizer

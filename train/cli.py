@@ -1,8 +1,9 @@
-"""`doel-train` (or `python -m train`): a thin command line over train's functions.
+"""`doel-train` (or `python -m doel.train`): a thin command line over train's functions.
 
-Commands: tokenizer, fertility, prepare, fit, sft, check-gradients, verify, eval, plot, demo,
-recipe. Heavy imports happen inside each command, so a missing extra is reported with the `pip
-install` line that fixes it.
+Commands: tokenizer, fertility, prepare, fit, sft, check-gradients, verify, eval, plot (the
+demo and the recipe, which use every stage, are `doel demo` and `doel recipe`). Heavy imports
+happen inside each command, so a missing extra is reported with the `pip install` line that
+fixes it.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ import json
 import sys
 from pathlib import Path
 
-from train.common import DoelError, Interrupted  # standard library only
+from doel.train.common import DoelError, Interrupted  # standard library only
 
 EXTRA_HINT = "pip install 'doel[train]'"
 
 
 def _cmd_tokenizer(args) -> None:
-    from train.config import load_config
-    from train.data.prepare import parse_weights
-    from train.data.textio import resolve_sources
-    from train.data.tokenizer import TokenizerConfig, train_tokenizer
+    from doel.train.config import load_config
+    from doel.train.data.prepare import parse_weights
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
 
     sets = list(args.set)
     if args.vocab_size is not None:
@@ -37,8 +38,8 @@ def _cmd_tokenizer(args) -> None:
 
 
 def _cmd_fertility(args) -> None:
-    from train.data.fertility import fertility, format_report, load_any
-    from train.data.textio import iter_source, resolve_sources, with_field_fix
+    from doel.train.data.fertility import fertility, format_report, load_any
+    from doel.train.data.textio import iter_source, resolve_sources, with_field_fix
 
     tok = load_any(args.tokenizer, args.pattern)
     texts = (d for src in resolve_sources(args.text) for d in iter_source(src, args.text_field))
@@ -51,8 +52,8 @@ def _cmd_fertility(args) -> None:
 
 
 def _cmd_prepare(args) -> None:
-    from train.config import load_config
-    from train.data.prepare import PrepareConfig, prepare
+    from doel.train.config import load_config
+    from doel.train.data.prepare import PrepareConfig, prepare
 
     sets = list(args.set)
     if args.val_fraction is not None:
@@ -76,8 +77,8 @@ def train_config(args):
     has a default: a preset's model would be trained silently, whatever the tokenizer."""
     from pathlib import Path
 
-    from train.config import load_config, presets, resolve_config
-    from train.settings import TrainConfig
+    from doel.train.config import load_config, presets, resolve_config
+    from doel.train.settings import TrainConfig
 
     sets = list(args.set)
     for flag, key in (("steps", "steps"), ("checkpoint_every", "checkpoint_every")):
@@ -98,7 +99,7 @@ def train_config(args):
 
 def _cmd_fit(args) -> None:
     cfg = train_config(args)  # a bad value fails here, before torch loads
-    from train.fit import fit
+    from doel.train.fit import fit
 
     fit(
         cfg,
@@ -111,23 +112,23 @@ def _cmd_fit(args) -> None:
 
 
 def _cmd_sft(args) -> None:
-    from train.config import load_config, resolve_config
-    from train.data.conversations import SFTConfig
+    from doel.train.config import load_config, resolve_config
+    from doel.train.data.conversations import SFTConfig
 
     sets = list(args.set)
     for flag in ("steps", "checkpoint_every"):
         if getattr(args, flag) is not None:
             sets.append(f"{flag}={getattr(args, flag)}")
     cfg = load_config(SFTConfig, resolve_config(args.config), sets)  # before torch loads
-    from train.sft import sft
+    from doel.train.sft import sft
 
     sft(cfg, args.data, args.base, args.out, fresh=args.fresh, skip_verify=args.skip_verify)
 
 
 def _cmd_check_gradients(args) -> None:
     cfg = train_config(args)
-    from train.build import build_run
-    from train.fit import gradient_gate
+    from doel.train.build import build_run
+    from doel.train.fit import gradient_gate
 
     # The eager model, as before any compilation: the gate alone, quickly.
     gradient_gate(build_run(cfg, args.data, compile=False), print)
@@ -135,9 +136,9 @@ def _cmd_check_gradients(args) -> None:
 
 def _cmd_verify(args) -> None:
     cfg = train_config(args)
-    from train.checks.base import VerifyConfig
-    from train.checks.suite import run_suite
-    from train.config import load_config
+    from doel.train.checks.base import VerifyConfig
+    from doel.train.checks.suite import run_suite
+    from doel.train.config import load_config
 
     vcfg = load_config(VerifyConfig, None, args.check)
     subset = "full" if args.full else "fast"
@@ -155,11 +156,11 @@ def _cmd_verify(args) -> None:
 
 
 def _cmd_eval(args) -> None:
-    from train.data.textio import MissingTextField
-    from train.evals.heldout import evaluate_checkpoint, format_eval
-    from train.evals.hubtasks import fetch_tasks
-    from train.evals.tasks import parse_task_specs
-    from train.evals.usage import check_repo_id
+    from doel.train.data.textio import MissingTextField
+    from doel.train.evals.heldout import evaluate_checkpoint, format_eval
+    from doel.train.evals.hubtasks import fetch_tasks
+    from doel.train.evals.tasks import parse_task_specs
+    from doel.train.evals.usage import check_repo_id
 
     if args.repo_id is not None:
         check_repo_id(args.repo_id)  # before any work
@@ -194,21 +195,9 @@ def _cmd_eval(args) -> None:
 
 
 def _cmd_plot(args) -> None:
-    from train.plot import plot_run
+    from doel.train.plot import plot_run
 
     print(f"wrote {plot_run(args.run_dir, args.out)}")
-
-
-def _cmd_demo(args) -> None:
-    from train.recipe.demo import run_demo
-
-    run_demo(args.out, args.vocab_size, args.config, args.set, args.serve, args.port)
-
-
-def _cmd_recipe(args) -> None:
-    from train.recipe.runner import main as recipe_main
-
-    recipe_main(args)
 
 
 def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> None:
@@ -236,22 +225,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _recipe_args(p: argparse.ArgumentParser) -> None:
-    """`doel-train recipe`'s options (train/recipe/runner.py's `main` takes the parsed ones)."""
-    from train.recipe.order import STAGES  # standard library only at import
+def _moved(name: str):
+    def run(args) -> None:
+        raise DoelError(f"`doel-train {name}` is now `doel {name}` (same options)")
 
-    p.add_argument("recipe", nargs="?", default="bangla-0.4b", help="name, folder or TOML")
-    p.add_argument("--dry-run", action="store_true", help="tiny, on this CPU, local files")
-    p.add_argument("--yes", action="store_true", help="train without asking (needed without a tty)")
-    p.add_argument("--price-per-hour", type=float, help="dollars a GPU-hour (default the recipe's)")
-    p.add_argument("--out", help="run folder (default out/NAME or out/NAME-dry-run)")
-    p.add_argument("--gpus", type=int, help="GPUs to train on (default all visible; >1: torchrun)")
-    p.add_argument("--local", nargs="+", default=[], metavar="NAME=PATH", help="a source's file")
-    p.add_argument("--eval-dir", help="the task files' folder (default the recipe's task_dir)")
-    p.add_argument("--until", default="summary", choices=STAGES, help="stop after this stage")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe field")
-    p.add_argument("--gpu-slice", action="store_true", help="time the real config (needs CUDA)")
-    p.add_argument("--slice-seconds", type=float, default=600.0, help="timed seconds of the slice")
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,20 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="default RUN_DIR/curves.png")
     pl.set_defaults(func=_cmd_plot)
 
-    d = sub.add_parser("demo", help="the main job on the built-in sample corpus")
-    d.add_argument("--out", default="out/demo")
-    d.add_argument("--vocab-size", type=int, default=None, help="default 2048")
-    d.add_argument("--config", default="demo", help="training preset or TOML (default demo)")
-    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    d.add_argument(
-        "--serve", action="store_true", help="keep serving the bundle at the end until Ctrl-C"
-    )
-    d.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
-    d.set_defaults(func=_cmd_demo)
-
-    rc = sub.add_parser("recipe", help="a whole recipe: data -> model -> bundles, cost up front")
-    _recipe_args(rc)
-    rc.set_defaults(func=_cmd_recipe)
+    for name in ("demo", "recipe"):  # moved to `doel` (pipeline/cli.py): it uses all stages
+        m = sub.add_parser(name, help=f"moved: `doel {name}`", add_help=False)
+        m.add_argument("rest", nargs=argparse.REMAINDER)
+        m.set_defaults(func=_moved(name))
     return p
 
 

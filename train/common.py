@@ -8,6 +8,10 @@ import os
 import secrets
 from pathlib import Path
 
+# The built-in sample (Bangla and English text, conversations), shipped inside doel.train: the
+# demo and the recipe's dry run read it from here too.
+SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
+
 
 class DoelError(Exception):
     """An error caused by the user's input; its message says what to do. The CLI prints it

@@ -19,19 +19,20 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from train.common import DoelError
+from doel.train.common import DoelError
 
 T = TypeVar("T")
-PACKAGE = Path(__file__).resolve().parent  # the installed `train` package
+PACKAGE = Path(__file__).resolve().parent  # the installed `doel.train` package
 
 
-def shipped_dirs(name: str) -> tuple[Path, ...]:
+def shipped_dirs(name: str, package: Path = PACKAGE) -> tuple[Path, ...]:
     """Where the shipped `name` folder (configs, recipes) is: inside the installed package (the
-    wheel force-includes it as train/NAME), else beside the package in a source checkout (an
-    editable install) — never a top-level site-packages/NAME that another wheel could make."""
-    checkout = PACKAGE.parent
+    wheel force-includes configs as doel/train/configs, recipes as doel/pipeline/recipes), else
+    at the top of a source checkout (an editable install), never a site-packages/NAME that
+    another wheel could make."""
+    checkout = package.parent
     beside = (checkout / name,) if (checkout / "pyproject.toml").is_file() else ()
-    return (PACKAGE / name, *beside)
+    return (package / name, *beside)
 
 
 CONFIG_DIRS = shipped_dirs("configs")  # presets

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from train.metrics import cpu_peak_flops
+from doel.train.metrics import cpu_peak_flops
 
 HEARTBEAT = "doel/step/"  # key prefix in torchrun's store: the step each rank last began
 

@@ -15,24 +15,24 @@ from pathlib import Path
 
 import torch
 
-from train.build import Run, build_run, check_vocab
-from train.checkpoint import latest_checkpoint
-from train.checks.suite import fit_subset, verify_before_training
-from train.common import DoelError, Interrupted, atomic_write_json, sha256_file
-from train.config import resolved
-from train.data.loader import check_tokenizer, read_meta
-from train.dist import (
+from doel.train.build import Run, build_run, check_vocab
+from doel.train.checkpoint import latest_checkpoint
+from doel.train.checks.suite import fit_subset, verify_before_training
+from doel.train.common import DoelError, Interrupted, atomic_write_json, sha256_file
+from doel.train.config import resolved
+from doel.train.data.loader import check_tokenizer, read_meta
+from doel.train.dist import (
     DistInfo,
     collective_timeout_message,
     full_model_state,
     init_distributed,
     shutdown,
 )
-from train.gradflow import check_gradient_flow
-from train.hf import save_model
-from train.loop import RunLoop
-from train.metrics import MetricsLog
-from train.trainer import TrainConfig
+from doel.train.gradflow import check_gradient_flow
+from doel.train.hf import save_model
+from doel.train.loop import RunLoop
+from doel.train.metrics import MetricsLog
+from doel.train.trainer import TrainConfig
 
 
 class GradientFlowError(DoelError):

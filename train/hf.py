@@ -16,9 +16,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from train.common import DoelError, atomic_write_json
-from train.data.tokenizer import write_hf_side_files
-from train.model import Llama, ModelConfig
+from doel.train.common import DoelError, atomic_write_json
+from doel.train.data.tokenizer import write_hf_side_files
+from doel.train.model import Llama, ModelConfig
 
 WEIGHTS = "model.safetensors"
 

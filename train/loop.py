@@ -10,17 +10,17 @@ import time
 
 import torch
 
-from train.checkpoint import save_checkpoint
-from train.common import DoelError
-from train.config import resolved
-from train.data.loader import TokenLoader
-from train.data.tokenizer import load_tokenizer
-from train.dist import heartbeat
-from train.evals.modelcard import write_model_card
-from train.evals.scoring import task_accuracy
-from train.evals.tasks import load_task
-from train.metrics import format_duration, mfu
-from train.trainer import (
+from doel.train.checkpoint import save_checkpoint
+from doel.train.common import DoelError
+from doel.train.config import resolved
+from doel.train.data.loader import TokenLoader
+from doel.train.data.tokenizer import load_tokenizer
+from doel.train.dist import heartbeat
+from doel.train.evals.modelcard import write_model_card
+from doel.train.evals.scoring import task_accuracy
+from doel.train.evals.tasks import load_task
+from doel.train.metrics import format_duration, mfu
+from doel.train.trainer import (
     lr_at,
     micro_batches_per_update,
     run_step,

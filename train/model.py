@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.settings import ModelConfig
+from doel.train.settings import ModelConfig
 
 IGNORE_INDEX = -100  # targets with this value add nothing to the loss (as in F.cross_entropy)
 

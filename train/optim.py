@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # renames them fails here, at import, not silently in a run).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from train.gradflow import unwrap
-from train.settings import TrainConfig
+from doel.train.gradflow import unwrap
+from doel.train.settings import TrainConfig
 
 
 def hidden_matrices(model: nn.Module) -> list[str]:

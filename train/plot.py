@@ -10,8 +10,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a window
 import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
 
-from train.common import DoelError  # noqa: E402
-from train.metrics import read_metrics  # noqa: E402
+from doel.train.common import DoelError  # noqa: E402
+from doel.train.metrics import read_metrics  # noqa: E402
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

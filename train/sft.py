@@ -20,23 +20,23 @@ from pathlib import Path
 
 import torch
 
-from train.build import build_run
-from train.checkpoint import latest_checkpoint, load_checkpoint
-from train.checks.base import Setup, VerifyConfig, fresh_like
-from train.checks.chat import check_loss_mask
-from train.checks.suite import SINGLE_PROCESS_ONLY, Report, VerificationError, run_checks
-from train.common import DoelError, Interrupted, atomic_write_json, sha256_file
-from train.config import resolved
-from train.data.chat import ChatData, ChatLoader, chat_tokenizer, load_chat_data
-from train.data.chat import special_ids as chat_special_ids
-from train.data.conversations import SFTConfig
-from train.data.tokenizer import load_tokenizer
-from train.dist import DistInfo, init_distributed, shutdown
-from train.fit import _resume_note, gradient_gate, run_to_the_end
-from train.hf import WEIGHTS, load_model, read_config
-from train.loop import RunLoop
-from train.metrics import MetricsLog
-from train.trainer import validation_loss
+from doel.train.build import build_run
+from doel.train.checkpoint import latest_checkpoint, load_checkpoint
+from doel.train.checks.base import Setup, VerifyConfig, fresh_like
+from doel.train.checks.chat import check_loss_mask
+from doel.train.checks.suite import SINGLE_PROCESS_ONLY, Report, VerificationError, run_checks
+from doel.train.common import DoelError, Interrupted, atomic_write_json, sha256_file
+from doel.train.config import resolved
+from doel.train.data.chat import ChatData, ChatLoader, chat_tokenizer, load_chat_data
+from doel.train.data.chat import special_ids as chat_special_ids
+from doel.train.data.conversations import SFTConfig
+from doel.train.data.tokenizer import load_tokenizer
+from doel.train.dist import DistInfo, init_distributed, shutdown
+from doel.train.fit import _resume_note, gradient_gate, run_to_the_end
+from doel.train.hf import WEIGHTS, load_model, read_config
+from doel.train.loop import RunLoop
+from doel.train.metrics import MetricsLog
+from doel.train.trainer import validation_loss
 
 # The fast subset's checks that run on chat batches; data and tokenizer read token shards.
 CHAT_CHECKS = ("gradient_flow", "parity", "ties", "causal", "step", "accumulation")

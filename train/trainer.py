@@ -23,10 +23,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from train.dist import all_reduce_sum
-from train.model import IGNORE_INDEX
-from train.optim import build_optimizer, set_lr  # noqa: F401 (build_optimizer: re-exported)
-from train.settings import TrainConfig
+from doel.train.dist import all_reduce_sum
+from doel.train.model import IGNORE_INDEX
+from doel.train.optim import build_optimizer, set_lr  # noqa: F401 (build_optimizer: re-exported)
+from doel.train.settings import TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from train.dist import autocast
-from train.gradflow import check_gradient_flow, unwrap
-from train.model import Llama, RMSNorm
-from train.trainer import TrainConfig
+from doel.train.dist import autocast
+from doel.train.gradflow import check_gradient_flow, unwrap
+from doel.train.model import Llama, RMSNorm
+from doel.train.trainer import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import math
 
 import torch
 
-from train.checks.base import CheckResult, Setup, low_precision, param_dtype
-from train.evals.heldout import causal_leak
-from train.gradflow import unwrap
-from train.model import IGNORE_INDEX
+from doel.train.checks.base import CheckResult, Setup, low_precision, param_dtype
+from doel.train.evals.heldout import causal_leak
+from doel.train.gradflow import unwrap
+from doel.train.model import IGNORE_INDEX
 
 
 def _copy_batch(vocab: int, gen, rows=8, pairs=8, symbols=16):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.checks.base import CheckResult
+from doel.train.checks.base import CheckResult
 
 IGNORE = -100
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from train.checks.base import CheckResult, Setup
-from train.common import DoelError
-from train.data.fertility import balance_warnings, fertility, load_any
-from train.data.loader import check_tokenizer, read_meta
-from train.data.shards import open_shard
+from doel.train.checks.base import CheckResult, Setup
+from doel.train.common import DoelError
+from doel.train.data.fertility import balance_warnings, fertility, load_any
+from doel.train.data.loader import check_tokenizer, read_meta
+from doel.train.data.shards import open_shard
 
 # ------------------------------------------------------------------ 9. data
 

@@ -10,9 +10,9 @@ from collections import Counter, defaultdict
 
 import torch
 
-from train.checks.base import CheckResult, Setup
-from train.gradflow import unwrap
-from train.optim import hidden_matrices
+from doel.train.checks.base import CheckResult, Setup
+from doel.train.gradflow import unwrap
+from doel.train.optim import hidden_matrices
 
 # Keller Jordan's quintic Newton-Schulz coefficients, torch.optim.Muon's default; a run whose
 # groups carry others is checked against those.

@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from train.checks.base import (
+from doel.train.checks.base import (
     CheckResult,
     Setup,
     grads_of,
@@ -25,9 +25,9 @@ from train.checks.base import (
     reference_twin,
     rel_err,
 )
-from train.checks.optim import muon_parity
-from train.gradflow import unwrap
-from train.optim import MuonAdamW
+from doel.train.checks.optim import muon_parity
+from doel.train.gradflow import unwrap
+from doel.train.optim import MuonAdamW
 
 
 def _upstream(shape, device, seed=0) -> torch.Tensor:

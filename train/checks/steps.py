@@ -13,13 +13,13 @@ import time
 import numpy as np
 import torch
 
-from train.checkpoint import load_checkpoint, save_checkpoint
-from train.checks.base import CheckResult, Setup, low_precision, param_dtype, rel_err
-from train.gradflow import unwrap
-from train.metrics import mfu, peak_flops
-from train.model import IGNORE_INDEX
-from train.optim import set_lr
-from train.trainer import lr_at, micro_batches_per_update, run_step, train_step
+from doel.train.checkpoint import load_checkpoint, save_checkpoint
+from doel.train.checks.base import CheckResult, Setup, low_precision, param_dtype, rel_err
+from doel.train.gradflow import unwrap
+from doel.train.metrics import mfu, peak_flops
+from doel.train.model import IGNORE_INDEX
+from doel.train.optim import set_lr
+from doel.train.trainer import lr_at, micro_batches_per_update, run_step, train_step
 
 # ------------------------------------------------------------------ 5. one step moves everything
 

@@ -21,29 +21,29 @@ from pathlib import Path
 
 import torch
 
-from train.build import build_run
-from train.checks.base import (
+from doel.train.build import build_run
+from doel.train.checks.base import (
     CheckResult,
     Setup,
     VerifyConfig,
     check_gradients,
     fresh_like,
 )
-from train.checks.causal import check_causal
-from train.checks.inputs import check_data, check_tokenizer_fairness
-from train.checks.optim import check_groups
-from train.checks.parity import check_parity
-from train.checks.steps import (
+from doel.train.checks.causal import check_causal
+from doel.train.checks.inputs import check_data, check_tokenizer_fairness
+from doel.train.checks.optim import check_groups
+from doel.train.checks.parity import check_parity
+from doel.train.checks.steps import (
     check_accumulation,
     check_resume,
     check_step,
     check_throughput,
 )
-from train.checks.ties import check_ties
-from train.common import DoelError, atomic_write_bytes, atomic_write_json
-from train.config import resolved
-from train.gradflow import unwrap
-from train.trainer import TrainConfig
+from doel.train.checks.ties import check_ties
+from doel.train.common import DoelError, atomic_write_bytes, atomic_write_json
+from doel.train.config import resolved
+from doel.train.gradflow import unwrap
+from doel.train.trainer import TrainConfig
 
 # name -> (check, in the fast subset). The fast subset is what `fit` runs before step 1: a few
 # seconds on the tiny preset on CPU. Resume (a checkpoint of the full model written and read)

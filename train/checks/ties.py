@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.checks.base import (
+from doel.train.checks.base import (
     CheckResult,
     Setup,
     loss_pass,
@@ -28,7 +28,7 @@ from train.checks.base import (
     rel_err,
     strip_prefix,
 )
-from train.gradflow import unwrap
+from doel.train.gradflow import unwrap
 
 CHECKED = (
     "declared ties are one tensor through every wrapper (compile, DDP, FSDP) and the shared "

@@ -30,7 +30,7 @@ import json
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from train.common import DoelError
+from doel.train.common import DoelError
 
 # llama.cpp's qwen35 pre-type (src/llama-vocab.cpp keeps this tokenizer.json regex beside its
 # own spelling, and runs a hand-written splitter for it). Changing one character here breaks the

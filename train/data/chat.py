@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from train.common import DoelError, atomic_write_bytes
-from train.data.conversations import SFTConfig, iter_conversations
-from train.data.conversations import check_messages as check_messages  # tests read it here
-from train.data.textio import SUFFIXES, resolve_sources
-from train.data.tokenizer import (
+from doel.train.common import DoelError, atomic_write_bytes
+from doel.train.data.conversations import SFTConfig, iter_conversations
+from doel.train.data.conversations import check_messages as check_messages  # tests read it here
+from doel.train.data.textio import SUFFIXES, resolve_sources
+from doel.train.data.tokenizer import (
     BOS,
     CHAT_TOKENS,
     PAD,

@@ -16,9 +16,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from train.common import DoelError
-from train.data.textio import Source
-from train.settings import TrainConfig
+from doel.train.common import DoelError
+from doel.train.data.textio import Source
+from doel.train.settings import TrainConfig
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("truncate", "drop")

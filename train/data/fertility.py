@@ -24,7 +24,7 @@ import sentencepiece as spm
 import tiktoken
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from train.common import DoelError
+from doel.train.common import DoelError
 
 SCRIPTS = ("bengali", "latin", "other")
 LANGUAGE = {"bengali": "Bangla", "latin": "English", "other": "other scripts"}

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from train.common import DoelError, sha256_file
-from train.data.shards import open_shard
-from train.data.tokenizer import tokenizer_file
+from doel.train.common import DoelError, sha256_file
+from doel.train.data.shards import open_shard
+from doel.train.data.tokenizer import tokenizer_file
 
 
 def read_meta(data_dir: str | Path) -> dict:

@@ -20,14 +20,21 @@ import numpy as np
 from tokenizers import normalizers
 from tqdm import tqdm
 
-from train.common import DoelError, atomic_write_json, sha256_file
-from train.config import resolved
-from train.data.overlap import OverlapCheck
-from train.data.resume import ResumeRecord, fingerprint
-from train.data.shards import HEADER_BYTES, MAGIC, VERSION, ShardWriter, itemsize_for, remove_shards
-from train.data.stream import Batch, Reader
-from train.data.textio import Source, resolve_sources
-from train.data.tokenizer import BOS, load_tokenizer, tokenizer_file
+from doel.train.common import DoelError, atomic_write_json, sha256_file
+from doel.train.config import resolved
+from doel.train.data.overlap import OverlapCheck
+from doel.train.data.resume import ResumeRecord, fingerprint
+from doel.train.data.shards import (
+    HEADER_BYTES,
+    MAGIC,
+    VERSION,
+    ShardWriter,
+    itemsize_for,
+    remove_shards,
+)
+from doel.train.data.stream import Batch, Reader
+from doel.train.data.textio import Source, resolve_sources
+from doel.train.data.tokenizer import BOS, load_tokenizer, tokenizer_file
 
 SPLITS = ("train", "val")
 

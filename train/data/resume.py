@@ -17,8 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
-from train.common import atomic_write_json, sha256_file
-from train.config import resolved
+from doel.train.common import atomic_write_json, sha256_file
+from doel.train.config import resolved
 
 FOLDER = "prepare_state"
 FORMAT = 1

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.common import DoelError, sha256_file
+from doel.train.common import DoelError, sha256_file
 
 MAGIC = b"DOELTOKS"
 VERSION = 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hashlib import blake2b as _blake2b
 from unicodedata import normalize as _nfc
 
-from train.data.tokenizer import mix_documents
+from doel.train.data.tokenizer import mix_documents
 
 DIGEST = 16  # bytes of a document's blake2b hash
 

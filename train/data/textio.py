@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.common import DoelError
+from doel.train.common import DoelError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 # How `doel-train tokenizer` and `prepare` take another field (TokenizerConfig/PrepareConfig).

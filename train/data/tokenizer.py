@@ -35,10 +35,10 @@ from tokenizers import (
     trainers,
 )
 
-from train.common import DoelError, atomic_write_bytes, atomic_write_json
-from train.config import resolved
-from train.data.bytelevel import QWEN35, respell_byte_level
-from train.data.textio import Source, iter_source
+from doel.train.common import DoelError, atomic_write_bytes, atomic_write_json
+from doel.train.config import resolved
+from doel.train.data.bytelevel import QWEN35, respell_byte_level
+from doel.train.data.textio import Source, iter_source
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # Chat turn markers. They hold ids 3-6, the ones tokenizers made before chat named

@@ -16,14 +16,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from train.common import DoelError
+from doel.train.common import DoelError
 
 LM_EVAL_HINT = "pip install 'doel[dev]' (lm-eval is a dev dependency)"
 
 
 def _docs(task: str, path: Path) -> list[dict]:
     """The task's items as lm-eval's own config expects its dataset rows."""
-    from train.evals.tasks import read_jsonl
+    from doel.train.evals.tasks import read_jsonl
 
     if task == "hellaswag":
         docs = read_jsonl(path)

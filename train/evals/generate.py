@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from train.model import Block, Llama, apply_rotary
+from doel.train.model import Block, Llama, apply_rotary
 
 DEFAULT_PROMPTS = [
     "আমাদের গ্রামের নাম",

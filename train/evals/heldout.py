@@ -27,15 +27,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from train.common import DoelError
-from train.data.textio import iter_documents
-from train.data.tokenizer import load_tokenizer
-from train.evals.generate import continuations
-from train.evals.modelcard import refresh_model_card
-from train.evals.published import BASELINES, comparison_table
-from train.evals.scoring import fmt_num, format_tasks, run_tasks
-from train.hf import load_model
-from train.model import IGNORE_INDEX, Llama
+from doel.train.common import DoelError
+from doel.train.data.textio import iter_documents
+from doel.train.data.tokenizer import load_tokenizer
+from doel.train.evals.generate import continuations
+from doel.train.evals.modelcard import refresh_model_card
+from doel.train.evals.published import BASELINES, comparison_table
+from doel.train.evals.scoring import fmt_num, format_tasks, run_tasks
+from doel.train.hf import load_model
+from doel.train.model import IGNORE_INDEX, Llama
 
 BENGALI = (0x0980, 0x09FF)  # the Bengali Unicode block, shared by Bangla and Assamese
 

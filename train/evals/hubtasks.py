@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from train.common import DoelError, atomic_write_bytes, atomic_write_json
-from train.evals.tasks import read_jsonl, read_parquet
+from doel.train.common import DoelError, atomic_write_bytes, atomic_write_json
+from doel.train.evals.tasks import read_jsonl, read_parquet
 
 PREFIX = "hf:"
 # dataset -> (config, split) as the TituLLM suite's lm-eval task yamls score them.

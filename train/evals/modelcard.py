@@ -21,15 +21,15 @@ import math
 import struct
 from pathlib import Path
 
-from train.common import atomic_write_bytes, atomic_write_json
-from train.data.fertility import fertility, load_any
-from train.data.textio import iter_documents
-from train.evals.published import BASELINES, comparison_section
-from train.evals.scoring import fmt_num, format_tasks
-from train.evals.usage import REPO_ID, check_repo_id, usage_path, usage_section
-from train.metrics import format_duration
+from doel.train.common import SAMPLE_DIR, atomic_write_bytes, atomic_write_json
+from doel.train.data.fertility import fertility, load_any
+from doel.train.data.textio import iter_documents
+from doel.train.evals.published import BASELINES, comparison_section
+from doel.train.evals.scoring import fmt_num, format_tasks
+from doel.train.evals.usage import REPO_ID, check_repo_id, usage_path, usage_section
+from doel.train.metrics import format_duration
 
-SAMPLE = Path(__file__).resolve().parents[1] / "sample"
+SAMPLE = SAMPLE_DIR
 CARD_INPUTS = "model_card.json"  # what README.md was written from
 TASK_NAMES = {
     "hellaswag": "HellaSwag",

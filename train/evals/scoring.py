@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from train.common import DoelError
-from train.evals.tasks import Item, load_task
-from train.gradflow import unwrap
-from train.model import Llama
+from doel.train.common import DoelError
+from doel.train.evals.tasks import Item, load_task
+from doel.train.gradflow import unwrap
+from doel.train.model import Llama
 
 Request = tuple[str, str]
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from train.common import DoelError
+from doel.train.common import DoelError
 
 # llm-foundry's continuation delimiters for its files (its tasks yaml); " " for the rest. The
 # trailing space of "\nAnswer: " moves to the choice, as lm-eval does with context spaces.

@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from train.common import DoelError
+from doel.train.common import DoelError
 
 PLACEHOLDER_OWNER = "YOUR-NAME"  # the usage shows YOUR-NAME/NAME until a --repo-id is given
 # The Hub's rule for a repository id: [owner/]name, letters, digits, '-', '_', '.', at most 96

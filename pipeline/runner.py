@@ -1,4 +1,4 @@
-"""`doel-train recipe`: the stages of a recipe, each skipped when its outputs are complete.
+"""`doel recipe`: the stages of a recipe, each skipped when its outputs are complete.
 
 data → tokenizer (+ fertility) → shards → verify → train → eval (+ model card) → sft (the
 optional chat fine-tuning) → export → summary, all in RUN (default out/NAME).
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from train.common import DoelError, atomic_write_json
-from train.recipe.budget import (
+from doel.pipeline.budget import (
     Need,
     check_stage,
     estimate_needs,
@@ -33,10 +32,11 @@ from train.recipe.budget import (
     probe,
     require_answer,
 )
-from train.recipe.fetch import corpus
-from train.recipe.order import DEPENDS, STAGES
-from train.recipe.spec import load_recipe, make_plan, resolve_recipe
-from train.recipe.stages import STAGE_FUNCTIONS, gpu_slice
+from doel.pipeline.fetch import corpus
+from doel.pipeline.order import DEPENDS, STAGES
+from doel.pipeline.spec import load_recipe, make_plan, resolve_recipe
+from doel.pipeline.stages import STAGE_FUNCTIONS, gpu_slice
+from doel.train.common import DoelError, atomic_write_json
 
 
 def _read(path: Path) -> dict | None:

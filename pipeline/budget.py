@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from train.build import build_run
-from train.common import DoelError
-from train.dist import resolve_device
-from train.metrics import format_duration, mfu, peak_flops
-from train.trainer import train_step
+from doel.train.build import build_run
+from doel.train.common import DoelError
+from doel.train.dist import resolve_device
+from doel.train.metrics import format_duration, mfu, peak_flops
+from doel.train.trainer import train_step
 
 GB = 1e9
 BYTES_PER_CHAR = {"bn": 3.0}  # UTF-8: Bengali letters take 3 bytes; other languages ~1

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.common import atomic_write_bytes, atomic_write_json
-from train.data.loader import read_meta
-from train.evals.modelcard import write_model_card
-from train.evals.scoring import format_tasks
-from train.metrics import format_duration, read_metrics
-from train.recipe.order import STAGES
+from doel.pipeline.order import STAGES
+from doel.train.common import atomic_write_bytes, atomic_write_json
+from doel.train.data.loader import read_meta
+from doel.train.evals.modelcard import write_model_card
+from doel.train.evals.scoring import format_tasks
+from doel.train.metrics import format_duration, read_metrics
 
 
 def _read(path: Path):

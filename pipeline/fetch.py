@@ -20,13 +20,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from train.common import DoelError, atomic_write_bytes, atomic_write_json
-from train.config import resolved
-from train.data.textio import iter_documents, with_field_fix
+from doel.train.common import SAMPLE_DIR, DoelError, atomic_write_bytes, atomic_write_json
+from doel.train.config import resolved
+from doel.train.data.textio import iter_documents, with_field_fix
 
 PROGRESS = "progress.json"
 HUB_RETRIES = 3  # a dropped connection reopens the stream at the last chunk this many times
-SAMPLE = Path(__file__).resolve().parents[1] / "sample"
+SAMPLE = SAMPLE_DIR
 
 
 def chunk_name(i: int) -> str:

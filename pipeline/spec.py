@@ -5,7 +5,7 @@ shard settings, the training preset and its overrides, the evaluation tasks, the
 and the hourly price. `load_recipe` reads it (errors name the field), `make_plan` turns it into
 what the stages run: the training config with its steps derived from the token budget, the
 characters to fetch from each source, the task files found. `--dry-run` is the same recipe with
-its `[dry_run]` overrides (tiny model, local files, CPU). The stages are in train/recipe/runner.py.
+its `[dry_run]` overrides (tiny model, local files, CPU). The stages are in pipeline/runner.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from train.checks.base import VerifyConfig
-from train.common import DoelError
-from train.config import (
+from doel.train.checks.base import VerifyConfig
+from doel.train.common import DoelError
+from doel.train.config import (
     apply_override,
     from_values,
     load_config,
@@ -32,11 +32,11 @@ from train.config import (
     resolved,
     shipped_dirs,
 )
-from train.data.prepare import PrepareConfig
-from train.data.tokenizer import TokenizerConfig
-from train.trainer import TrainConfig
+from doel.train.data.prepare import PrepareConfig
+from doel.train.data.tokenizer import TokenizerConfig
+from doel.train.trainer import TrainConfig
 
-RECIPE_DIRS = shipped_dirs("recipes")
+RECIPE_DIRS = shipped_dirs("recipes", Path(__file__).resolve().parent)
 QUANTS = ("fp32", "int8", "int4")
 BOOKKEEPING = (  # TrainConfig fields that leave the trained weights as they are
     "hourly_price", "eval_task", "eval_task_limit", "log_every", "eval_every", "eval_batches",

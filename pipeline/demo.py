@@ -21,20 +21,19 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from train.common import DoelError
-from train.config import load_config, resolve_config
-from train.data.conversations import SFTConfig
-from train.data.fertility import fertility, format_report, load_any
-from train.data.prepare import PrepareConfig, prepare
-from train.data.textio import iter_documents, iter_source, resolve_sources
-from train.data.tokenizer import TokenizerConfig, train_tokenizer
-from train.evals.heldout import evaluate_checkpoint, format_eval
-from train.fit import fit
-from train.plot import plot_run
-from train.sft import sft
-from train.trainer import TrainConfig
+from doel.train.common import SAMPLE_DIR, DoelError
+from doel.train.config import load_config, resolve_config
+from doel.train.data.conversations import SFTConfig
+from doel.train.data.fertility import fertility, format_report, load_any
+from doel.train.data.prepare import PrepareConfig, prepare
+from doel.train.data.textio import iter_documents, iter_source, resolve_sources
+from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
+from doel.train.evals.heldout import evaluate_checkpoint, format_eval
+from doel.train.fit import fit
+from doel.train.plot import plot_run
+from doel.train.sft import sft
+from doel.train.trainer import TrainConfig
 
-SAMPLE_DIR = Path(__file__).resolve().parents[1] / "sample"
 # The sample's ~25,000 training characters run out of merges a little past 2,600 tokens; at
 # 2,048 every token is a learned one, and the smaller embedding trains faster.
 DEMO_VOCAB = 2048
@@ -157,7 +156,7 @@ def export_demo(final: Path, bundle: Path, heldout: list[str]) -> Path | None:
     loss increase measured on the held-out paragraphs)."""
     print(f"export: int4 bundle for serving and phones -> {bundle}")
     try:
-        from export.bundle import ExportOptions, export_checkpoint, summary
+        from doel.export.bundle import ExportOptions, export_checkpoint, summary
 
         opts = ExportOptions(
             quant="int4",
@@ -181,7 +180,7 @@ def serve_demo(bundle: Path, keep: bool = False, port: int = 0, ask=None) -> dic
     try:
         import uvicorn
 
-        from serve.app import Settings, create_app
+        from doel.serve.app import Settings, create_app
     except ModuleNotFoundError as e:  # a machine without the serve extra
         print(f"serve: skipped: it needs {e.name!r}: pip install 'doel[serve]'")
         return None

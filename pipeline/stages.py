@@ -1,5 +1,5 @@
 """What each stage of a recipe does, as a function of the running recipe `r`
-(train/recipe/runner.py: its plan, its folders, its log). Each reads what the stages before it
+(pipeline/runner.py: its plan, its folders, its log). Each reads what the stages before it
 wrote and writes its own outputs; whether it runs at all is decided by the runner. Also the GPU
 slice: a fixed-length run of the real configuration on synthetic tokens.
 """
@@ -16,28 +16,28 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import latest_checkpoint
-from train.checks.suite import fit_subset, run_suite, select
-from train.common import DoelError, atomic_write_json
-from train.config import load_config
-from train.data.conversations import SFTConfig
-from train.data.fertility import fertility, format_report, load_any
-from train.data.loader import TokenLoader
-from train.data.prepare import parse_weights, prepare
-from train.data.textio import iter_source, resolve_sources
-from train.data.tokenizer import train_tokenizer
-from train.dist import resolve_device
-from train.evals.heldout import evaluate_checkpoint, format_eval
-from train.evals.hubtasks import fetch_tasks
-from train.fit import fit
-from train.loop import batches_on
-from train.metrics import format_duration
-from train.recipe.budget import confirm, format_projection, measure_steps, projection
-from train.recipe.fetch import fetch_all, standins
-from train.recipe.summary import write_card, write_summary
-from train.sft import sft
+from doel.pipeline.budget import confirm, format_projection, measure_steps, projection
+from doel.pipeline.fetch import fetch_all, standins
+from doel.pipeline.summary import write_card, write_summary
+from doel.train.checkpoint import latest_checkpoint
+from doel.train.checks.suite import fit_subset, run_suite, select
+from doel.train.common import SAMPLE_DIR, DoelError, atomic_write_json
+from doel.train.config import load_config
+from doel.train.data.conversations import SFTConfig
+from doel.train.data.fertility import fertility, format_report, load_any
+from doel.train.data.loader import TokenLoader
+from doel.train.data.prepare import parse_weights, prepare
+from doel.train.data.textio import iter_source, resolve_sources
+from doel.train.data.tokenizer import train_tokenizer
+from doel.train.dist import resolve_device
+from doel.train.evals.heldout import evaluate_checkpoint, format_eval
+from doel.train.evals.hubtasks import fetch_tasks
+from doel.train.fit import fit
+from doel.train.loop import batches_on
+from doel.train.metrics import format_duration
+from doel.train.sft import sft
 
-SAMPLE_CHAT = Path(__file__).resolve().parents[1] / "sample" / "chat.jsonl"  # the dry run's
+SAMPLE_CHAT = SAMPLE_DIR / "chat.jsonl"  # the dry run's
 
 
 def data(r) -> None:
@@ -184,7 +184,7 @@ def chat(r) -> None:
 
 
 def export(r) -> None:
-    from export.bundle import ExportOptions, bundle_bytes, export_checkpoint, summary
+    from doel.export.bundle import ExportOptions, bundle_bytes, export_checkpoint, summary
 
     spec, c, rows = r.plan.recipe.export, r.corpus(), {}
     texts = tuple(f for files in c["heldout"].values() for f in files)

@@ -1,0 +1,5 @@
+"""`python -m doel.pipeline ...` is the same as `doel ...`."""
+
+from doel.pipeline.cli import main
+
+main()

@@ -1,0 +1,79 @@
+"""`doel` (or `python -m doel.pipeline`): the commands that use every stage, the demo and the
+rented-GPU recipe. Each stage's own commands are `doel-train`, `doel-export`, `doel-serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from doel.train.common import DoelError, Interrupted  # standard library only
+
+EXTRA_HINT = "pip install 'doel[train,export,serve]'"
+
+
+def _cmd_demo(args) -> None:
+    from doel.pipeline.demo import run_demo
+
+    run_demo(args.out, args.vocab_size, args.config, args.set, args.serve, args.port)
+
+
+def _cmd_recipe(args) -> None:
+    from doel.pipeline.runner import main as recipe_main
+
+    recipe_main(args)
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    """`doel recipe`'s options (pipeline/runner.py's `main` takes the parsed ones)."""
+    from doel.pipeline.order import STAGES  # standard library only at import
+
+    p.add_argument("recipe", nargs="?", default="bangla-0.4b", help="name, folder or TOML")
+    p.add_argument("--dry-run", action="store_true", help="tiny, on this CPU, local files")
+    p.add_argument("--yes", action="store_true", help="train without asking (needed without a tty)")
+    p.add_argument("--price-per-hour", type=float, help="dollars a GPU-hour (default the recipe's)")
+    p.add_argument("--out", help="run folder (default out/NAME or out/NAME-dry-run)")
+    p.add_argument("--gpus", type=int, help="GPUs to train on (default all visible; >1: torchrun)")
+    p.add_argument("--local", nargs="+", default=[], metavar="NAME=PATH", help="a source's file")
+    p.add_argument("--eval-dir", help="the task files' folder (default the recipe's task_dir)")
+    p.add_argument("--until", default="summary", choices=STAGES, help="stop after this stage")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe field")
+    p.add_argument("--gpu-slice", action="store_true", help="time the real config (needs CUDA)")
+    p.add_argument("--slice-seconds", type=float, default=600.0, help="timed seconds of the slice")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="doel", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="the main job on the built-in sample corpus")
+    d.add_argument("--out", default="out/demo")
+    d.add_argument("--vocab-size", type=int, default=None, help="default 2048")
+    d.add_argument("--config", default="demo", help="training preset or TOML (default demo)")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument(
+        "--serve", action="store_true", help="keep serving the bundle at the end until Ctrl-C"
+    )
+    d.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
+    d.set_defaults(func=_cmd_demo)
+
+    rc = sub.add_parser("recipe", help="a whole recipe: data -> model -> bundles, cost up front")
+    _recipe_args(rc)
+    rc.set_defaults(func=_cmd_recipe)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ModuleNotFoundError as e:
+        sys.exit(f"doel {args.command} needs the {e.name!r} package: {EXTRA_HINT}")
+    except Interrupted as e:  # Ctrl-C where the command says what was kept (fit)
+        print(e, file=sys.stderr)
+        sys.exit(130)
+    except DoelError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
