@@ -1,21 +1,25 @@
 """The engine: one ONNX Runtime session over an export bundle, token ids in, token ids out.
 
-It knows nothing of text. A request is a prefill (the whole prompt in one run) and then one run
-per new token through the KV cache; with several slots, one run steps many sequences (the
-scheduler in serve/scheduler.py decides which). For the builder's graphs (manifest
-`past_present_share_buffer`) the cache is one buffer per layer, allocated once at the full
-context length and bound as both `past_key_values.*` input and `present.*` output:
-GroupQueryAttention writes each new entry in place and reads only the first `attention_mask`
-positions, so no step copies or reallocates the cache, and stale entries from an earlier request
-are never read (measured on the 0.4B model: 36 vs 20 tokens/s at 1,536 tokens of context against
-a cache that grows by concatenation). Other graphs (optimum's) get the growing cache they were
-built for, one slot only. Bundles whose graph takes `logits_to_keep` (export/graph.py) are asked
-for the last position's logits only, the prompt's included, into one preallocated buffer.
+It knows nothing of text. A request is a prefill (the prompt, in runs of PREFILL_CHUNK tokens:
+see Engine.forward) and then one run per new token through the KV cache; with several slots,
+one run steps many sequences (the scheduler in serve/scheduler.py decides which). For the
+builder's graphs (manifest `past_present_share_buffer`) the cache is one buffer per layer,
+allocated once at the full context length and bound as both `past_key_values.*` input and
+`present.*` output: GroupQueryAttention writes each new entry in place and reads only the first
+`attention_mask` positions, so no step copies or reallocates the cache (a cache grown by
+concatenation is copied whole at every token, a cost that grows with the context), and stale
+entries from an earlier request are never read. Other graphs (optimum's) get the growing cache
+they were built for, one slot only. Bundles whose graph takes `logits_to_keep`
+(export/graph.py) are asked for the last position's logits only, the prompt's included, into
+one preallocated buffer.
+
+The bundle's manifest.json is read through doel.contracts.manifest: a folder this engine cannot
+run (a GGUF for llama.cpp, a manifest newer than this doel, a damaged one) is a BundleError in
+one line that says what the folder is and what to do.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from doel.contracts.manifest import ManifestError, read_manifest
 from doel.serve.sampling import SamplingParams, sample
 
 LAST = np.array([1], np.int64)  # logits_to_keep: the last position only
@@ -58,29 +63,46 @@ class Bundle:
         return eos["id"] if eos else None
 
 
+GGUF_HINT = (
+    "{folder} holds a GGUF for llama.cpp ({gguf}): run it with llama-server or Ollama, or export "
+    "an ONNX bundle with doel-export CHECKPOINT --out DIR"
+)
+
+
 def read_bundle(folder: str | Path) -> Bundle:
+    """The bundle in `folder`, checked; BundleError (one line: what the folder is, what to do)
+    for a folder this engine cannot run."""
     folder = Path(folder)
     path = folder / "manifest.json"
-    if not path.is_file():
-        raise BundleError(f"{folder} has no manifest.json; give a folder written by doel-export")
     try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-        kv = m["kv_cache"]
+        m = read_manifest(folder)
+    except ManifestError as e:
+        raise BundleError(str(e)) from None
+    except (AttributeError, TypeError) as e:
+        # A field of the wrong JSON type where the contract reads a mapping (a list for
+        # kv_cache, a string for quantization) escapes Manifest.from_dict's own checks.
+        raise BundleError(f"{path} is damaged ({type(e).__name__}: {e}); export again") from None
+    if m.kind == "gguf":
+        raise BundleError(GGUF_HINT.format(folder=folder, gguf=m.gguf))
+    if m.context_length is None:  # optional in the contract, needed here
+        raise BundleError(f"{path} has no context_length; export the bundle again")
+    kv = m.kv_cache
+    try:
         bundle = Bundle(
             folder=folder,
-            model=folder / m["model"],
+            model=folder / m.model,
             tokenizer=folder / "tokenizer.json",
-            layers=int(kv["layers"]),
-            kv_heads=int(kv["kv_heads"]),
-            head_dim=int(kv["head_dim"]),
-            vocab_size=int(m["vocab_size"]),
-            context_length=int(m["context_length"]),
-            share_buffer=bool(kv.get("past_present_share_buffer", False)),
-            position_ids=bool(kv.get("position_ids_input", False)),
-            special_tokens=m.get("special_tokens", {}),
-            manifest=m,
+            layers=int(kv.layers),
+            kv_heads=int(kv.kv_heads),
+            head_dim=int(kv.head_dim),
+            vocab_size=int(m.vocab_size),
+            context_length=int(m.context_length),
+            share_buffer=bool(kv.past_present_share_buffer),
+            position_ids=bool(kv.position_ids_input),
+            special_tokens=dict(m.special_tokens),
+            manifest=m.to_dict(),
         )
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, TypeError) as e:
         raise BundleError(f"{path} is not a doel-export manifest ({type(e).__name__}: {e})") from e
     for f in (bundle.model, bundle.tokenizer):
         if not f.is_file():
@@ -251,9 +273,9 @@ class Engine:
         if not self.bundle.share_buffer:
             return self._run_concat(ids, total, every)
         # A long prompt goes in chunks, each attending to the cache the previous ones wrote:
-        # the same logits, but the attention scores and activations of one run stay bounded.
-        # Measured at 0.4B int4, 1,536 tokens, 2 threads: one run 623 MB peak RSS; chunks of
-        # 512, 256, 128, 64: 583, 535, 501, 495 MB, and 5.1, 4.9, 4.8, 5.1 s.
+        # the same logits, but the attention scores and activations of one run stay bounded,
+        # and so does the peak memory. 128 is where smaller chunks stopped saving memory and
+        # began to cost time (the figures: commit 770a3a1's message; no results file has them).
         parts = []
         for lo in range(0, len(ids) - self.prefill_chunk, self.prefill_chunk):
             chunk = list(ids[lo : lo + self.prefill_chunk])

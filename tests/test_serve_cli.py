@@ -29,6 +29,23 @@ def test_a_folder_that_is_not_a_bundle_is_one_line_error(tmp_path):
         main([str(tmp_path), "--slots", "0"])
 
 
+def test_a_gguf_folder_is_one_line_that_says_how_to_run_it(tmp_path):
+    """A folder written by `doel-export --format gguf`: no traceback, the line names the file
+    and what runs it."""
+    (tmp_path / "model-q8_0.gguf").write_bytes(b"GGUF")
+    manifest = {"format": "doel-export", "kind": "gguf", "quant": "q8_0", "gguf": "model-q8_0.gguf"}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    cmd = [sys.executable, "-m", "doel.serve", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: {tmp_path} holds a GGUF for llama.cpp (model-q8_0.gguf)")
+    assert "llama-server or Ollama" in lines[0] and "doel-export CHECKPOINT" in lines[0]
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(SystemExit, match="error: .* format version 99, newer than this doel"):
+        main([str(tmp_path)])
+
+
 def test_loopback_by_default_and_the_key_from_the_environment(tiny_bundle, monkeypatch):
     import uvicorn
 

@@ -4,6 +4,7 @@ Llama exported at fp32 once per session)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,82 @@ def test_a_folder_that_is_not_a_bundle_is_refused(tmp_path, tiny_bundle):
         read_bundle(tmp_path)
     b = read_bundle(tiny_bundle)
     assert b.eos_id == 1 and b.context_length == CONTEXT and b.share_buffer
+
+
+# A manifest as doel-export writes an ONNX bundle's (version 1: before `kind`), fields trimmed.
+ONNX_MANIFEST = {
+    "format": "doel-export",
+    "format_version": 1,
+    "model": "model.onnx",
+    "kv_cache": {"layers": 2, "kv_heads": 1, "head_dim": 8, "past_present_share_buffer": True},
+    "vocab_size": 64,
+    "context_length": 32,
+    "special_tokens": {"eos": {"id": 1, "text": "<|eos|>"}},
+}
+# A GGUF folder's, as `doel-export --format gguf` wrote it before format_version (and after).
+GGUF_MANIFEST = {
+    "format": "doel-export",
+    "kind": "gguf",
+    "quant": "q8_0",
+    "gguf": "model-q8_0.gguf",
+}
+
+
+def _folder(tmp_path: Path, manifest) -> Path:
+    """A folder with the bundle's files (empty: read_bundle does not open them) and `manifest`
+    (a dict, or the file's text)."""
+    for name in ("model.onnx", "tokenizer.json"):
+        (tmp_path / name).write_bytes(b"")
+    text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+    (tmp_path / "manifest.json").write_text(text, encoding="utf-8")
+    return tmp_path
+
+
+def _without(data: dict, *path: str) -> dict:
+    data = json.loads(json.dumps(data))
+    *above, last = path
+    inner = data
+    for key in above:
+        inner = inner[key]
+    del inner[last]
+    return data
+
+
+def test_the_manifest_read_through_the_contract_gives_the_engine_its_figures(tmp_path):
+    b = read_bundle(_folder(tmp_path, ONNX_MANIFEST))
+    kv = ONNX_MANIFEST["kv_cache"]
+    assert (b.layers, b.kv_heads, b.head_dim) == (kv["layers"], kv["kv_heads"], kv["head_dim"])
+    assert (b.vocab_size, b.context_length) == (64, 32) and b.share_buffer and not b.position_ids
+    assert b.eos_id == 1 and b.model == tmp_path / "model.onnx"
+    assert b.manifest["kv_cache"]["layers"] == kv["layers"]
+    assert read_bundle(_folder(tmp_path, {**ONNX_MANIFEST, "format_version": 2, "kind": "onnx"}))
+
+
+@pytest.mark.parametrize(
+    "manifest, said",
+    [
+        (GGUF_MANIFEST, "holds a GGUF for llama.cpp (model-q8_0.gguf): run it with llama-server"),
+        ({**GGUF_MANIFEST, "format_version": 2}, "or export an ONNX bundle with doel-export "),
+        ({**ONNX_MANIFEST, "format_version": 99}, "format version 99, newer than this doel"),
+        ("{not json", "manifest.json is not JSON"),
+        ("[]", "is not a doel-export manifest"),
+        ({**ONNX_MANIFEST, "format": "doel-web"}, "is not a doel-export manifest"),
+        (_without(ONNX_MANIFEST, "kv_cache"), "needs model, kv_cache and vocab_size"),
+        (_without(ONNX_MANIFEST, "model"), "needs model, kv_cache and vocab_size"),
+        (_without(ONNX_MANIFEST, "kv_cache", "head_dim"), "is damaged (TypeError"),
+        (_without(ONNX_MANIFEST, "context_length"), "has no context_length"),
+        ({**ONNX_MANIFEST, "vocab_size": "many"}, "is damaged (ValueError"),
+        ({**ONNX_MANIFEST, "kv_cache": [2, 1, 8]}, "is damaged (AttributeError"),
+        ({**ONNX_MANIFEST, "special_tokens": ["<|eos|>"]}, "(ValueError"),
+    ],
+)
+def test_a_folder_the_engine_cannot_run_is_a_one_line_error_saying_what_to_do(
+    tmp_path, manifest, said
+):
+    with pytest.raises(BundleError) as caught:
+        read_bundle(_folder(tmp_path, manifest))
+    message = str(caught.value)
+    assert said in message and "\n" not in message, message
 
 
 def test_a_graph_without_a_shared_cache_gives_the_same_tokens(tiny_bundle, engine, tmp_path):
