@@ -24,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from doel.contracts.errors import error_dict
 from doel.serve import chat
 from doel.serve.completions import first_piece, stream, unless_gone, whole
 from doel.serve.guard import AllowedHosts, Guard
@@ -70,12 +71,11 @@ class Settings:
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
-    # A message can quote what the client sent (a field's name), lone surrogates included,
-    # which would not encode: they are written as escapes.
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    param = param and param.encode("utf-8", "backslashreplace").decode("utf-8")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    """A refusal in OpenAI's error shape (doel.contracts.errors, which the middleware and the
+    connection limits answer with too)."""
+    return JSONResponse(
+        error_dict(status, message, kind, param), status_code=status, headers=headers
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -8,7 +8,8 @@ and bodies sent without a Content-Length (chunked), which are read up to the lim
 from __future__ import annotations
 
 import hmac
-import json
+
+from doel.contracts.errors import error_body
 
 # Answered without a key: probes, and the playground page (it holds no data; its requests
 # carry the key typed into it).
@@ -17,11 +18,6 @@ OPEN_PATHS = ("/health", "/")
 # CORS middleware, outside this one, answers it when --cors-origin is set); no route answers
 # OPTIONS otherwise (405).
 OPEN_METHODS = ("OPTIONS",)
-
-
-def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return json.dumps(body).encode()
 
 
 async def _reply(send, status: int, message: str, kind: str, headers=()) -> None:

@@ -19,7 +19,7 @@ import logging
 import time
 from collections import Counter
 
-from doel.serve.guard import error_body
+from doel.contracts.errors import error_body
 
 log = logging.getLogger("doel.serve")
 

@@ -11,6 +11,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from doel.contracts.errors import error_body, error_dict
 from doel.serve.app import Settings, create_app, default_loader
 from doel.serve.engine import Engine, read_bundle
 from doel.serve.sampling import SamplingParams
@@ -50,6 +51,21 @@ def test_a_bundle_that_fails_to_load_is_reported_on_health(tmp_path):
         time.sleep(0.2)
         r = c.get("/health")
         assert r.status_code == 503 and "has no manifest.json" in r.json()["error"]["message"]
+
+
+def test_the_routes_the_middleware_and_the_connection_limits_answer_one_error_shape(tmp_path):
+    from doel.serve.limits import _raw
+
+    key = {"Authorization": "Bearer k"}
+    with TestClient(create_app(Settings(bundle=str(tmp_path), api_key="k"))) as c:
+        refused = c.get("/v1/models")  # by the Guard middleware, before any route
+        why = refused.json()["error"]["message"]
+        assert refused.content == error_body(401, why, "authentication_error")
+        missing = c.get("/nowhere", headers=key)  # by the app's handler
+        assert missing.json() == error_dict(404, "Not Found", "invalid_request_error")
+    assert _raw(408, "slow", "invalid_request_error").endswith(
+        error_body(408, "slow", "invalid_request_error")
+    )
 
 
 def test_models_names_the_bundle(client, tiny_bundle):
