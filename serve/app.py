@@ -5,6 +5,12 @@ The model loads in `lifespan`, in a worker thread, so the port answers at once: 
 503 while loading (as llama.cpp's server does) and 200 when ready. Every refusal is a 4xx with
 an OpenAI-style error body that says what is wrong; nothing a client sends gives a 5xx. A bug's
 exception is answered with an OpenAI-style 500, counted in /metrics.
+
+`add_routes` is serve's one list of endpoints. Adding one touches its module (the work, as
+serve/completions.py and serve/chat.py hold theirs), its request and response models
+(serve/protocol.py, serve/protocol_chat.py) and that list: /metrics counts it under its own path
+(serve/metrics.py reads the app's router), the OpenAPI page lists it, the Guard asks it for the
+API key.
 """
 
 from __future__ import annotations
@@ -169,6 +175,7 @@ def default_loader(settings: Settings) -> Service:
 
 
 def add_routes(app: FastAPI) -> None:
+    """Serve's endpoints, the one list of them (the module docstring says what reads it)."""
     page = (Path(__file__).parent / "playground.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -272,5 +279,7 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
             allow_headers=["*"],
         )
     app.add_middleware(AllowedHosts, hosts=settings.allowed_hosts)
-    app.add_middleware(CountRequests, metrics=app.state.metrics)  # outermost: counts 401s too
+    # Outermost: counts 401s too. Its route names are the router's (add_routes), not a list of
+    # its own.
+    app.add_middleware(CountRequests, metrics=app.state.metrics, router=app.router)
     return app

@@ -1,6 +1,7 @@
 """Prometheus text exposition for GET /metrics, without the client library (one dependency less):
-requests by route and status, tokens in and out, time to first token, decode speed, queue depth,
-open connections and those refused below HTTP (serve/limits.py: timeouts, over the limit).
+requests by route (the app's own routes, read from its router: see CountRequests) and status,
+tokens in and out, time to first token, decode speed, queue depth, open connections and those
+refused below HTTP (serve/limits.py: timeouts, over the limit).
 """
 
 from __future__ import annotations
@@ -8,17 +9,9 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
+from starlette.routing import Match
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-ROUTES = (
-    "/",
-    "/health",
-    "/metrics",
-    "/v1/models",
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/tokenize",
-    "/detokenize",
-)
 
 
 class Histogram:
@@ -137,16 +130,27 @@ class Metrics:
 
 
 class CountRequests:
-    """ASGI middleware: counts every response by route (known routes only, so that scanning
-    clients cannot grow the label set without end) and status."""
+    """ASGI middleware: counts every response by route and status. The route is the path of the
+    app's route that the request names (its template, for a path with parameters), read from the
+    app's router, so that each endpoint is counted under its own name as soon as serve/app.py
+    adds it; any other path is "other", so that scanning clients cannot grow the label set
+    without end."""
 
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: Metrics, router):
+        self.app, self.metrics, self.router = app, metrics, router
+
+    def route(self, scope) -> str:
+        # The router's own test, without its dispatch: a request for a route with the wrong
+        # method (a 405) is still that route's.
+        for r in self.router.routes:
+            if r.matches(scope)[0] is not Match.NONE:
+                return r.path
+        return "other"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        route = self.route(scope)
 
         started = False
 

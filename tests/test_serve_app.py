@@ -68,6 +68,42 @@ def test_the_routes_the_middleware_and_the_connection_limits_answer_one_error_sh
     )
 
 
+def test_a_route_added_to_the_app_is_counted_under_its_own_name(tmp_path):
+    """/metrics reads the route names from the app's router: an endpoint added there (here
+    after create_app, as a new one would be in add_routes) is counted under its path, or its
+    template with parameters, with no change to serve/metrics.py; a path no route names is
+    "other"."""
+    app = create_app(Settings(bundle=str(tmp_path)))
+
+    @app.get("/v1/added")
+    async def added():
+        return {"ok": True}
+
+    @app.get("/v1/things/{name}")
+    async def thing(name: str):
+        return {"name": name}
+
+    with TestClient(app) as c:
+        assert c.get("/v1/added").status_code == 200
+        for name in ("a", "b"):
+            assert c.get(f"/v1/things/{name}").json() == {"name": name}
+        assert c.post("/v1/added").status_code == 405  # that route's, with the wrong method
+        assert c.get("/v1/scanned").status_code == 404
+        assert c.post("/tokenize", json={"prompt": "x"}).status_code == 503  # still loading
+        counted = {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in c.get("/metrics").text.splitlines()
+            if line.startswith("doel_requests_total{")
+        }
+    row = 'doel_requests_total{{route="{}",status="{}"}}'
+    assert counted[row.format("/v1/added", 200)] == 1
+    assert counted[row.format("/v1/things/{name}", 200)] == 2
+    assert counted[row.format("/v1/added", 405)] == 1
+    assert counted[row.format("other", 404)] == 1
+    assert counted[row.format("/tokenize", 503)] == 1
+    assert not any("/v1/things/a" in k or "/v1/scanned" in k for k in counted)
+
+
 def test_models_names_the_bundle(client, tiny_bundle):
     data = client.get("/v1/models").json()["data"]
     assert [(m["id"], m["max_model_len"]) for m in data] == [(tiny_bundle.name, 96)]
