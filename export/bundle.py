@@ -33,39 +33,29 @@ from pathlib import Path
 
 import numpy as np
 
+from doel.contracts.manifest import KVCache, Manifest
+from doel.contracts.quant import DEFAULT_ONNX, QUANTS, names, quant
 from doel.export import card, graph, parity, web
-from doel.export.checkpoint import Checkpoint, inspect_checkpoint
-from doel.export.common import ExportError, file_table, sha256_file, staging, write_json
+from doel.export.checkpoint import Checkpoint, inspect_checkpoint, source_record
+from doel.export.common import ExportError, file_table, staging, write_json
 from doel.export.runner import OnnxLM
 
-FORMAT_VERSION = 1
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits implements
 KV_CACHE = ("fp32", "fp16")
-# Weights per fp32 scale when --block-size is not given (fit_block fits it to the model).
-# int8 at 128: it loses little to the larger block, while each block also costs ONNX Runtime's
-# packed copy a scale and a block sum (0.4B int8: peak RSS 668 MiB at 32, 566 at 128); at 256 its
-# one-row step was slower. int4 at 256 (4.125 bits a weight; q4_0 has 4.5): at 0.4B on an
-# AVX-512 VNNI host MatMulNBits ran 15% faster than at 128 for one row, 12% for eight and 10% for
-# a 128-token prefill (benchmarks/results/profile_serve_0.4b_cpu-*.md; 128 had in turn beaten 32
-# by 27% on a prefill), and on a trained small model, the head at 8 bits, the held-out loss
-# rose less than at 128 and than llama.cpp q4_0's on the same windows
-# (benchmarks/results/quant_quality_block256.md). A head at 4 bits is what costs int4 most
-# (benchmarks/results/quant_quality_small.md).
-DEFAULT_BLOCK = {"fp32": 32, "int8": 128, "int4": 256}
 MAX_WINDOW = 512  # tokens per forward when measuring the loss
 
 
 @dataclass(frozen=True)
 class ExportOptions:
-    quant: str = "int4"
+    quant: str = DEFAULT_ONNX  # a row of doel.contracts.quant.QUANTS whose target is onnx
     mobile: bool = False
-    block_size: int | None = None  # None: DEFAULT_BLOCK[quant] fitted to the model (fit_block)
+    block_size: int | None = None  # None: the table's block_size fitted to the model (fit_block)
     engine: str = "auto"
     texts: tuple[str, ...] = ()
     max_loss_increase: float | None = None  # nats/token; None: the default bound per quant
     eval_tokens: int = 4096
     kv_cache: str = "fp32"  # fp16: half the cache's memory (builder graphs; see export/kvcache.py)
-    head_bits: int = 8  # int4 bundles' head (builder graphs): 8, or 4 for the smallest bundle
+    head_bits: int | None = None  # the head (builder graphs); None: the table's head_bits
     force: bool = False
     tokenizer: str | None = None
     repo_id: str | None = None  # the bundle's Hub repository, for its card
@@ -73,14 +63,19 @@ class ExportOptions:
     log: object = field(default=print, compare=False)
 
     def __post_init__(self):
-        if self.quant not in graph.BITS:
-            raise ExportError(f"--quant must be one of {sorted(graph.BITS)}, got {self.quant!r}")
+        try:
+            quant(self.quant, "onnx")
+        except ValueError as e:
+            raise ExportError(f"--quant: {e}") from None
         if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise ExportError(f"--block-size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if self.engine not in ("auto", "genai", "optimum"):
             raise ExportError(f"--engine must be auto, genai or optimum, got {self.engine!r}")
-        if self.head_bits not in (4, 8):
-            raise ExportError(f"--head-bits must be 4 or 8, got {self.head_bits}")
+        heads = head_choices()
+        if self.head_bits is not None and self.head_bits not in heads:
+            raise ExportError(
+                f"--head-bits must be {' or '.join(map(str, heads))}, got {self.head_bits}"
+            )
         if self.kv_cache not in KV_CACHE:
             raise ExportError(f"--kv-cache must be one of {KV_CACHE}, got {self.kv_cache!r}")
         if self.eval_tokens < 16:
@@ -89,11 +84,17 @@ class ExportOptions:
             card.check_repo_id(self.repo_id)
 
 
-def fit_block(quant: str, widths: tuple[int, ...]) -> int:
-    """DEFAULT_BLOCK[quant], halved until it divides every linear layer's input width: a block
-    that runs past the end of a row is padded with zeros that are stored and multiplied for
-    nothing (the small preset's 384 takes 128; the 0.4B's 1,024 and 3,584 take 256)."""
-    block = DEFAULT_BLOCK[quant]
+def head_choices() -> tuple[int, ...]:
+    """The bits a head may take: those of the quantized ONNX formats (MatMulNBits' widths)."""
+    return tuple(sorted({QUANTS[n].bits for n in names("onnx") if QUANTS[n].quantized}))
+
+
+def fit_block(name: str, widths: tuple[int, ...]) -> int:
+    """The table's block_size for `name`, halved until it divides every linear layer's input
+    width: a block that runs past the end of a row is padded with zeros that are stored and
+    multiplied for nothing (the small preset's 384 takes 128; the 0.4B's 1,024 and 3,584 take
+    256)."""
+    block = quant(name, "onnx").block_size
     while block > BLOCK_SIZES[0] and any(w % block for w in widths):
         block //= 2
     return block
@@ -146,56 +147,48 @@ def prove(
         "kv_cache_vs_full": parity.kv_parity(lm, prompts),
         "loss": parity.loss_increase(lm, ref_logits, texts, window),
     }
-    figures["logits_vs_torch"]["bound"] = parity.LOGITS_BOUND if opts.quant == "fp32" else None
+    quantized = quant(opts.quant).quantized
+    figures["logits_vs_torch"]["bound"] = None if quantized else parity.LOGITS_BOUND
     parity.check(figures, opts.quant, opts.max_loss_increase)
     return figures, lm
 
 
 def manifest(
     ckpt: Checkpoint, opts: ExportOptions, engine: str, lm: OnnxLM, model: Path, **extra
-) -> dict:
-    cfg = ckpt.config
-    return {
-        "format": "doel-export",
-        "format_version": FORMAT_VERSION,
-        "model": "model.onnx",
-        "mobile_model": "model.ort" if opts.mobile else None,
-        "mobile_ops_config": graph.OPS_CONFIG if opts.mobile else None,
-        "engine": engine,
-        "architecture": ckpt.architecture,
-        **io_table(lm),
-        "kv_cache": {
-            "layers": len(lm.past_names) // 2,
-            "kv_heads": ckpt.kv_heads,
-            "head_dim": ckpt.head_dim,
-            "layout": "[batch, kv_heads, sequence, head_dim], past_key_values.{i}.key/.value in, "
-            "present.{i}.key/.value out",
-            "position_ids_input": "position_ids" in lm.input_names,
-            "dtype": np.dtype(lm.kv_dtype).name,  # float16 from --kv-cache fp16
-            # GroupQueryAttention writes the new entries in place, so one preallocated buffer
-            # can be bound as both past and present (much faster at long context).
-            "past_present_share_buffer": engine == "genai",
+) -> Manifest:
+    kv = KVCache(
+        layers=len(lm.past_names) // 2,
+        kv_heads=ckpt.kv_heads,
+        head_dim=ckpt.head_dim,
+        dtype=np.dtype(lm.kv_dtype).name,  # float16 from --kv-cache fp16
+        position_ids_input="position_ids" in lm.input_names,
+        # GroupQueryAttention writes the new entries in place, so one preallocated buffer can
+        # be bound as both past and present (much faster at long context).
+        past_present_share_buffer=engine == "genai",
+        layout="[batch, kv_heads, sequence, head_dim], past_key_values.{i}.key/.value in, "
+        "present.{i}.key/.value out",
+    )
+    return Manifest(
+        kind="onnx",
+        model="model.onnx",
+        quant=opts.quant,
+        vocab_size=ckpt.vocab_size,
+        context_length=ckpt.context_length,
+        kv_cache=kv,
+        special_tokens=ckpt.special_tokens,
+        extra={
+            "mobile_model": "model.ort" if opts.mobile else None,
+            "mobile_ops_config": graph.OPS_CONFIG if opts.mobile else None,
+            "engine": engine,
+            "architecture": ckpt.architecture,
+            **io_table(lm),
+            "tokenizer_vocab_size": ckpt.tokenizer_vocab_size,
+            "quantization": graph.quantization_info(opts.quant, opts.block_size, engine, model),
+            "source": source_record(ckpt),
+            "versions": versions(),
+            **extra,
         },
-        "vocab_size": ckpt.vocab_size,
-        "tokenizer_vocab_size": ckpt.tokenizer_vocab_size,
-        "special_tokens": ckpt.special_tokens,
-        "context_length": ckpt.context_length,
-        "quantization": graph.quantization_info(opts.quant, opts.block_size, engine, model),
-        # Which checkpoint, without where it lay on the machine that exported it (an absolute
-        # path tells every reader of the bundle the exporter's user and folder layout): the
-        # folder's name, and hashes that identify its config and weights anywhere.
-        "source": {
-            "folder": ckpt.folder.resolve().name,
-            "config_sha256": ckpt.config_sha256,
-            "weights": {
-                p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in ckpt.weights
-            },
-            "num_hidden_layers": cfg.get("num_hidden_layers", cfg.get("n_layer")),
-            "hidden_size": cfg.get("hidden_size", cfg.get("n_embd")),
-        },
-        "versions": versions(),
-        **extra,
-    }
+    )
 
 
 def hf_files(ckpt: Checkpoint, stage: Path) -> None:
@@ -272,7 +265,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
             ort_lm = OnnxLM(ort_model, ckpt.kv_heads, ckpt.head_dim)
             figures["ort_format_vs_onnx"] = parity.ort_parity(lm, ort_lm, parity.prompt_ids(ckpt))
         timing = {"build_s": build_s, "total_s": time.perf_counter() - t0}
-        result = manifest(ckpt, opts, engine, lm, model, parity=figures, timing=timing)
+        result = manifest(ckpt, opts, engine, lm, model, parity=figures, timing=timing).to_dict()
         card.write_card(stage, result, out.resolve().name, ckpt.folder, opts.repo_id)
         if opts.web:
             log("writing the browser page into web/ (onnxruntime-web)")
@@ -286,7 +279,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
                 "runtime": page["runtime"],
             }
         result["files"] = file_table(stage)  # manifest.json itself is the one file not listed
-        write_json(stage / "manifest.json", result)
+        # Through the reader: a bundle whose manifest serve would refuse is never written.
+        write_json(stage / "manifest.json", Manifest.from_dict(result).to_dict())
     return result
 
 

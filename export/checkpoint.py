@@ -234,3 +234,19 @@ def inspect_checkpoint(folder: str | Path, tokenizer: str | Path | None = None) 
         config_sha256=sha256_file(folder / "config.json"),
         weights=weights,
     )
+
+
+def source_record(ckpt: Checkpoint) -> dict:
+    """Which checkpoint a bundle came from, without where it lay on the machine that exported it
+    (an absolute path tells every reader of the bundle the exporter's user and folder layout):
+    the folder's name, and hashes that identify its config and weights anywhere."""
+    cfg = ckpt.config
+    return {
+        "folder": ckpt.folder.resolve().name,
+        "config_sha256": ckpt.config_sha256,
+        "weights": {
+            p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in ckpt.weights
+        },
+        "num_hidden_layers": cfg.get("num_hidden_layers", cfg.get("n_layer")),
+        "hidden_size": cfg.get("hidden_size", cfg.get("n_embd")),
+    }

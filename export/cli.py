@@ -11,12 +11,24 @@ import json
 import sys
 from pathlib import Path
 
+from doel.contracts.quant import DEFAULT_GGUF, DEFAULT_ONNX, QUANTS, names, quant
 from doel.export.common import ExportError  # standard library only, so it imports without the extra
 
 EXTRA_HINT = "pip install 'doel[export]'"
 
 
+def _listed(target: str, default: str) -> str:
+    return ", ".join(f"{n} (default)" if n == default else n for n in names(target))
+
+
+def _per_quant(field: str) -> str:
+    """ "int8 128, int4 256": a table column's defaults for the quantized ONNX formats."""
+    rows = [QUANTS[n] for n in names("onnx") if QUANTS[n].quantized]
+    return ", ".join(f"{r.name} {getattr(r, field)}" for r in rows)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    onnx_bits = sorted({QUANTS[n].bits for n in names("onnx") if QUANTS[n].quantized})
     p = argparse.ArgumentParser(
         prog="doel-export",
         description="checkpoint -> ONNX with KV cache -> int8 / int4 -> ORT format, each "
@@ -33,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quant",
-        choices=("fp32", "int8", "int4", "f32", "f16", "q8_0", "q4_0"),
-        help="onnx: fp32, int8, int4 (default); gguf: f32, f16, q8_0 (default), q4_0",
+        choices=tuple(QUANTS),
+        help=f"onnx: {_listed('onnx', DEFAULT_ONNX)}; gguf: {_listed('gguf', DEFAULT_GGUF)}",
     )
     p.add_argument("--mobile", action="store_true", help="also write model.ort (ORT Mobile)")
     p.add_argument(
@@ -44,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument(
-        "--block-size", type=int, help="weights per scale (default: int4 256, int8 128, fitted)"
+        "--block-size",
+        type=int,
+        help=f"weights per scale (default: {_per_quant('block_size')}, fitted)",
     )
     p.add_argument(
         "--text",
@@ -56,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-loss-increase",
         type=float,
-        help="nats/token over fp32 that fails the export (default int8 0.02, int4 0.10)",
+        help=f"nats/token over fp32 that fails the export (default {_per_quant('loss_bound')})",
     )
     p.add_argument(
         "--engine",
@@ -74,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--head-bits",
         type=int,
-        choices=(4, 8),
-        default=8,
-        help="bits of an int4 bundle's head (default 8: far less loss; 4: the smallest bundle)",
+        choices=onnx_bits,
+        help=f"bits of the head (default {_per_quant('head_bits')}; int4 with 4: the smallest "
+        "bundle, at far more loss)",
     )
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's)")
     p.add_argument(
@@ -92,15 +106,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.format == "gguf":
         _gguf(args)
         return
-    if args.quant not in (None, "fp32", "int8", "int4"):
-        sys.exit(
-            f"error: --quant {args.quant} is a GGUF type; an ONNX bundle is fp32, int8 or int4"
-        )
+    name = _checked(args.quant or DEFAULT_ONNX, "onnx")
     try:
         from doel.export.bundle import ExportOptions, export_checkpoint, summary
 
         opts = ExportOptions(
-            quant=args.quant or "int4",
+            quant=name,
             mobile=args.mobile,
             web=args.web,
             block_size=args.block_size,
@@ -125,18 +136,24 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(result, indent=2) if args.json else summary(Path(args.out), result))
 
 
+def _checked(name: str, target: str) -> str:
+    """`name` if `target` (--format) makes it; else exit with the line naming its choices."""
+    try:
+        return quant(name, target).name
+    except ValueError as e:
+        sys.exit(f"error: --quant: {e} (--format {target})")
+
+
 def _gguf(args) -> None:
     """--format gguf: the options that apply to it, then export.gguf."""
-    quant = args.quant or "q8_0"
-    if quant not in ("f32", "f16", "q8_0", "q4_0"):
-        sys.exit(f"error: --quant {quant} is an ONNX type; a GGUF is f32, f16, q8_0 or q4_0")
+    name = _checked(args.quant or DEFAULT_GGUF, "gguf")
     try:
         from doel.export.gguf import export_gguf
 
         result = export_gguf(
             args.checkpoint,
             args.out,
-            quant,
+            name,
             force=args.force,
             tokenizer=args.tokenizer,
             log=lambda msg: print(msg, file=sys.stderr),

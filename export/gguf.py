@@ -12,9 +12,10 @@ from train/).
 
 Weights: Hugging Face's Llama stores each q/k head's rotary pairs as two halves; llama.cpp's llama
 architecture rotates adjacent pairs, so q_proj and k_proj rows are interleaved on the way (the
-same reordering llama.cpp's own converter applies). q8_0 / q4_0 are gguf-py's reference
-quantizers; a q4_0 file keeps the embedding (and head) at q8_0, as doel's int4 keeps its head at
-8 bits.
+same reordering llama.cpp's own converter applies). Each format is a row of doel.contracts.quant:
+its llama.cpp type, its file type, its block (a row it does not fill stays f32) and its head's
+bits (q4_0 keeps the embedding and head at q8_0, as doel's int4 keeps its head at 8 bits); q8_0
+and q4_0 are gguf-py's reference quantizers.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
+from doel.contracts.manifest import Manifest
+from doel.contracts.quant import DEFAULT_GGUF, Quant, at_bits
+from doel.contracts.quant import quant as quant_row
 from doel.export import card
-from doel.export.checkpoint import Checkpoint, inspect_checkpoint
+from doel.export.checkpoint import Checkpoint, inspect_checkpoint, source_record
 from doel.export.common import ExportError, file_table, staging, write_json
 
-QUANTS = ("f32", "f16", "q8_0", "q4_0")
+EMBEDDING_AND_HEAD = ("token_embd.weight", "output.weight")  # at the row's head_bits
 STYLE_HINT = (
     "train one it can with `doel-train tokenizer --style gguf` (and a model on it), or export "
     "this one to ONNX (doel-export without --format gguf)"
@@ -161,20 +165,27 @@ def _check_arch(ckpt: Checkpoint) -> None:
         raise ExportError("config.json sets rope_scaling, which the GGUF writer does not carry")
 
 
-def write_gguf(ckpt: Checkpoint, path: Path, quant: str, name: str) -> dict:
-    """Write the GGUF file; returns what the manifest records."""
+def _ggml(row: Quant) -> gguf.GGMLQuantizationType:
+    return gguf.GGMLQuantizationType[row.gguf_type.upper()]
+
+
+def tensor_type(row: Quant, name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
+    """The llama.cpp type a tensor of format `row` is written in: f32 for the norms (and a row
+    its block does not fill), the head's type for the embedding and the head, the body's else."""
+    if len(shape) == 1 or (row.block_size and shape[-1] % row.block_size):
+        return gguf.GGMLQuantizationType.F32
+    if name in EMBEDDING_AND_HEAD and row.head_bits != row.bits:
+        return _ggml(at_bits(row.head_bits, "gguf"))
+    return _ggml(row)
+
+
+def write_gguf(ckpt: Checkpoint, path: Path, row: Quant, name: str) -> dict:
+    """Write the GGUF file in the format `row`; returns what the manifest records."""
     tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
     pre = llama_cpp_pre_type(tok, ckpt.tokenizer)
     add_bos, add_eos = _specials(tok, ckpt.tokenizer)
     _check_arch(ckpt)
     cfg = ckpt.config
-    qtype = {
-        "f32": gguf.GGMLQuantizationType.F32,
-        "f16": gguf.GGMLQuantizationType.F16,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-        "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    }[quant]
-    ftype = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}[quant]  # llama_ftype
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(name)
     w.add_context_length(ckpt.context_length)
@@ -189,8 +200,8 @@ def write_gguf(ckpt: Checkpoint, path: Path, quant: str, name: str) -> dict:
     w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-5)))
     w.add_vocab_size(ckpt.vocab_size)
-    w.add_file_type(ftype)
-    if quant in ("q8_0", "q4_0"):
+    w.add_file_type(row.gguf_ftype)
+    if row.quantized:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tokens, types = vocabulary(tok, ckpt.vocab_size)
     w.add_tokenizer_model("gpt2")
@@ -213,11 +224,7 @@ def write_gguf(ckpt: Checkpoint, path: Path, quant: str, name: str) -> dict:
             w.add_chat_template(template)
     types_written = {}
     for gname, arr in _tensors(ckpt):
-        t = qtype
-        if arr.ndim == 1 or arr.shape[-1] % 32:
-            t = gguf.GGMLQuantizationType.F32  # norms (and rows no block divides) stay f32
-        elif quant == "q4_0" and gname in ("token_embd.weight", "output.weight"):
-            t = gguf.GGMLQuantizationType.Q8_0
+        t = tensor_type(row, gname, arr.shape)
         if t in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             w.add_tensor(gname, arr.astype(np.float32 if t.name == "F32" else np.float16))
         else:
@@ -247,7 +254,7 @@ def modelfile(gguf_name: str, ckpt: Checkpoint) -> str:
 def export_gguf(
     checkpoint: str | Path,
     out: str | Path,
-    quant: str = "q8_0",
+    quant: str = DEFAULT_GGUF,
     force: bool = False,
     tokenizer: str | Path | None = None,
     log=print,
@@ -255,29 +262,35 @@ def export_gguf(
 ) -> dict:
     """Write OUT/model-<quant>.gguf, OUT/Modelfile, OUT/README.md (the model card, naming the
     Hub repository `repo_id`: export/card.py) and OUT/manifest.json, all or nothing."""
-    if quant not in QUANTS:
-        raise ExportError(f"--quant {quant}: a GGUF is one of {', '.join(QUANTS)}")
+    try:
+        row = quant_row(quant, "gguf")
+    except ValueError as e:
+        raise ExportError(f"--quant: {e}") from None
     if repo_id is not None:
         card.check_repo_id(repo_id)
     ckpt = inspect_checkpoint(checkpoint, tokenizer)
     tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
     llama_cpp_pre_type(tok, ckpt.tokenizer)  # refuse before any work
     out = Path(out)
-    name = f"model-{quant}.gguf"
+    name = f"model-{row.name}.gguf"
     with staging(out, force) as stage:
-        info = write_gguf(ckpt, stage / name, quant, ckpt.folder.resolve().name)
+        info = write_gguf(ckpt, stage / name, row, ckpt.folder.resolve().name)
         (stage / "Modelfile").write_text(modelfile(name, ckpt), encoding="utf-8")
-        result = {
-            "format": "doel-export",
-            "kind": "gguf",
-            "quant": quant,
-            "gguf": name,
-            "checkpoint": str(ckpt.folder),
-            "config_sha256": ckpt.config_sha256,
-            **info,
-        }
+        source = source_record(ckpt)
+        record = Manifest(
+            kind="gguf",
+            gguf=name,
+            quant=row.name,
+            vocab_size=ckpt.vocab_size,
+            context_length=ckpt.context_length,
+            special_tokens=ckpt.special_tokens,
+            # Which checkpoint by name and hashes, as the ONNX bundle says it: no absolute path.
+            extra={"checkpoint": source["folder"], "config_sha256": ckpt.config_sha256}
+            | {"source": source, **info},
+        )
+        result = record.to_dict()
         card.write_card(stage, result, out.resolve().name, ckpt.folder, repo_id)
         result["files"] = file_table(stage)
-        write_json(stage / "manifest.json", result)
+        write_json(stage / "manifest.json", Manifest.from_dict(result).to_dict())
     log(f"wrote {out / name} ({info['pre_tokenizer']} pre-tokenizer) and {out / 'Modelfile'}")
     return result

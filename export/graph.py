@@ -2,23 +2,22 @@
 
 Two engines write the graph:
 - `genai`: onnxruntime-genai's model builder. Its graph is fused (GroupQueryAttention with
-  rotary, SkipSimplifiedLayerNormalization, one QKV MatMul, MatMulNBits), which decoded the
-  0.4B Llama faster at int4 than the unfused graph (its figures now:
-  benchmarks/results/export_0.4b_cpu.md), so it is the default for the architectures in
-  GENAI_ARCHS.
+  rotary, SkipSimplifiedLayerNormalization, one QKV MatMul, MatMulNBits), which decodes faster
+  than the unfused graph (benchmarks/results/export_0.4b_cpu.md), so it is the default for the
+  architectures in GENAI_ARCHS.
 - `optimum`: optimum's `text-generation-with-past` export, quantized with ONNX Runtime's
   MatMulNBitsQuantizer. Slower, but it knows far more architectures, so it is the path for
   the rest.
 
-Both quantize the same way: weight-only MatMulNBits (symmetric, one fp32 scale per block of
-`block_size` weights, activations quantized to int8 per block inside the kernel,
-accuracy_level 4) for every linear layer including the head; the embedding table, read one
-row per token, goes to 8 bits (GatherBlockQuantized, export/embedding.py): no decode time saved,
-but 100 MB of a 0.4B server's memory. Quantized builder graphs can keep their KV cache in fp16
-(`--kv-cache fp16`, export/kvcache.py): half its memory, but on x86 ONNX Runtime's attention
-runs slower in fp16 (it converts the cache to fp32 as it reads it), which costs batched
-decoding most (the measurement is in the commit that made fp32 the default, 80a6f6d; serving
-figures: benchmarks/results/serve_0.4b_cpu-<CPU class>.md).
+Both quantize the same way, as the format's row of doel.contracts.quant says: weight-only
+MatMulNBits (symmetric, one fp32 scale per block of `block_size` weights, activations quantized
+to int8 per block inside the kernel, accuracy_level 4) for every linear layer including the
+head; the embedding table, read one row per token, goes to 8 bits (GatherBlockQuantized,
+export/embedding.py): it saves no decode time, but a large share of a server's memory.
+Quantized builder graphs can keep their KV cache in fp16 (`--kv-cache fp16`,
+export/kvcache.py): half its memory (benchmarks/results/phone_memory_0.4b.md), but on x86 ONNX
+Runtime's attention converts an fp16 cache to fp32 as it reads it, which costs batched decoding
+most, so fp32 is the default.
 """
 
 from __future__ import annotations
@@ -32,12 +31,12 @@ import sys
 import warnings
 from pathlib import Path
 
+from doel.contracts.quant import quant as quant_row
 from doel.export import embedding, kvcache
 from doel.export.checkpoint import Checkpoint
 from doel.export.common import ExportError
 
 GENAI_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
-BITS = {"fp32": None, "int8": 8, "int4": 4}
 ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: fastest on CPUs with VNNI
 TASK = "text-generation-with-past"
 LOGITS_TO_KEEP = "logits_to_keep"
@@ -73,7 +72,7 @@ def choose_engine(ckpt: Checkpoint, engine: str = "auto") -> str:
 
 
 def quantization_info(quant: str, block_size: int, engine: str, model: Path) -> dict:
-    bits = BITS[quant]
+    bits = quant_row(quant, "onnx").bits
     if bits is None:
         return {"scheme": "fp32", "bits": 32, "embedding": "fp32", "lm_head": "fp32"}
     return {
@@ -89,7 +88,8 @@ def quantization_info(quant: str, block_size: int, engine: str, model: Path) -> 
 
 
 def _head_bits(model: Path, default: int) -> int:
-    """Bits of the head's MatMulNBits as written (int4 bundles keep it at 8: build_genai)."""
+    """Bits of the head's MatMulNBits as written (a row's head_bits above its bits: build_genai;
+    optimum's graphs keep the head at the body's, the `default`)."""
     import onnx
 
     nodes = onnx.load(str(model), load_external_data=False).graph.node
@@ -119,25 +119,29 @@ def _quiet(what: str):
 
 
 def build_genai(
-    ckpt: Checkpoint, out: Path, quant: str, block_size: int, head_bits: int = 8
+    ckpt: Checkpoint, out: Path, quant: str, block_size: int, head_bits: int | None = None
 ) -> Path:
-    """Run onnxruntime-genai's builder; keep model.onnx, its weights and genai_config.json."""
+    """Run onnxruntime-genai's builder (its precision names are the table's ONNX names); keep
+    model.onnx, its weights and genai_config.json. `head_bits` (None: the table's) above the
+    body's bits keeps the head finer; at or below them it is the body's."""
     from onnxruntime_genai.models import builder
 
+    row = quant_row(quant, "onnx")
+    head = head_bits or row.head_bits
     work, cache = out / ".genai", out / ".genai-cache"
     options = [f"block_size={block_size}", f"accuracy_level={ACCURACY_LEVEL}", "is_symmetric=1"]
     # A tied head would otherwise share one quantized matrix with the embedding, which 0.15.2
     # only implements for 4 bits (at 8 it writes a graph that does not load); kept apart, the
     # embedding stays fp32 as on untied models.
     options.append("shared_embeddings=0")
-    if quant == "int4" and head_bits == 8:
-        # The head at 8 bits, as llama.cpp's q4_0 keeps its output matrix at 6 or 8: on the
-        # trained small model the int4 loss increase fell from +0.0077 to +0.0003 nats/token
-        # (block 128); at 0.4B the head is 33.5M of the 360M weights read per token.
-        options.append("matmul_mixed_precision=last_matmul:int8")
+    if row.quantized and head and head > row.bits:
+        # The head finer than the body, as llama.cpp's q4_0 keeps its output matrix at 6 or 8:
+        # it is where 4 bits cost most (benchmarks/results/quant_quality_small.md), and at 0.4B
+        # it is 33.5M of the 360M weights read per token.
+        options.append(f"matmul_mixed_precision=last_matmul:int{head}")
     with _quiet("onnxruntime-genai's model builder"):
         args = (None, str(ckpt.folder), str(work), quant, "cpu", str(cache))
-        extra = builder.parse_extra_options(*args, options if BITS[quant] else [])
+        extra = builder.parse_extra_options(*args, options if row.quantized else [])
         builder.create_model(*args, **extra)
     for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
         if (work / name).exists():
@@ -172,8 +176,9 @@ def build_optimum(ckpt: Checkpoint, out: Path, quant: str, block_size: int) -> P
     work = out / ".optimum"
     with _quiet("optimum's ONNX export"):
         main_export(str(ckpt.folder), str(work), task=TASK, do_validation=False, device="cpu")
-        if BITS[quant]:
-            quantize_nbits(work / "model.onnx", out / "model.onnx", BITS[quant], block_size)
+        bits = quant_row(quant, "onnx").bits
+        if bits:
+            quantize_nbits(work / "model.onnx", out / "model.onnx", bits, block_size)
         else:
             for p in work.iterdir():
                 if p.name.startswith("model.onnx"):
@@ -228,18 +233,20 @@ def build_graph(
     block_size: int,
     engine: str,
     half_kv: bool = False,
-    head_bits: int = 8,
+    head_bits: int | None = None,
 ) -> Path:
-    """The graph in `out`; `head_bits` applies to int4 builder graphs (optimum's keep the head
-    at the body's bits; the manifest reports what was written)."""
-    if quant not in BITS:
-        raise ExportError(f"--quant must be one of {sorted(BITS)}, got {quant!r}")
+    """The graph in `out`; `head_bits` applies to builder graphs (optimum's keep the head at the
+    body's bits; the manifest reports what was written)."""
+    try:
+        row = quant_row(quant, "onnx")
+    except ValueError as e:
+        raise ExportError(f"--quant: {e}") from None
     if engine == "genai":
         model = build_genai(ckpt, out, quant, block_size, head_bits)
     else:
         model = build_optimum(ckpt, out, quant, block_size)
     add_logits_to_keep(model)
-    if BITS[quant]:
+    if row.quantized:
         if engine == "genai" and half_kv:
             kvcache.half_kv_cache(model)
         embedding.quantize_embedding(model, block_size)  # last: it rewrites the weights file

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from doel.contracts.quant import QUANTS, names
+from doel.contracts.quant import quant as quant_row
 from doel.export.checkpoint import Checkpoint
 from doel.export.common import ExportError, sha256_file
 from doel.export.runner import OnnxLM, bits, score
@@ -35,7 +37,7 @@ KV_BOUND = 1e-4  # fp32: the cache path equals the full forward
 # order of the quantization itself (0.02 relative at 0.4B int8, where int8 differs from PyTorch
 # by 0.04). The cache path may add no more than that difference, and at least this much:
 KV_FLOOR_QUANTIZED = 1e-2
-LOSS_BOUND = {"int8": 0.02, "int4": 0.10}  # nats/token over fp32
+# The held-out loss increase a quantized graph may add: its row's loss_bound (doel.contracts).
 ORT_BOUND = 1e-5
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "train" / "sample"
 
@@ -164,16 +166,24 @@ def _loss_row(name: str, tokens: int, chars: int, ref: float, got: float) -> dic
 
 
 def kv_bound(quant: str, quantized_vs_torch: float) -> float:
-    return KV_BOUND if quant == "fp32" else max(KV_FLOOR_QUANTIZED, quantized_vs_torch)
+    if not quant_row(quant).quantized:
+        return KV_BOUND
+    return max(KV_FLOOR_QUANTIZED, quantized_vs_torch)
+
+
+def _finer(quant: str) -> list[str]:
+    """The ONNX formats that store more bits than `quant`, fewest first: what to try instead."""
+    bits = {n: QUANTS[n].bits or 32 for n in names("onnx")}
+    return sorted((n for n in bits if bits[n] > bits[quant]), key=bits.get)
 
 
 def check(parity: dict, quant: str, max_loss: float | None) -> None:
     """Fail with every figure that is past its bound and what to do about it."""
-    failed = []
+    failed, row = [], quant_row(quant, "onnx")
     logits = parity["logits_vs_torch"]
-    if quant == "fp32" and logits["max_rel_err"] > LOGITS_BOUND:
+    if not row.quantized and logits["max_rel_err"] > LOGITS_BOUND:
         failed.append(
-            f"fp32 logits differ from PyTorch by {logits['max_rel_err']:.2e} (max relative "
+            f"{quant} logits differ from PyTorch by {logits['max_rel_err']:.2e} (max relative "
             f"error; bound {LOGITS_BOUND:.0e})"
         )
     kv = parity["kv_cache_vs_full"]
@@ -184,13 +194,14 @@ def check(parity: dict, quant: str, max_loss: float | None) -> None:
             f"(bound {kv['bound']:.1e})"
         )
     loss = parity["loss"]
-    bound = max_loss if max_loss is not None else LOSS_BOUND.get(quant)
+    bound = max_loss if max_loss is not None else row.loss_bound
     loss["bound_nats_per_token"] = bound
     if bound is not None and loss["increase_nats_per_token"] > bound:
+        finer = [f"--quant {n}" for n in _finer(quant)[:1]]
         failed.append(
             f"{quant} raises the held-out loss by {loss['increase_nats_per_token']:.4f} "
             f"nats/token ({loss['increase_bits_per_char']:.4f} bits/char; bound {bound} "
-            "nats/token): try --quant int8 or a smaller --block-size, or pass "
+            f"nats/token): try {' or '.join([*finer, 'a smaller --block-size'])}, or pass "
             "--max-loss-increase if that loss is acceptable"
         )
     if failed:

@@ -54,6 +54,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from doel.contracts.manifest import Manifest, ManifestError, read_manifest
 from doel.export.common import ExportError, fresh_dir, sha256_file, write_json
 
 PAGE = Path(__file__).with_name("web")  # index.html, worker.js, package.json, package-lock.json
@@ -228,9 +229,13 @@ def write_web(
     doel-export is still writing it."""
     bundle = Path(bundle)
     out = Path(out) if out is not None else bundle / "web"
-    if manifest is None:
-        manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
-    model = bundle / manifest["model"]
+    try:
+        m = read_manifest(bundle) if manifest is None else Manifest.from_dict(manifest)
+    except ManifestError as e:
+        raise ExportError(str(e)) from None
+    if m.kind != "onnx":
+        raise ExportError(f"{bundle} holds a {m.kind} file; the page runs an ONNX bundle")
+    model = bundle / m.model
     mods = runtime_modules(log)
     out.mkdir(parents=True, exist_ok=True)
     graph_facts = web_graph(model, out)
@@ -252,8 +257,7 @@ def write_web(
             f"{pkg} {meta['version']}: {meta.get('license')} license, {meta.get('homepage', '')}"
         )
     (out / "THIRD_PARTY.txt").write_text("\n".join(notices) + "\n", encoding="utf-8")
-    kv = manifest["kv_cache"]
-    special = manifest.get("special_tokens", {})
+    kv = m.kv_cache
     spec = {
         "format": "doel-web",
         "format_version": 1,
@@ -262,16 +266,17 @@ def write_web(
         "data_path": data_path,
         "data": pieces,
         "data_bytes": sum(p["bytes"] for p in pieces),
-        "past_names": [i["name"] for i in manifest["inputs"] if i["name"].startswith("past_")],
-        "kv_heads": kv["kv_heads"],
-        "head_dim": kv["head_dim"],
-        "kv_dtype": kv.get("dtype", "float32"),
-        "position_ids": bool(kv.get("position_ids_input")),
+        "past_names": [i["name"] for i in m.extra["inputs"] if i["name"].startswith("past_")],
+        "kv_heads": kv.kv_heads,
+        "head_dim": kv.head_dim,
+        "kv_dtype": kv.dtype,
+        "position_ids": bool(kv.position_ids_input),
         **graph_facts,
-        "vocab_size": manifest["vocab_size"],
-        "context_length": manifest["context_length"],
-        "stop_ids": stop_ids(special),
-        "quantization": manifest["quantization"]["scheme"],
+        "vocab_size": m.vocab_size,
+        "context_length": m.context_length,
+        "stop_ids": stop_ids(m.special_tokens),
+        "quant": m.quant,
+        "quantization": m.extra["quantization"]["scheme"],
         "runtime": runtime_versions(),
     }
     write_json(out / "web.json", spec)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from doel.contracts.quant import QUANTS
 from doel.train.build import build_run
 from doel.train.common import DoelError
 from doel.train.dist import resolve_device
@@ -27,7 +28,6 @@ GB = 1e9
 BYTES_PER_CHAR = {"bn": 3.0}  # UTF-8: Bengali letters take 3 bytes; other languages ~1
 ADAM_STATE = 8  # two fp32 moments a parameter (AdamW)
 MUON_STATE = 4  # one fp32 momentum buffer a parameter (torch.optim.Muon keeps nothing else)
-EXPORT_BYTES = {"fp32": 4.0, "int8": 1.4, "int4": 0.95}  # bundle bytes a parameter (measured)
 
 
 def hidden_matrix_count(m) -> int:
@@ -79,7 +79,10 @@ def estimate_needs(
     saved = muon_params * (ADAM_STATE - MUON_STATE)  # Muon's one buffer for AdamW's two moments
     ckpt = params * (4 + ADAM_STATE) - saved
     peak = params * 20 - saved
-    exports = sum(params * EXPORT_BYTES[q] * (2 if mobile else 1) for q, mobile in quants.items())
+    # Bundle bytes a parameter: the quantization table's; model.ort is a second copy.
+    exports = sum(
+        params * QUANTS[q].bytes_per_param * (2 if mobile else 1) for q, mobile in quants.items()
+    )
     return {
         # A chunk is held as Python strings (up to 4 bytes a character) until it is written.
         "data": Need(text, 2e8 + 4 * chunk_chars, f"{total_chars:,.0f} characters"),

@@ -1,8 +1,6 @@
-"""`make demo`: the whole path on the built-in sample, in about 50 s on 2 CPU cores (49.5 s
-measured on a 2-core AMD EPYC with AVX-512 and VNNI, no AMX, quiet, 2026-12-01; training 38 s
-of it), before the chat part was added: its 100 steps and checks took 0.25x pre-training's
-400 and checks in one process (22.0 s against 89.6 s, one thread, a busy machine), about 10 s
-at the quiet figure, plus a second int4 export and server.
+"""`make demo`: the whole path on the built-in sample, in about a minute on 2 CPU cores (the
+measured time, the machine it was measured on and what the chat part adds to it: README.md,
+"Set-up: two commands"), so that a new reader sees every stage run before renting a GPU.
 
 tokenizer → fertility → held-out split → shards → gradient-flow gate → training → evaluation
 against the random twin and xz/bzip2 → samples → chat fine-tuning on the sample's conversations

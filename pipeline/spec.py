@@ -22,6 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from doel.contracts.quant import DEFAULT_ONNX, names
 from doel.train.checks.base import VerifyConfig
 from doel.train.common import DoelError
 from doel.train.config import (
@@ -37,7 +38,6 @@ from doel.train.data.tokenizer import TokenizerConfig
 from doel.train.trainer import TrainConfig
 
 RECIPE_DIRS = shipped_dirs("recipes", Path(__file__).resolve().parent)
-QUANTS = ("fp32", "int8", "int4")
 BOOKKEEPING = (  # TrainConfig fields that leave the trained weights as they are
     "hourly_price", "eval_task", "eval_task_limit", "log_every", "eval_every", "eval_batches",
     "checkpoint_every", "keep_checkpoints", "dist_timeout",
@@ -138,15 +138,15 @@ class EvalSpec:
 
 @dataclass(frozen=True)
 class ExportSpec:
-    quants: tuple[str, ...] = ("int4", "int8")
-    mobile: tuple[str, ...] = ("int4",)  # bundles that also get model.ort
+    quants: tuple[str, ...] = (DEFAULT_ONNX, "int8")  # ONNX rows of doel.contracts.quant
+    mobile: tuple[str, ...] = (DEFAULT_ONNX,)  # bundles that also get model.ort
     eval_tokens: int = 4096
 
     def __post_init__(self):
         _tuple(self, "quants")
         _tuple(self, "mobile")
-        if bad := [q for q in self.quants if q not in QUANTS]:
-            raise ValueError(f"quants: {bad} unknown; choose from {QUANTS}")
+        if bad := [q for q in self.quants if q not in names("onnx")]:
+            raise ValueError(f"quants: {bad} unknown; choose from {names('onnx')}")
         if bad := [q for q in self.mobile if q not in self.quants]:
             raise ValueError(f"mobile: {bad} are not in quants {self.quants}")
         if self.eval_tokens < 16:

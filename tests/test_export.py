@@ -21,6 +21,8 @@ import torch
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxruntime_genai")
 
+from doel.contracts.manifest import VERSION, read_manifest  # noqa: E402
+from doel.contracts.quant import QUANTS, names  # noqa: E402
 from doel.export.bundle import ExportOptions, export_checkpoint, fit_block  # noqa: E402
 from doel.export.cli import main  # noqa: E402
 from doel.export.common import ExportError, sha256_file  # noqa: E402
@@ -157,6 +159,32 @@ def test_fp32_bundle_matches_pytorch_and_describes_itself(fp32_bundle, ckpt, tok
         p["logits_vs_torch"]["max_rel_err"] < 1e-4 and p["kv_cache_vs_full"]["max_rel_err"] < 1e-4
     )
     assert abs(p["loss"]["increase_nats_per_token"]) < 1e-4 and p["loss"]["tokens"] >= 1000
+    # The manifest is the typed record serve reads: its kind, format and version.
+    record = read_manifest(fp32_bundle)
+    assert (record.kind, record.quant, record.version) == ("onnx", "fp32", VERSION)
+    assert record.kv_cache.layers == m["kv_cache"]["layers"] and record.model == "model.onnx"
+
+
+@pytest.mark.parametrize("name", names("onnx"))
+def test_every_onnx_row_of_the_table_builds_as_the_row_says(ckpt, tmp_path, name):
+    """Bits, the fitted block, the head's bits and the loss bound of each bundle are its row's
+    in doel.contracts.quant."""
+    from doel.export.parity import LOGITS_BOUND
+
+    row, out = QUANTS[name], tmp_path / name
+    m = export_checkpoint(ckpt, out, _quiet(quant=name))
+    assert read_manifest(out).quant == name
+    q, parity = m["quantization"], m["parity"]
+    if not row.quantized:
+        assert q["bits"] == 32 and not _nbits_attrs(out / "model.onnx")
+        assert parity["logits_vs_torch"]["bound"] == LOGITS_BOUND
+        return
+    block = fit_block(name, (TINY.hidden_size, TINY.intermediate_size))
+    assert (q["bits"], q["block_size"], q["lm_head"]) == (
+        row.bits, block, f"int{row.head_bits} MatMulNBits"
+    )  # fmt: skip
+    assert _nbits_attrs(out / "model.onnx") == {(row.bits, block), (row.head_bits, block)}
+    assert parity["loss"]["bound_nats_per_token"] == row.loss_bound
 
 
 def test_greedy_decoding_equals_pytorch_with_and_without_a_shared_kv_buffer(fp32_bundle, ckpt, tok):

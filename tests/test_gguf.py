@@ -167,6 +167,68 @@ def test_gguf_reads_back_with_tokenizer_metadata_and_tensors(
     tol = {"f32": 0, "f16": 1e-3, "q8_0": 2e-2, "q4_0": 0.2}[quant]
     assert np.abs(got - pairs).max() <= tol * np.abs(pairs).max()
     assert np.abs(got - hf_q).max() > 0.1 * np.abs(hf_q).max()  # not left as it was
+    _assert_manifest(out, tmp_path, quant, {t.name: t.tensor_type.name for t in reader.tensors})
+
+
+def _assert_manifest(out, tmp_path, quant, types):
+    """The folder's manifest reads back as a GGUF manifest naming its file, format and tensors'
+    types, and records the checkpoint by name and hashes, never by where it lay."""
+    import os
+
+    from doel.contracts.manifest import VERSION, read_manifest
+
+    m = read_manifest(out)
+    assert (m.kind, m.quant, m.gguf, m.version) == ("gguf", quant, f"model-{quant}.gguf", VERSION)
+    assert m.extra["tensors"] == types
+    text = (out / "manifest.json").read_text(encoding="utf-8")
+    data = json.loads(text)
+    assert str(tmp_path) not in text and str(tmp_path.resolve()) not in text
+    assert not [s for s in _strings(data) if os.path.isabs(s)]
+    assert data["source"]["folder"] == data["checkpoint"] == "ckpt"
+    assert data["source"]["weights"]["model.safetensors"]["bytes"] > 0
+
+
+def _strings(obj) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(obj, dict):
+        return [s for k, v in obj.items() for s in [k, *_strings(v)]]
+    if isinstance(obj, list):
+        return [s for v in obj for s in _strings(v)]
+    return [obj] if isinstance(obj, str) else []
+
+
+def test_the_table_says_what_llama_cpp_calls_each_gguf_format():
+    """Each GGUF row's file type, block and bytes a weight are gguf-py's own for its type."""
+    from doel.contracts.quant import QUANTS, names
+
+    for name in names("gguf"):
+        row = QUANTS[name]
+        ggml = gguf.GGMLQuantizationType[row.gguf_type.upper()]
+        assert gguf.LlamaFileType(row.gguf_ftype).name.endswith(row.gguf_type.upper()), name
+        block, size = gguf.GGML_QUANT_SIZES[ggml]
+        assert row.bytes_per_param == size / block, name
+        assert row.block_size == (block if row.quantized else None), name
+
+
+def test_a_gguf_format_added_to_the_table_is_written_without_other_changes(
+    tmp_path, gguf_tokenizer, tiny_model_config, monkeypatch
+):
+    """A q5_0 row in the table alone: the command line offers it, the writer stores the body at
+    Q5_0 and the embedding at the head's q8_0, with llama.cpp's file type for it."""
+    from doel.contracts.quant import QUANTS, Quant
+    from doel.export.cli import build_parser, main
+
+    row = Quant("q5_0", "gguf", 5, 32, 8, None, 22 / 32, "q5_0", 8)
+    monkeypatch.setitem(QUANTS, row.name, row)
+    assert "q5_0" in build_parser().format_help()
+    ckpt, _ = _checkpoint(tmp_path / "ckpt", gguf_tokenizer[0], tiny_model_config)
+    main([str(ckpt), "--out", str(tmp_path / "g"), "--format", "gguf", "--quant", "q5_0"])
+    reader = gguf.GGUFReader(str(tmp_path / "g" / "model-q5_0.gguf"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_up.weight"] == "Q5_0" and types["token_embd.weight"] == "Q8_0"
+    field = reader.fields["general.file_type"]
+    assert field.parts[field.data[0]][0] == gguf.LlamaFileType.MOSTLY_Q5_0
+    _assert_manifest(tmp_path / "g", tmp_path, "q5_0", types)
 
 
 def _hf_weight(ckpt, key):

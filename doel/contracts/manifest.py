@@ -10,7 +10,7 @@ that says what the folder is and what to do, never a KeyError.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +123,14 @@ def _int(value: Any) -> int | None:
 
 
 def _kv(kv: dict) -> KVCache:
+    """The cache's shape as numbers (a ValueError for "two" layers: a damaged file), flags as
+    booleans; keys a later doel adds are left to the file."""
     names = KVCache.__dataclass_fields__
-    return KVCache(**{k: v for k, v in kv.items() if k in names})
+    cache = KVCache(**{k: v for k, v in kv.items() if k in names})
+    sizes = {k: int(getattr(cache, k)) for k in ("layers", "kv_heads", "head_dim")}
+    if min(sizes.values()) < 1:
+        raise ValueError(f"kv_cache sizes must be positive, got {sizes}")
+    return replace(cache, **sizes)
 
 
 def read_manifest(folder: str | Path) -> Manifest:

@@ -14,18 +14,21 @@ from dataclasses import dataclass
 class Quant:
     """One way to store the weights.
 
+    name: what `--quant` takes; for an ONNX row also the precision onnxruntime-genai's model
+        builder is given (its own names).
     target: "onnx" (a bundle doel-serve runs) or "gguf" (a file llama.cpp runs).
     bits: weight bits of the linear layers; None for a float format.
-    block_size: the default block of `bits`-bit weights sharing one scale (fitted down to what
-        divides the model's widths at export); None where the format has no choice.
-    head_bits: bits of the output head by default (int4 bundles keep it at 8: the head is where
-        4 bits cost most, benchmarks/results/quant_quality_small.md).
+    block_size: the default block of `bits`-bit weights sharing one scale (ONNX: fitted down to
+        what divides the model's widths at export); GGUF: the type's fixed block, which a row
+        must fill to be stored in it; None where the format has no blocks.
+    head_bits: bits of the output head (and for GGUF the embedding) by default; above `bits`
+        where the format keeps the head finer than the body.
     loss_bound: the held-out loss increase over fp32 (nats/token) parity allows; None: the
         format is checked against the fp32 tolerances.
-    bytes_per_param: bundle bytes a parameter, for the recipe's disk budget (measured:
-        benchmarks/results/export_0.4b_cpu.md, gguf.md).
-    gguf_type: the llama.cpp type of the same bits (the peer a benchmark compares it with).
-    gguf_ftype: llama.cpp's `general.file_type` for a GGUF of this format.
+    bytes_per_param: file bytes a parameter, for the recipe's disk budget.
+    gguf_type: the llama.cpp type of the same bits (ONNX: the peer a benchmark compares it
+        with; GGUF: the type the body's matrices are written in).
+    gguf_ftype: llama.cpp's `general.file_type` (llama_ftype) for a GGUF of this format.
     """
 
     name: str
@@ -43,6 +46,22 @@ class Quant:
         return self.bits is not None
 
 
+# Where the numbers come from:
+# - ONNX block sizes: int8 at 128 loses little to the larger block while each block costs ONNX
+#   Runtime's packed copy a scale and a block sum (peak memory falls), and one-row steps were
+#   slower at 256; int4 at 256 (4.125 bits a weight, q4_0 has 4.5) ran MatMulNBits fastest at
+#   0.4B (benchmarks/results/profile_serve_0.4b_cpu-*.md, "MatMulNBits alone") and raised the
+#   held-out loss less than 128 and than llama.cpp's q4_0 (quant_quality_block256.md). fp32's 32
+#   is never used by the graph (no blocks); it is what export/bundle.py's table held.
+# - head_bits 8 on int4: the head at 4 bits is what costs int4 most
+#   (benchmarks/results/quant_quality_small.md).
+# - loss bounds: export/parity.py's, the bound an export fails past.
+# - ONNX bytes_per_param: the recipe's budget (benchmarks/results/export_0.4b_cpu.md's bundles,
+#   rounded up for the side files and model.ort's copy).
+# - GGUF: block 32 is QK8_0 = QK4_0 in llama.cpp's ggml; bytes a parameter from the block
+#   layout (q8_0: 32 int8 + one f16 scale = 34 bytes per 32; q4_0: 18 per 32, its embedding and
+#   head at q8_0 on top); gguf_ftype: llama.cpp's llama_ftype (ALL_F32 0, MOSTLY_F16 1,
+#   MOSTLY_Q4_0 2, MOSTLY_Q8_0 7).
 QUANTS: dict[str, Quant] = {
     q.name: q
     for q in (
@@ -51,9 +70,9 @@ QUANTS: dict[str, Quant] = {
         Quant("int4", "onnx", 4, 256, 8, 0.10, 0.95, "q4_0"),
         Quant("f32", "gguf", None, None, None, None, 4.0, "f32", 0),
         Quant("f16", "gguf", None, None, None, None, 2.0, "f16", 1),
-        Quant("q8_0", "gguf", 8, 32, 8, None, 1.07, "q8_0", 7),
+        Quant("q8_0", "gguf", 8, 32, 8, None, 34 / 32, "q8_0", 7),
         # q4_0 keeps the embedding and the head at q8_0, as doel's int4 keeps its head at 8
-        Quant("q4_0", "gguf", 4, 32, 8, None, 0.6, "q4_0", 2),
+        Quant("q4_0", "gguf", 4, 32, 8, None, 18 / 32, "q4_0", 2),
     )
 }
 ONNX_QUANTS = tuple(n for n, q in QUANTS.items() if q.target == "onnx")
@@ -62,14 +81,27 @@ DEFAULT_ONNX = "int4"
 DEFAULT_GGUF = "q8_0"
 
 
+def names(target: str) -> tuple[str, ...]:
+    """The formats of `target` ("onnx" or "gguf"), in the table's order (read when called, so
+    a row added at run time is one of them)."""
+    return tuple(n for n, q in QUANTS.items() if q.target == target)
+
+
 def quant(name: str, target: str | None = None) -> Quant:
     """The row for `name`; a ValueError naming the choices (of `target`, if given) otherwise."""
     row = QUANTS.get(name)
     if row is None or (target is not None and row.target != target):
-        choices = ONNX_QUANTS if target == "onnx" else GGUF_QUANTS if target == "gguf" else QUANTS
-        where = f"an {target.upper()} export" if target == "onnx" else f"a {target.upper()} file"
-        what = where if target else "doel"
+        choices = names(target) if target else tuple(QUANTS)
+        what = {"onnx": "an ONNX export", "gguf": "a GGUF file"}.get(target or "", "doel")
         raise ValueError(
             f"quantization {name!r} is not one {what} makes; choose from {', '.join(choices)}"
         )
     return row
+
+
+def at_bits(bits: int | None, target: str) -> Quant:
+    """The first row of `target` whose linear layers have `bits` bits (None: the float row)."""
+    for row in QUANTS.values():
+        if row.target == target and row.bits == bits:
+            return row
+    raise ValueError(f"no {target} quantization has {bits} bits")
