@@ -8,33 +8,65 @@ it, its parity figures from manifest.json and the upload line.
 
 Where the checkpoint's card came from doel (`model_card.json` beside it), its license and its Hub
 repository id (`doel-train eval --repo-id`) are read from there, as JSON: export imports nothing
-from train.
+from train. What the checkpoint's card says the same way (the metadata block, the rule for a
+repository id, the upload lines) is doel.contracts.card's.
 """
 
 from __future__ import annotations
 
 import json
-import re
+from dataclasses import dataclass
 from pathlib import Path
 
+from doel.contracts.card import (
+    DEFAULT_LICENSE,
+    front_matter,
+    repo_id_problem,
+    repo_or_placeholder,
+    upload_lines,
+)
 from doel.export.common import ExportError
-
-PLACEHOLDER_OWNER = "YOUR-NAME"  # what a reader replaces when no --repo-id was given
-DEFAULT_LICENSE = "apache-2.0"  # doel's model cards' default
-# The Hub's rule for a repository id: [owner/]name, letters, digits, '-', '_', '.', at most 96
-# characters each, no '--' or '..', not starting or ending with '-' or '.'.
-_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
-REPO_ID = re.compile(rf"(?:{_PART}/)?{_PART}", re.ASCII)
 
 
 def check_repo_id(repo_id: str) -> str:
     """`repo_id` if the Hub would take it as a model repository's id; ExportError otherwise."""
-    if not REPO_ID.fullmatch(repo_id):
-        raise ExportError(
-            f"--repo-id {repo_id!r} is not a Hugging Face repository id: pass OWNER/NAME, "
-            "letters, digits, '-', '_' and '.' (e.g. YOUR-NAME/doel-bangla-0.4b-int4-onnx)"
-        )
+    if problem := repo_id_problem(repo_id, "doel-bangla-0.4b-int4-onnx"):
+        raise ExportError(problem)
     return repo_id
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a card's folder goes: its name, its Hub repository (YOUR-NAME/NAME until one is
+    given), the model it was made from, when its Hub id is known, and the license."""
+
+    folder: str
+    repo_id: str | None = None
+    base_model: str | None = None
+    license: str = DEFAULT_LICENSE
+
+    @property
+    def repo(self) -> str:
+        return repo_or_placeholder(self.repo_id, self.folder)
+
+    def base(self, otherwise: str) -> str:
+        """The base model as a link to its Hub page, or `otherwise`."""
+        if not self.base_model:
+            return otherwise
+        return f"[{self.base_model}](https://huggingface.co/{self.base_model})"
+
+    def front_matter(self, library_name: str, tags: list[str]) -> list[str]:
+        return front_matter(library_name, self.license, tags, self.base_model)
+
+    def publish_section(self) -> list[str]:
+        return [
+            "## Publish",
+            "",
+            f"From the folder above `{self.folder}` (its README.md, this card, becomes the "
+            "repository's):",
+            "",
+            *upload_lines(self.repo, self.folder),
+        ]
 
 
 def source_card(folder: Path) -> dict:
@@ -45,33 +77,6 @@ def source_card(folder: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return inputs if isinstance(inputs, dict) else {}
-
-
-def _yaml_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid YAML scalar
-
-
-def front_matter(
-    library_name: str, license: str, tags: list[str], base_model: str | None = None
-) -> list[str]:
-    """The YAML metadata block of a bundle's card (ONNX here; GGUF: library_name "gguf")."""
-    lines = ["---", f"library_name: {library_name}", "language:", "- bn", "- en"]
-    lines += [f"license: {_yaml_str(license)}", "pipeline_tag: text-generation"]
-    if base_model:
-        lines += ["base_model:", f"- {_yaml_str(base_model)}"]
-    lines += ["tags:", *(f"- {_yaml_str(t)}" for t in tags)]
-    return [*lines, "---"]
-
-
-def upload_lines(repo: str, folder: str) -> list[str]:
-    """The `hf upload` lines that publish `folder` as the model repository `repo`."""
-    return [
-        "```bash",
-        "pip install -U huggingface_hub && hf auth login  # once",
-        "# the whole folder, with this card as the repository's README",
-        f"hf upload {repo} {folder}",
-        "```",
-    ]
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -103,17 +108,11 @@ def parity_rows(parity: dict) -> list[str]:
     ]
 
 
-def onnx_card(
-    manifest: dict,
-    folder_name: str,
-    repo_id: str | None = None,
-    base_model: str | None = None,
-    license: str = DEFAULT_LICENSE,
-) -> str:
+def onnx_card(manifest: dict, to: Target) -> str:
     """README.md of an ONNX export bundle described by `manifest` (export_checkpoint's)."""
     scheme = manifest["quantization"]["scheme"]
     source = manifest["source"]["folder"]
-    repo = repo_id or f"{PLACEHOLDER_OWNER}/{folder_name}"
+    repo, folder_name = to.repo, to.folder
     arch = ["llama"] if str(manifest.get("architecture", "")).startswith("Llama") else []
     tags = ["doel", *arch, "bangla", "onnx", scheme]
     mobile = (
@@ -129,17 +128,13 @@ def onnx_card(
         if manifest["engine"] == "genai"
         else ""
     )
-    base = (
-        f"[{base_model}](https://huggingface.co/{base_model})"
-        if base_model
-        else f"The checkpoint `{source}`"
-    )
     parts = [
-        front_matter("onnxruntime", license, tags, base_model),
+        to.front_matter("onnxruntime", tags),
         [
             f"# {repo.split('/')[-1]}",
             "",
-            f"{base}, a Bangla-first language model trained with doel, exported for ONNX Runtime "
+            f"{to.base(f'The checkpoint `{source}`')}, a Bangla-first language model trained "
+            "with doel, exported for ONNX Runtime "
             f"on CPU ({scheme}, {manifest['engine']} engine, context "
             f"{manifest['context_length']:,} tokens).",
         ],
@@ -174,35 +169,23 @@ def onnx_card(
             "",
             *parity_rows(manifest["parity"]),
         ],
-        [
-            "## Publish",
-            "",
-            f"From the folder above `{folder_name}`:",
-            "",
-            *upload_lines(repo, folder_name),
-        ],
+        to.publish_section(),
     ]
     return "\n\n".join("\n".join(p) for p in parts) + "\n"
 
 
-def gguf_card(
-    manifest: dict,
-    folder_name: str,
-    repo_id: str | None = None,
-    base_model: str | None = None,
-    license: str = DEFAULT_LICENSE,
-) -> str:
+def gguf_card(manifest: dict, to: Target) -> str:
     """README.md of a `--format gguf` folder described by `manifest` (export_gguf's)."""
     quant, gguf_file = manifest["quant"], manifest["gguf"]
-    repo = repo_id or f"{PLACEHOLDER_OWNER}/{folder_name}"
-    base = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "A checkpoint"
+    repo, folder_name = to.repo, to.folder
     template = ", its chat template" if manifest.get("chat_template") else ""
     parts = [
-        front_matter("gguf", license, ["doel", "llama", "bangla", "gguf", quant], base_model),
+        to.front_matter("gguf", ["doel", "llama", "bangla", "gguf", quant]),
         [
             f"# {repo.split('/')[-1]}",
             "",
-            f"{base}, a Bangla-first language model trained with doel, as GGUF ({quant}) for "
+            f"{to.base('A checkpoint')}, a Bangla-first language model trained with doel, as GGUF "
+            f"({quant}) for "
             "llama.cpp, Ollama and LM Studio.",
         ],
         [
@@ -224,13 +207,7 @@ def gguf_card(
             f"ollama create doel -f {folder_name}/Modelfile  # or from the folder itself",
             "```",
         ],
-        [
-            "## Publish",
-            "",
-            f"From the folder above `{folder_name}`:",
-            "",
-            *upload_lines(repo, folder_name),
-        ],
+        to.publish_section(),
     ]
     return "\n\n".join("\n".join(p) for p in parts) + "\n"
 
@@ -245,7 +222,7 @@ def write_card(
     base = recorded.get("repo_id") if isinstance(recorded.get("repo_id"), str) else None
     license = recorded.get("license") if isinstance(recorded.get("license"), str) else None
     write = gguf_card if manifest.get("kind") == "gguf" else onnx_card
-    text = write(manifest, folder_name, repo_id, base, license or DEFAULT_LICENSE)
+    text = write(manifest, Target(folder_name, repo_id, base, license or DEFAULT_LICENSE))
     path = stage / "README.md"
     path.write_text(text, encoding="utf-8")
     return path

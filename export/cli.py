@@ -7,6 +7,7 @@ that fixes it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -103,37 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.format == "gguf":
-        _gguf(args)
-        return
-    name = _checked(args.quant or DEFAULT_ONNX, "onnx")
-    try:
-        from doel.export.bundle import ExportOptions, export_checkpoint, summary
+    with _one_line_errors():
+        if args.format == "gguf":
+            _gguf(args)
+        else:
+            _onnx(args)
 
-        opts = ExportOptions(
-            quant=name,
-            mobile=args.mobile,
-            web=args.web,
-            block_size=args.block_size,
-            engine=args.engine,
-            texts=tuple(args.text),
-            max_loss_increase=args.max_loss_increase,
-            eval_tokens=args.eval_tokens,
-            kv_cache=args.kv_cache,
-            head_bits=args.head_bits,
-            force=args.force,
-            tokenizer=args.tokenizer,
-            repo_id=args.repo_id,
-            log=lambda msg: print(msg, file=sys.stderr),
-        )
-        result = export_checkpoint(args.checkpoint, args.out, opts)
+
+@contextlib.contextmanager
+def _one_line_errors():
+    """A missing extra or bad input ends the command with one line that says what to do."""
+    try:
+        yield
     except ModuleNotFoundError as e:
         sys.exit(
             f"doel-export needs the {e.name!r} package, part of the export extra: {EXTRA_HINT}"
         )
     except ExportError as e:
         sys.exit(f"error: {e}")
-    print(json.dumps(result, indent=2) if args.json else summary(Path(args.out), result))
 
 
 def _checked(name: str, target: str) -> str:
@@ -144,26 +132,44 @@ def _checked(name: str, target: str) -> str:
         sys.exit(f"error: --quant: {e} (--format {target})")
 
 
+def _onnx(args) -> None:
+    """--format onnx (the default): ExportOptions from the flags, then export.bundle."""
+    name = _checked(args.quant or DEFAULT_ONNX, "onnx")  # before the extra's imports
+    from doel.export.bundle import ExportOptions, export_checkpoint, summary
+
+    opts = ExportOptions(
+        quant=name,
+        mobile=args.mobile,
+        web=args.web,
+        block_size=args.block_size,
+        engine=args.engine,
+        texts=tuple(args.text),
+        max_loss_increase=args.max_loss_increase,
+        eval_tokens=args.eval_tokens,
+        kv_cache=args.kv_cache,
+        head_bits=args.head_bits,
+        force=args.force,
+        tokenizer=args.tokenizer,
+        repo_id=args.repo_id,
+        log=lambda msg: print(msg, file=sys.stderr),
+    )
+    result = export_checkpoint(args.checkpoint, args.out, opts)
+    print(json.dumps(result, indent=2) if args.json else summary(Path(args.out), result))
+
+
 def _gguf(args) -> None:
     """--format gguf: the options that apply to it, then export.gguf."""
     name = _checked(args.quant or DEFAULT_GGUF, "gguf")
-    try:
-        from doel.export.gguf import export_gguf
+    from doel.export.gguf import export_gguf
 
-        result = export_gguf(
-            args.checkpoint,
-            args.out,
-            name,
-            force=args.force,
-            tokenizer=args.tokenizer,
-            log=lambda msg: print(msg, file=sys.stderr),
-            repo_id=args.repo_id,
-        )
-    except ModuleNotFoundError as e:
-        sys.exit(
-            f"doel-export needs the {e.name!r} package, part of the export extra: {EXTRA_HINT}"
-        )
-    except ExportError as e:
-        sys.exit(f"error: {e}")
+    result = export_gguf(
+        args.checkpoint,
+        args.out,
+        name,
+        force=args.force,
+        tokenizer=args.tokenizer,
+        log=lambda msg: print(msg, file=sys.stderr),
+        repo_id=args.repo_id,
+    )
     if args.json:
         print(json.dumps(result, indent=2))

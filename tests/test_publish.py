@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from doel.export.card import check_repo_id, gguf_card, onnx_card, parity_rows
+from doel.export.card import Target, check_repo_id, gguf_card, onnx_card, parity_rows
 from doel.export.cli import main as export_main
 from doel.export.common import ExportError
 
@@ -41,7 +41,8 @@ def _manifest(**parity_extra) -> dict:
 
 
 def test_the_bundle_card_is_a_hub_model_card_with_the_repo_and_base_model():
-    text = onnx_card(_manifest(), "bundle-int4", "ann/doel-int4-onnx", "ann/doel-bangla-0.4b")
+    to = Target("bundle-int4", "ann/doel-int4-onnx", "ann/doel-bangla-0.4b")
+    text = onnx_card(_manifest(), to)
     card = ModelCard(text)
     data = card.data.to_dict()
     assert data["library_name"] == "onnxruntime"
@@ -58,7 +59,7 @@ def test_the_bundle_card_is_a_hub_model_card_with_the_repo_and_base_model():
 
 
 def test_without_a_repo_id_the_card_names_a_placeholder_and_no_base_model():
-    text = onnx_card(_manifest(), "bundle-int4", license="mit")
+    text = onnx_card(_manifest(), Target("bundle-int4", license="mit"))
     data = ModelCard(text).data.to_dict()
     assert "base_model" not in data and data["license"] == "mit"
     assert "hf upload YOUR-NAME/bundle-int4 bundle-int4\n" in text
@@ -127,7 +128,7 @@ def test_repo_id_and_the_checkpoints_recorded_repo_fill_the_card(tiny_bundle, tm
 
 def test_the_gguf_card_says_gguf_and_how_llama_cpp_and_ollama_run_it():
     manifest = {"kind": "gguf", "quant": "q8_0", "gguf": "model-q8_0.gguf", "pre_tokenizer": "x"}
-    text = gguf_card(manifest, "gguf-q8")
+    text = gguf_card(manifest, Target("gguf-q8"))
     data = ModelCard(text).data.to_dict()
     assert data["library_name"] == "gguf" and data["language"] == ["bn", "en"]
     assert "base_model" not in data and {"gguf", "q8_0"} <= set(data["tags"])

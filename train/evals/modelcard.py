@@ -21,12 +21,13 @@ import math
 import struct
 from pathlib import Path
 
+from doel.contracts.card import REPO_ID, front_matter, yaml_str
 from doel.train.common import SAMPLE_DIR, atomic_write_bytes, atomic_write_json
 from doel.train.data.fertility import fertility, load_any
 from doel.train.data.textio import iter_documents
 from doel.train.evals.published import BASELINES, comparison_section
 from doel.train.evals.scoring import fmt_num, format_tasks
-from doel.train.evals.usage import REPO_ID, check_repo_id, usage_path, usage_section
+from doel.train.evals.usage import check_repo_id, usage_path, usage_section
 from doel.train.metrics import format_duration
 
 SAMPLE = SAMPLE_DIR
@@ -67,32 +68,32 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def _yaml_str(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid YAML scalar
-
-
 def metadata_block(name: str, license: str, eval_result: dict | None) -> list[str]:
     """The YAML front matter; model-index holds the task accuracies when there are any."""
-    lines = ["---", "language:", "- bn", "- en", f"license: {license}"]
-    lines += ["library_name: transformers", "pipeline_tag: text-generation", "tags:"]
-    lines += ["- doel", "- llama", "- bangla", "- text-generation"]
+    tags = ["doel", "llama", "bangla", "text-generation"]
+    return front_matter("transformers", license, tags, more=model_index(name, eval_result))
+
+
+def model_index(name: str, eval_result: dict | None) -> list[str]:
+    """The metadata's model-index: each task's accuracies, the Hub's evaluation results."""
+    lines: list[str] = []
     tasks = (eval_result or {}).get("tasks") or {}
     # A task with no items has no accuracy: it is left out, never written as "nan".
     tasks = {t: r for t, r in tasks.items() if math.isfinite(r["acc"])}
     if tasks:
-        lines += ["model-index:", f"- name: {_yaml_str(name)}", "  results:"]
+        lines += ["model-index:", f"- name: {yaml_str(name)}", "  results:"]
         for task, r in tasks.items():
             lines += [
                 "  - task:",
                 "      type: text-generation",
                 "    dataset:",
-                f"      name: {_yaml_str(TASK_NAMES.get(task, task))}",
-                f"      type: {_yaml_str(task)}",
+                f"      name: {yaml_str(TASK_NAMES.get(task, task))}",
+                f"      type: {yaml_str(task)}",
                 "    metrics:",
                 f'    - {{type: acc, value: {r["acc"]:.4f}, name: "accuracy, 0-shot"}}',
                 f'    - {{type: acc_norm, value: {r["acc_norm"]:.4f}, name: "acc_norm, 0-shot"}}',
             ]
-    return [*lines, "---"]
+    return lines
 
 
 def architecture_section(folder: Path) -> list[str]:
@@ -205,6 +206,12 @@ def training_section(
     return ["## Training", "", "| | |", "|---|---:|", *(f"| {k} | {v} |" for k, v in rows)]
 
 
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table, the first column left-aligned and the figures right-aligned."""
+    rule = "|---" + "|---:" * (len(head) - 1) + "|"
+    return [f"| {' | '.join(head)} |", rule, *(f"| {' | '.join(row)} |" for row in rows)]
+
+
 def evaluation_section(eval_result: dict | None, where: str = "FOLDER") -> list[str]:
     if not eval_result:
         return [
@@ -215,19 +222,15 @@ def evaluation_section(eval_result: dict | None, where: str = "FOLDER") -> list[
         ]
     lines = ["## Evaluation", ""]
     if eval_result.get("languages"):
-        lines += [
-            "Held-out bits per character (lower is better), against a random-initialised twin "
-            "and general-purpose compressors:",
-            "",
-            "| language | characters | bits/char | twin | xz -9e | bzip2 -9 |",
-            "|---|---:|---:|---:|---:|---:|",
+        rows = [
+            [lang, f"{r['model']['chars']:,}"]
+            + [fmt_num(x, ".3f") for x in (r["model"]["bits_per_char"], r["twin"]["bits_per_char"])]
+            + [fmt_num(r["compressors"][c], ".3f") for c in ("xz -9e", "bzip2 -9")]
+            for lang, r in eval_result["languages"].items()
         ]
-        for lang, r in eval_result["languages"].items():
-            m, c = r["model"], r["compressors"]
-            figures = (m["bits_per_char"], r["twin"]["bits_per_char"], c["xz -9e"], c["bzip2 -9"])
-            cells = " | ".join(fmt_num(x, ".3f") for x in figures)
-            lines.append(f"| {lang} | {m['chars']:,} | {cells} |")
-        lines.append("")
+        head = ["language", "characters", "bits/char", "twin", "xz -9e", "bzip2 -9"]
+        intro = "Held-out bits per character (lower is better), against a random-initialised "
+        lines += [intro + "twin and general-purpose compressors:", "", *_table(head, rows), ""]
     if eval_result.get("tasks"):
         lines += [
             "Zero-shot multiple choice by log-likelihood (± bootstrap standard error; acc_norm "

@@ -8,28 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
+from doel.contracts.card import repo_id_problem, repo_or_placeholder, upload_lines
 from doel.train.common import DoelError
 
-PLACEHOLDER_OWNER = "YOUR-NAME"  # the usage shows YOUR-NAME/NAME until a --repo-id is given
-# The Hub's rule for a repository id: [owner/]name, letters, digits, '-', '_', '.', at most 96
-# characters each, no '--' or '..', not starting or ending with '-' or '.' (export/card.py
-# checks a bundle's the same way; export and train share no code).
-_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?"
-REPO_ID = re.compile(rf"(?:{_PART}/)?{_PART}", re.ASCII)
 # A training checkpoint's files that only resuming needs: left out of the upload.
 RESUME_ONLY = ("optimizer.safetensors", "rng.safetensors", "trainer_state.json", "sharded")
 
 
 def check_repo_id(repo_id: str) -> str:
     """`repo_id` if the Hub would take it as a model repository's id; DoelError otherwise."""
-    if not REPO_ID.fullmatch(repo_id):
-        raise DoelError(
-            f"--repo-id {repo_id!r} is not a Hugging Face repository id: pass OWNER/NAME, "
-            "letters, digits, '-', '_' and '.' (e.g. YOUR-NAME/doel-bangla-0.4b)"
-        )
+    if problem := repo_id_problem(repo_id, "doel-bangla-0.4b"):
+        raise DoelError(problem)
     return repo_id
 
 
@@ -37,7 +28,7 @@ def usage_section(folder: Path, name: str, repo_id: str | None) -> list[str]:
     """How to load the model (from the Hub once its repository is known, else from the folder)
     and how to publish it and its export bundles with huggingface_hub's `hf upload`."""
     where = usage_path(folder)
-    repo = repo_id or f"{PLACEHOLDER_OWNER}/{name}"
+    repo = repo_or_placeholder(repo_id, name)
     source = repo_id or where
     said = (
         f"From the Hugging Face Hub (`{repo_id}`), or the folder it was uploaded from:"
@@ -72,12 +63,12 @@ def usage_section(folder: Path, name: str, repo_id: str | None) -> list[str]:
         )
         + ":",
         "",
-        "```bash",
-        "pip install -U huggingface_hub && hf auth login  # once",
-        f"hf upload {repo} {where}{exclude}",
-        f"doel-export {where} --out bundle-int4 --quant int4 --repo-id {repo}-int4-onnx",
-        f"hf upload {repo}-int4-onnx bundle-int4",
-        "```",
+        *upload_lines(
+            repo,
+            f"{where}{exclude}",
+            f"doel-export {where} --out bundle-int4 --quant int4 --repo-id {repo}-int4-onnx",
+            f"hf upload {repo}-int4-onnx bundle-int4",
+        ),
     ]
 
 
