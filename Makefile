@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality check-arm64 check-avx2 clean
+.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality check-arm64 check-avx2 clean
 
 # The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
 # selenium, transformers for the parity tests).
@@ -40,6 +40,11 @@ test: $(BIN)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 
+# The inner loop while changing code: the tests not marked slow (no spawned process, no bundle
+# built), in seconds rather than minutes. `make test` (CI) runs them all, with the lint.
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -m "not slow"
+
 lint: $(BIN)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
@@ -47,21 +52,21 @@ format: $(BIN)/.installed
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 bench-tokenizer: $(BIN)/.installed
-	$(BIN)/python benchmarks/bench_tokenizer.py
+	$(BIN)/python -m benchmarks.bench_tokenizer
 
 bench-train: $(BIN)/.installed
-	$(BIN)/python benchmarks/bench_train.py
+	$(BIN)/python -m benchmarks.bench_train
 
 bench-export: $(BIN)/.installed
-	$(BIN)/python benchmarks/bench_export.py
+	$(BIN)/python -m benchmarks.bench_export
 
-# llama-cpp-python is benchmark-only: `$(BIN)/python benchmarks/bench_serve.py --install-llama-cpp`
+# llama-cpp-python is benchmark-only: `$(BIN)/python -m benchmarks.bench_serve --install-llama-cpp`
 bench-serve: $(BIN)/.installed
-	$(BIN)/python benchmarks/bench_serve.py
+	$(BIN)/python -m benchmarks.bench_serve
 
 # Held-out loss of doel's int4/int8 bundles against llama.cpp's q4_0/q8_0 on a trained checkpoint
 bench-quant-quality: $(BIN)/.installed
-	$(BIN)/python benchmarks/bench_quant_quality.py
+	$(BIN)/python -m benchmarks.bench_quant_quality
 
 # serve/'s engine on the int4 and int8 bundles (model.onnx and model.ort) in an emulated ARM64
 # userland against x86 (qemu; the first run builds ~/.cache/doel/arm64 with apt-get and pip,
@@ -73,9 +78,9 @@ ifeq ($(strip $(ARM_BUNDLES)),)
 	test -d $(OUT)/run/final || $(MAKE) demo
 	for q in int4 int8; do test -f $(OUT)/arm64-$$q/model.ort || $(BIN)/doel-export \
 	  $(OUT)/run/final --out $(OUT)/arm64-$$q --quant $$q --mobile --force || exit 1; done
-	$(BIN)/python benchmarks/check_arm64.py $(OUT)/arm64-int4 $(OUT)/arm64-int8 $(ARGS)
+	$(BIN)/python -m benchmarks.check_arm64 $(OUT)/arm64-int4 $(OUT)/arm64-int8 $(ARGS)
 else
-	$(BIN)/python benchmarks/check_arm64.py $(ARM_BUNDLES) $(ARGS)
+	$(BIN)/python -m benchmarks.check_arm64 $(ARM_BUNDLES) $(ARGS)
 endif
 
 # The same engine on the int4 and int8 bundles under qemu's x86_64 emulator with an AVX2-only
@@ -87,9 +92,9 @@ ifeq ($(strip $(AVX2_BUNDLES)),)
 	test -d $(OUT)/run/final || $(MAKE) demo
 	for q in int4 int8; do test -f $(OUT)/avx2-$$q/model.onnx || $(BIN)/doel-export \
 	  $(OUT)/run/final --out $(OUT)/avx2-$$q --quant $$q --force || exit 1; done
-	$(BIN)/python benchmarks/check_avx2.py $(OUT)/avx2-int4 $(OUT)/avx2-int8 $(ARGS)
+	$(BIN)/python -m benchmarks.check_avx2 $(OUT)/avx2-int4 $(OUT)/avx2-int8 $(ARGS)
 else
-	$(BIN)/python benchmarks/check_avx2.py $(AVX2_BUNDLES) $(ARGS)
+	$(BIN)/python -m benchmarks.check_avx2 $(AVX2_BUNDLES) $(ARGS)
 endif
 
 clean:

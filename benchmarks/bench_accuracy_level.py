@@ -10,32 +10,23 @@ prompt in each slot. Also reported: the largest logit difference from level 4 (s
 so it is the activations' rounding alone) and the CPU seconds other processes used meanwhile.
 
 Writes benchmarks/results/accuracy_level_0.4b_cpu-<class>.{json,md}. Run:
-`python benchmarks/bench_accuracy_level.py --work DIR` (DIR: bench_serve.py's --work folder,
+`python -m benchmarks.bench_accuracy_level --work DIR` (DIR: bench_serve.py's --work folder,
 whose bundles are reused; made there if missing), a minute or two on a quiet machine.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import shutil
-import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_export import foreign_cpu  # noqa: E402
-from bench_serve import FULL, THREADS, busy, setup  # noqa: E402
-from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
-
-from doel.serve.engine import Engine, read_bundle  # noqa: E402
+from benchmarks.bench_export import foreign_cpu
+from benchmarks.bench_serve import FULL, THREADS, busy, setup
+from benchmarks.report import cpu_line, heading, parser, publish, stamp
+from doel.serve.engine import Engine, read_bundle
 
 LEVELS = (4, 1)  # the default first: the others' logits are compared with it
 SLOTS, PROMPT, STEPS = 8, 128, 32
@@ -120,15 +111,11 @@ def run(work: Path) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    cpu = result["cpu"]
     lines = [
-        f"# MatMulNBits accuracy_level probe, bangla-0.4b random weights ({result['date']}, "
-        f"{result['machine']})",
-        "",
-        f"CPU: {cpu['model_name']}, class **{cpu['class']}** ({isa_summary(cpu)}). "
-        f"{THREADS} threads, serve/engine.py with {SLOTS} slots, each holding a {PROMPT}-token "
-        f"prompt; mean of {STEPS} decode steps, best of 2. Level 4: int8 activations (the "
-        "export default); 1: fp32 activations; same weights.",
+        *heading("MatMulNBits accuracy_level probe, bangla-0.4b random weights", result),
+        f"{cpu_line(result['cpu'])} {THREADS} threads, serve/engine.py with {SLOTS} slots, each "
+        f"holding a {PROMPT}-token prompt; mean of {STEPS} decode steps, best of 2. Level 4: "
+        "int8 activations (the export default); 1: fp32 activations; same weights.",
         "",
         "| quant | accuracy_level | step, 1 row (ms) | step, 8 rows (ms) | tok/s, 1 row | "
         "tok/s, 8 rows | 8 rows / 1 row, tok/s | max logit diff vs level 4 | foreign CPU s "
@@ -147,21 +134,12 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--work", required=True, help="bench_serve.py's --work folder (reused)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results folder")
     args = ap.parse_args(argv)
-    cpu = this_cpu()
-    result = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "cpu": cpu,
-        "rows": run(Path(args.work)),
-    }
-    name = f"accuracy_level_0.4b_cpu-{cpu['class']}"
-    text = markdown(result)
-    write_result(args.out, name, result, text)
-    print(text)
+    result = stamp() | {"rows": run(Path(args.work))}
+    name = f"accuracy_level_0.4b_cpu-{result['cpu']['class']}"
+    publish(args.out, name, result, markdown(result))
 
 
 if __name__ == "__main__":

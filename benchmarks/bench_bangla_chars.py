@@ -15,17 +15,15 @@ Qwen2's measured here through llama.cpp's own tokenizer, doel's from the tokeniz
 Random weights: speed does not depend on them.
 
 Run it with priority where other jobs share the machine (a scheduler autogroup at nice -20:
-`setsid bash -c 'echo -20 > /proc/self/autogroup; python benchmarks/bench_bangla_chars.py'`).
+`setsid bash -c 'echo -20 > /proc/self/autogroup; python -m benchmarks.bench_bangla_chars'`).
 Writes benchmarks/results/bangla_chars_cpu-<class>.{json,md}. Run after bench_serve.py with
 its `--work` folder kept, or alone (it builds the doel bundle: a few minutes).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
-import os
 import sys
 import tempfile
 import time
@@ -34,17 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_serve import FULL, measured, setup
+from benchmarks.bench_serve_llama import THREADS, gguf_package, silenced
+from benchmarks.bench_tokenizer import measure
+from benchmarks.cpu_class import this_cpu
+from benchmarks.report import SERVE_WORK_HELP, cpu_name, load_line, parser, publish
+from doel.train.data.fertility import AnyTokenizer
+from doel.train.data.textio import iter_source, resolve_sources
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_serve import FULL, measured, setup  # noqa: E402
-from bench_serve_llama import THREADS, converter, silenced  # noqa: E402
-from bench_tokenizer import measure  # noqa: E402
-from cpu_class import this_cpu, write_result  # noqa: E402
-
-from doel.train.data.fertility import AnyTokenizer  # noqa: E402
-from doel.train.data.textio import iter_source, resolve_sources  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 QWEN_VOCAB = "tokenizers/llamacpp_vocab_gguf/ggml-vocab-qwen2.gguf"
@@ -108,8 +104,8 @@ def qwen_shaped_gguf(vocab_gguf: Path, out: Path) -> Path:
     q4 = out / "qwen05-q4_0.gguf"
     if q4.is_file():
         return q4
-    sys.path.insert(0, str(converter().parent / "gguf-py"))  # the converter's own gguf package
-    from gguf import GGUFReader, GGUFWriter, LlamaFileType
+    gguf = gguf_package()  # the converter's own gguf package
+    GGUFReader, GGUFWriter, LlamaFileType = gguf.GGUFReader, gguf.GGUFWriter, gguf.LlamaFileType
 
     c, rng = QWEN05, np.random.default_rng(0)
     vocab = GGUFReader(str(vocab_gguf)).fields
@@ -240,7 +236,7 @@ def chars_per_second(r: dict) -> list[dict]:
 
 
 def markdown(r: dict) -> str:
-    cpu, rows = r["cpu"], r["table"]
+    rows = r["table"]
     ok = [x for x in rows if "error" not in x]
     doel = next(x for x in ok if x["engine"].startswith("doel"))
     best = max(
@@ -249,7 +245,7 @@ def markdown(r: dict) -> str:
     lines = [
         f"# Bangla characters per second, {r['date']}",
         "",
-        f"CPU: {cpu.get('model_name', '?')}, class **{cpu['class']}**; {r['threads']} threads; "
+        f"CPU: {cpu_name(r['cpu'])}; {r['threads']} threads; "
         "greedy decode after a 128-token prompt, best of 3, each engine in its own process. "
         "doel: the 0.4B preset (random weights) as an int4 bundle on serve/engine.py. llama.cpp: a "
         "Qwen2.5-0.5B-shaped model (random weights, its 151,936-token vocabulary, tied head) at "
@@ -284,10 +280,8 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", help="bench_serve's scratch folder (kept and reused)")
+    ap = parser(__doc__, work=SERVE_WORK_HELP)
     ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     data = Path(args.data)
     if not (data / QWEN_VOCAB).is_file():
@@ -297,11 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     r = run(work, data)
     r["table"] = chars_per_second(r)
     r["wall_s"] = time.time() - t0
-    r["machine_load"] = f"load average {os.getloadavg()[0]:.1f} at the end (2 cores)"
-    name = f"bangla_chars_cpu-{r['cpu']['class']}"
-    text = markdown(r)
-    write_result(args.out, name, r, text)
-    print(text)
+    r["machine_load"] = load_line("at the end (2 cores)")
+    publish(args.out, f"bangla_chars_cpu-{r['cpu']['class']}", r, markdown(r))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ tokens of Bangla sample text), a greedy reply of REPLY tokens, then the second q
 is turn 1 + the engine's own reply ids + `<|end|><|user|>...<|end|><|assistant|>`. Time to first
 token is from the request to its first id; each figure is the best of the conversations.
 
-Run: `python benchmarks/bench_chat.py --work DIR` (the 0.4B model is built on the first run, a
+Run: `python -m benchmarks.bench_chat --work DIR` (the 0.4B model is built on the first run, a
 few minutes; llama-cpp-python must be installed, see bench_serve.py; `--resume` keeps the
 engines that a run stopped midway had measured). Writes
 benchmarks/results/chat_0.4b_cpu-<class>.{json,md}, with the CPU and the machine's load.
@@ -25,21 +25,17 @@ benchmarks/results/chat_0.4b_cpu-<class>.{json,md}, with the CPU and the machine
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
-import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
+from benchmarks.report import command, parser, publish, stamp
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 THREADS = 2
 CONVERSATIONS = 2
@@ -161,12 +157,12 @@ def rows(ones: list, twos: list, firsts: list, seconds: list) -> dict:
 
 
 def measure(engine: str, model: Path, spec_path: Path, work: Path) -> dict:
-    from bench_export import foreign_cpu
+    from benchmarks.bench_export import foreign_cpu
 
     out = work / f"chat-{engine}.json"
 
     def run() -> dict:
-        cmd = [sys.executable, __file__, "--child", engine, str(model), str(spec_path), str(out)]
+        cmd = command("bench_chat", "--child", engine, model, spec_path, out)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             return {"error": proc.stderr[-2000:]}
@@ -237,9 +233,7 @@ def targets(engines: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", help="scratch folder, kept and reused (default: temporary)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap = parser(__doc__, work="scratch folder, kept and reused (default: temporary)")
     # llama.cpp's own default turns flash attention on for the CPU ("auto"), and it was the
     # faster of the two to a first token in bench_serve: the peer unless asked otherwise.
     ap.add_argument("--engines", nargs="+", default=["doel", "llama.cpp+fa"],
@@ -258,8 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             res = llama_child(model, spec, flash_attn=engine.endswith("+fa"))
         Path(out).write_text(json.dumps(res))
         return
-    from bench_serve import FULL, setup
-    from cpu_class import this_cpu, write_result
+    from benchmarks.bench_serve import FULL, setup
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_chat_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -280,10 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         print(f"measuring {engine} ...", flush=True)
         engines[engine] = measure(engine, model, spec, work)
-    result = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "cpu": this_cpu(),
+    result = stamp() | {
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "settings": {"threads": THREADS, "conversations": CONVERSATIONS, "history": HISTORY,
@@ -291,10 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         "engines": engines,
         "targets": targets(engines),
     }  # fmt: skip
-    name = f"chat_0.4b_cpu-{result['cpu']['class']}"
-    text = markdown(result)
-    write_result(args.out, name, result, text)
-    print(text)
+    publish(args.out, f"chat_0.4b_cpu-{result['cpu']['class']}", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -6,25 +6,24 @@ with 1 thread each: the same cores, so the ratio is the cost of the data-paralle
 (gradient all-reduce, FSDP all-gathers), not a speed-up. On a GPU machine,
 `--device cuda --nproc 8` measures real scaling (1 GPU against 8, per-GPU batch fixed).
 
-    python benchmarks/bench_dist.py [--config small] [--nproc 2] [--steps 30] [--device cpu]
+    python -m benchmarks.bench_dist [--config small] [--nproc 2] [--steps 30] [--device cpu]
 
 Writes benchmarks/results/dist_<device>.{json,md}.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from datetime import date
 from pathlib import Path
 
+from benchmarks.report import heading, machine, parser, publish
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def make_shards(work: Path) -> Path:
@@ -99,7 +98,7 @@ def run(work, shards, nproc, strategy, args, rows_per_rank) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--config", default="small")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
@@ -117,7 +116,7 @@ def main() -> None:
         "date": date.today().isoformat(),
         "device": args.device,
         "nproc": args.nproc,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "config": args.config,
         "seq_len": args.seq_len,
         "one_process_tokens_per_s": base,
@@ -127,10 +126,11 @@ def main() -> None:
         tps = run(work, shards, args.nproc, strategy, args, args.rows)
         ideal = base if cpu else base * args.nproc
         result["strategies"][strategy] = {"tokens_per_s": tps, "efficiency": tps / ideal}
-    lines = [
-        f"# Data-parallel scaling, `{args.config}` preset (vocabulary 4,096), seq {args.seq_len}"
-        f" ({result['date']}, {result['machine']}, {args.device})",
-        "",
+    lines = heading(
+        f"Data-parallel scaling, `{args.config}` preset (vocabulary 4,096), seq {args.seq_len}",
+        result | {"machine": f"{result['machine']}, {args.device}"},
+    )
+    lines += [
         "| run | tokens/s | efficiency |",
         "|---|---:|---:|",
         f"| 1 process | {base:,.0f} | 1.00 |",
@@ -149,10 +149,7 @@ def main() -> None:
         )
         + ".",
     ]
-    out = ROOT / "benchmarks" / "results"
-    (out / f"dist_{args.device}.json").write_text(json.dumps(result, indent=1))
-    (out / f"dist_{args.device}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(args.out, f"dist_{args.device}", result, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

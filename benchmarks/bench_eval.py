@@ -11,27 +11,27 @@
    difference.
 
 Writes benchmarks/results/eval_small.{json,md} and the model card they give, eval_small_card.md.
-Run: `python benchmarks/bench_eval.py [--model DIR] [--limits hellaswag=2000 ...]
+Run: `python -m benchmarks.bench_eval [--model DIR] [--limits hellaswag=2000 ...]
 [--crosscheck-limits hellaswag=1000 ...]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from benchmarks.cpu_class import write_result
+from benchmarks.report import parser
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TASK_FILES = {
     "hellaswag": "eval/hellaswag/hellaswag_val_reconstructed.jsonl",
@@ -225,10 +225,9 @@ def markdown(rep: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", type=Path, default=Path("/tmp/doel-bench-train/doel/final"))
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default="eval_small")
     p.add_argument("--eval-chars", type=int, default=300_000, help="held-out chars a language")
     p.add_argument("--limit", type=int, default=None, help="items a task, unless --limits")
@@ -276,21 +275,16 @@ def main() -> None:
         rep["held_out"] = held_out(args.model, args.data, args.eval_chars, args.device)
         rep["tasks"], lls = run_tasks(args.model, args.data, limits, args.limit, args.device)
     rep.setdefault("crosscheck", {})
-    write(rep, args.out, args.name)  # written after every stage: a long run keeps what it did
+    # Written after every stage: a long run keeps what it did.
+    write_result(args.out, args.name, rep, markdown(rep))
     for t in (t for t in CROSSCHECK if t in rep["tasks"] and t not in rep["crosscheck"]):
         n = cc_limits.get(t, rep["tasks"][t]["items"])
         c = crosscheck(args.model, args.data, t, lls.get(t), n, args.device)
         rep["crosscheck"][t] = c
         print(f"lm-eval {t}: {c['items']} items, agreement {c['agreement']:.2%}", flush=True)
-        write(rep, args.out, args.name)
+        write_result(args.out, args.name, rep, markdown(rep))
     model_card(args.model, rep, args.out / f"{args.name}_card.md", args.shards_meta)
     print(f"wrote {args.out / args.name}.json, .md and _card.md", flush=True)
-
-
-def write(rep: dict, out: Path, name: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(rep, indent=2, ensure_ascii=False) + "\n")
-    (out / f"{name}.md").write_text(markdown(rep))
 
 
 if __name__ == "__main__":

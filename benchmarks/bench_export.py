@@ -19,10 +19,8 @@ Writes benchmarks/results/export_0.4b_cpu.{json,md}. Run: `make bench-export`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -33,11 +31,9 @@ import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.report import heading, machine, parser, publish
 
-from cpu_class import write_result  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT_TOKENS, NEW_TOKENS, THREADS = 128, 64, 2
 QUANTS = ("fp32", "int8", "int4")
@@ -195,9 +191,7 @@ def row(quant: str, ex: dict, speed: dict, torch_tok_s: float, torch_tokens: lis
 def markdown(result: dict) -> str:
     t = result["torch_eager"]
     lines = [
-        f"# Export benchmark, {result['preset']} (random weights) ({result['date']}, "
-        f"{result['machine']})",
-        "",
+        *heading(f"Export benchmark, {result['preset']} (random weights)", result),
         f"Model: `configs/{result['preset']}.toml` [model], {result['parameters_m']:.1f}M "
         "parameters, "
         f"fp32 safetensors {result['checkpoint_mb']:.0f} MB. Decode: greedy, batch 1, "
@@ -249,9 +243,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--work", help="scratch folder (default: a temporary one, deleted)")
+    ap = parser(__doc__, work="scratch folder (default: a temporary one, deleted)")
     ap.add_argument("--preset", default="bangla-0.4b", help="model preset (tiny: a smoke run)")
     ap.add_argument("--reuse", action="store_true", help="reuse --work's bundles: decode only")
     args = ap.parse_args()
@@ -282,8 +274,7 @@ def main() -> None:
         n_params = (ckpt / "model.safetensors").stat().st_size / 4 / 1e6  # fp32 weights
         result = {
             "date": date.today().isoformat(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}",
+            "machine": machine(python=True),
             "preset": args.preset,
             "parameters_m": n_params,
             "checkpoint_mb": (ckpt / "model.safetensors").stat().st_size / 1e6,
@@ -294,9 +285,7 @@ def main() -> None:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     name = "export_0.4b_cpu" if args.preset == "bangla-0.4b" else f"export_{args.preset}_cpu"
-    text = markdown(result)
-    write_result(args.out, name, result, text)
-    print(text)
+    publish(args.out, name, result, markdown(result))
 
 
 if __name__ == "__main__":

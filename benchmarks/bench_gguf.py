@@ -15,13 +15,12 @@ llama.cpp runs doel's GGUF export as doel does.
    (defaults) in ONNX Runtime, each against PyTorch fp32 on the same token windows
    (benchmarks/bench_quant_quality.py's machinery; llama.cpp's KV cache f32).
 
-Writes benchmarks/results/gguf.{json,md}. Run: `python benchmarks/bench_gguf.py` (then
+Writes benchmarks/results/gguf.{json,md}. Run: `python -m benchmarks.bench_gguf` (then
 `--proof-only` / `--quant-model CKPT` add their parts to the same files).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -32,16 +31,14 @@ import time
 from datetime import date
 from pathlib import Path
 
+import doel.train.data.tokenizer as tokmod
+from benchmarks.bench_tokenizer import language_weights, measure
+from benchmarks.report import parser, publish
+from doel.train.data.fertility import load_any
+from doel.train.data.textio import iter_source, resolve_sources
+from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_tokenizer import language_weights, measure  # noqa: E402
-
-import doel.train.data.tokenizer as tokmod  # noqa: E402
-from doel.train.data.fertility import load_any  # noqa: E402
-from doel.train.data.textio import iter_source, resolve_sources  # noqa: E402
-from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer  # noqa: E402
 
 
 def machine() -> dict:
@@ -190,9 +187,9 @@ QUANT_ROWS = [  # (row, engine, quant)
 
 def quant_losses(model: Path, texts: list[Path], eval_tokens: int, work: Path) -> dict:
     """Held-out loss of every QUANT_ROWS variant against PyTorch fp32, same windows."""
-    import bench_quant_quality as bq
     import llama_cpp
 
+    from benchmarks import bench_quant_quality as bq
     from doel.export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint
     from doel.export.checkpoint import inspect_checkpoint
     from doel.export.gguf import export_gguf
@@ -318,12 +315,11 @@ def markdown(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--vocab-size", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--max-chars", type=int, default=6_000_000, help="training characters")
     ap.add_argument("--bangla-share", type=float, default=0.55)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--quant-model", help="a trained checkpoint on a gguf tokenizer (part 3)")
     ap.add_argument("--quant-text", nargs="+", help="held-out files (default: validation)")
     ap.add_argument("--eval-tokens", type=int, default=16384)
@@ -368,9 +364,7 @@ def main() -> None:
             Path(args.quant_model), [Path(t) for t in texts], args.eval_tokens, work / "quant"
         )
         report["quant"]["note"] = args.quant_note
-        (out / "gguf.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-        (out / "gguf.md").write_text(markdown(report))
-        print(markdown(report))
+        publish(out, "gguf", report, markdown(report))
         return
     if args.proof_only:
         report = json.loads((out / "gguf.json").read_text())
@@ -403,9 +397,7 @@ def main() -> None:
         report["proof"] = proof(Path(largest), lines, work / "proof")
         print(json.dumps({k: v for k, v in report["proof"].items()}, indent=1), flush=True)
     report.setdefault("machine_after", machine()["load_average_1_5_15"])
-    (out / "gguf.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    (out / "gguf.md").write_text(markdown(report))
-    print(markdown(report))
+    publish(out, "gguf", report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 autocast + torch.compile + fused AdamW, the settings a real run uses. One command, a few
 minutes, no data needed (random tokens: throughput does not depend on their values).
 
-    python benchmarks/bench_gpu.py [--config bangla-0.4b] [--steps 30] [--set batch_size=8 ...]
+    python -m benchmarks.bench_gpu [--config bangla-0.4b] [--steps 30] [--set batch_size=8 ...]
 
 It runs the gradient-flow gate first (on the compiled model, as `fit` does), then times
 `train_step` with CUDA synchronisation, separately reporting the forward and backward time of
@@ -13,29 +13,25 @@ the CPU (useful only to check the script).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import platform
 import re
 import statistics
-import sys
 import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from doel.train.config import load_config, resolve_config, resolved  # noqa: E402
-from doel.train.dist import autocast, resolve_device, resolve_dtype  # noqa: E402
-from doel.train.gradflow import check_gradient_flow  # noqa: E402
-from doel.train.metrics import format_flops, mfu, peak_flops  # noqa: E402
-from doel.train.model import Llama  # noqa: E402
-from doel.train.trainer import TrainConfig, build_optimizer, train_step  # noqa: E402
+from benchmarks.report import parser, publish
+from doel.train.config import load_config, resolve_config, resolved
+from doel.train.dist import autocast, resolve_device, resolve_dtype
+from doel.train.gradflow import check_gradient_flow
+from doel.train.metrics import format_flops, mfu, peak_flops
+from doel.train.model import Llama
+from doel.train.trainer import TrainConfig, build_optimizer, train_step
 
 
 def sync(device):
@@ -195,12 +191,11 @@ def run_verify(cfg: TrainConfig, out: Path) -> bool:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--config", default="bangla-0.4b")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--set", action="append", default=[])
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument(
         "--verify",
         action="store_true",
@@ -214,9 +209,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.verify:
         r["verify_ok"] = run_verify(cfg, stem.with_name(stem.name.replace("gpu_", "verify_", 1)))
-    stem.with_suffix(".json").write_text(json.dumps(r, indent=1))
-    stem.with_suffix(".md").write_text(markdown(r))
-    print(markdown(r))
+    publish(args.out, stem.name, r, markdown(r))
 
 
 if __name__ == "__main__":

@@ -12,34 +12,34 @@ server), measured in one process, the two ways taking turns ROUNDS times:
 Greedy throughout; the ids of A and C are compared between the two ways.
 
 Writes benchmarks/results/held_prefix_0.4b_cpu-<class>.{json,md}. Run:
-`python benchmarks/bench_held_prefix.py --work DIR` (bench_serve.py's --work folder; its
+`python -m benchmarks.bench_held_prefix --work DIR` (bench_serve.py's --work folder; its
 bundles are reused, made there if missing): about a minute on a quiet machine.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
-import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_export import foreign_cpu  # noqa: E402
-from bench_serve import FULL, THREADS, setup  # noqa: E402
-from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
-
-from doel.serve.engine import Engine, read_bundle  # noqa: E402
-from doel.serve.prefix import Hit  # noqa: E402
-from doel.serve.sampling import SamplingParams  # noqa: E402
-from doel.serve.scheduler import Scheduler  # noqa: E402
+from benchmarks.bench_export import foreign_cpu
+from benchmarks.bench_serve import FULL, THREADS, setup
+from benchmarks.report import (
+    SERVE_WORK,
+    SERVE_WORK_HELP,
+    cpu_line,
+    heading,
+    load_line,
+    parser,
+    publish,
+    stamp,
+)
+from doel.serve.engine import Engine, read_bundle
+from doel.serve.prefix import Hit
+from doel.serve.sampling import SamplingParams
+from doel.serve.scheduler import Scheduler
 
 SLOTS, SHORT, LONG, NEW, LONG_NEW, ROUNDS, STEPS = 4, 128, 1536, 128, 8, 3, 32
 WAYS = ("held in the span", "parked")
@@ -118,13 +118,10 @@ def summary(m: dict) -> dict:
 
 
 def markdown(r: dict) -> str:
-    cpu = r["cpu"]
     lines = [
-        f"# A conversation held between running streams, bangla-0.4b int4 random weights "
-        f"({r['date']}, {r['machine']})",
-        "",
-        f"CPU: {cpu['model_name']}, class **{cpu['class']}** ({isa_summary(cpu)}). {THREADS} "
-        f"threads, {SLOTS} slots. Streams A and C ({SHORT}-token prompts, {NEW} new ids) and B "
+        *heading("A conversation held between running streams, bangla-0.4b int4 random weights", r),
+        f"{cpu_line(r['cpu'])} {THREADS} threads, {SLOTS} slots. Streams A and C ({SHORT}-token "
+        f"prompts, {NEW} new ids) and B "
         f"(a {LONG}-token conversation, {LONG_NEW} new ids) arrive together in slots 0-2; B "
         "ends first. Step: slots 0-2 with slot 1 a placeholder row (mean of "
         f"{STEPS}, best of 3 in each of {ROUNDS} rounds); the scheduler's figures are the best "
@@ -151,30 +148,21 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", help="bench_serve.py's scratch folder (kept and reused)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    args = ap.parse_args(argv)
-    work = Path(args.work or ROOT / "out" / "bench-serve")
+    args = parser(__doc__, work=SERVE_WORK_HELP).parse_args(argv)
+    work = Path(args.work or SERVE_WORK)
     setup(work, FULL, with_llama=False)  # reuses the checkpoint and bundles already there
     t0 = time.perf_counter()
     m, foreign = foreign_cpu(measure, work / "bundle-int4")
     ids = {w: [r["ids"] for r in m["runs"][w]] for w in WAYS}
-    result = {
-        "date": date.today().isoformat(),
-        "machine": f"{os.uname().machine}, {os.cpu_count()} cores",
-        "cpu": this_cpu(),
+    result = stamp() | {
         "summary": summary(m),
         "same_ids": ids[WAYS[0]] == ids[WAYS[1]],
         "copy_ms": m["copy_ms"],
         "foreign_cpu_s": foreign,
         "wall_s": time.perf_counter() - t0,
-        "machine_load": f"load average {os.getloadavg()[0]:.1f} at the end",
+        "machine_load": load_line(),
     }
-    name = f"held_prefix_0.4b_cpu-{result['cpu']['class']}"
-    text = markdown(result)
-    write_result(args.out, name, result, text)
-    print(text)
+    publish(args.out, f"held_prefix_0.4b_cpu-{result['cpu']['class']}", result, markdown(result))
 
 
 if __name__ == "__main__":

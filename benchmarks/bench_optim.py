@@ -16,7 +16,7 @@ in --ramp-accum micro-batches, ramps F against none at several seeds (ramp_runs)
 optim_ramp_small<tag>_cpu-<class>.{json,md}.
 
 Writes benchmarks/results/optim_small<tag>_cpu-<class>.{json,md,png}. Two scales were run:
-`nice -n 10 python benchmarks/bench_optim.py --threads 1` (the default: 1M parameters, 512
+`nice -n 10 python -m benchmarks.bench_optim --threads 1` (the default: 1M parameters, 512
 tokens a step, 100 steps; a few minutes on a quiet machine) and, as `--tag=-mid`,
 `--vocab 8192 --set model.hidden_size=256 --set model.intermediate_size=704 --set seq_len=128
 --set batch_size=16 --set warmup_steps=20 --steps 200 --evals 8 --eval-chars 20000` (5M
@@ -27,7 +27,6 @@ slower than one) and a last call writes the report.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,23 +37,23 @@ import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.bench_train import setup  # noqa: E402
-from benchmarks.cpu_class import this_cpu  # noqa: E402
-from doel.train.build import build_run  # noqa: E402
-from doel.train.config import load_config  # noqa: E402
-from doel.train.loop import batches_on  # noqa: E402
-from doel.train.trainer import (  # noqa: E402
+from benchmarks.bench_train import setup
+from benchmarks.cpu_class import this_cpu, write_result
+from benchmarks.report import parser
+from doel.train.build import build_run
+from doel.train.config import load_config
+from doel.train.loop import batches_on
+from doel.train.trainer import (
     TrainConfig,
     lr_at,
     micro_batches_per_update,
     run_step,
     train_step,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The `small` preset scaled down to what a 2-core CPU shared with five other jobs could train
 # in ~45 minutes (about 4 GFLOP a step; the machine gave this job ~1 GFLOP/s): the
@@ -196,7 +195,7 @@ def cached(work: Path, name: str, fn) -> dict:
         return json.loads(path.read_text())
     result = fn()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result))  # a cache for this script, not a report
     return result
 
 
@@ -308,7 +307,7 @@ def tokens_to_target(horizons: dict[float, dict], target: float, full_tokens: in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     p.add_argument("--work", type=Path, default=Path("/tmp/doel-bench-optim-2048"))
     p.add_argument("--steps", type=int, default=100)
@@ -330,7 +329,6 @@ def main() -> None:
         "--no-cooldown", dest="cooldown", action="store_false", help="skip the decay 0.6 runs"
     )
     p.add_argument("--speed-block", type=int, default=5, help="steps a timing block")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--vocab", type=int, default=VOCAB, help="tokenizer size (and the model's)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE over SCALE")
     p.add_argument("--tag", default="", help="appended to the result files' name")
@@ -419,11 +417,9 @@ def ramp_runs(args, shards: Path, held: HeldOut) -> None:
         "seeds": args.ramp_seeds,
         **ramp_verdict(runs, args.ramps, args.ramp_seeds),
     }
-    out = args.out / f"optim_ramp_small{args.tag}_cpu-{rep['machine']['cpu'].get('class', 'cpu')}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rep, indent=1) + "\n")
-    out.with_suffix(".md").write_text(ramp_markdown(rep))
-    print(f"wrote {out}.json, .md", flush=True)
+    name = f"optim_ramp_small{args.tag}_cpu-{rep['machine']['cpu'].get('class', 'cpu')}"
+    write_result(args.out, name, rep, ramp_markdown(rep))
+    print(f"wrote {args.out / name}.json, .md", flush=True)
 
 
 def ramp_verdict(runs: dict, ramps: list[float], seeds: list[int]) -> dict:
@@ -540,7 +536,6 @@ def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
     wall = None
     if need["interpolated_tokens"]:
         wall = (need["interpolated_tokens"] / tps["muon"]) / (full_tokens / tps["adamw"])
-    cpu = this_cpu()
     big = load_config(TrainConfig, ROOT / "configs" / "bangla-0.4b.toml", [])
     ns = {
         "this_scale": newton_schulz_overhead(config(n, MUON)),
@@ -551,13 +546,7 @@ def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
         projected = need["ratio"] * (1 + ns["bangla-0.4b"]["overhead"])
     return {
         "date": str(date.today()),
-        "machine": {
-            "cpu": cpu,
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": args.threads,
-        },
+        "machine": _machine(args),
         "tag": args.tag,
         "scale": {
             "sets_over_small": [*SCALE, *EXTRA],
@@ -579,12 +568,10 @@ def summarise(args, runs: dict, speed: dict, best_lr: float) -> dict:
 
 
 def write(out: Path, rep: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"optim_small{rep['tag']}_cpu-{rep['machine']['cpu'].get('class', 'cpu')}"
-    (stem.with_suffix(".json")).write_text(json.dumps(rep, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(rep))
-    plot(rep, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json, .md, .png", flush=True)
+    name = f"optim_small{rep['tag']}_cpu-{rep['machine']['cpu'].get('class', 'cpu')}"
+    write_result(out, name, rep, markdown(rep))
+    plot(rep, out / f"{name}.png")
+    print(f"wrote {out / name}.json, .md, .png", flush=True)
 
 
 def markdown(rep: dict) -> str:

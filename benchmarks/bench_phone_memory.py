@@ -10,7 +10,7 @@ and its peak (VmHWM), beside the cache's own size. Measured on x86 (no phone her
 prepack weights differently, so a phone's figure can differ by their packed copies; its speed
 with an fp16 cache is not measured at all (emulation says nothing of speed).
 
-Run: `python benchmarks/bench_phone_memory.py KV_FP32_BUNDLE KV_FP16_BUNDLE --name 0.4b`
+Run: `python -m benchmarks.bench_phone_memory KV_FP32_BUNDLE KV_FP16_BUNDLE --name 0.4b`
 (bundles exported with --mobile). Writes benchmarks/results/phone_memory_NAME.{json,md}.
 """
 
@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from doel.serve.engine import Engine, read_bundle
 
-from doel.serve.engine import Engine, read_bundle  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONTEXTS = (512, 2048)
 DECODE = 32
@@ -85,8 +84,9 @@ def repeated(folder: Path, context: int, model: str) -> dict:
     """`one` in REPEATS fresh processes: the median of each figure, and every run."""
     runs = []
     for _ in range(REPEATS):
-        cmd = [sys.executable, __file__, "--one", str(folder), str(context), "--models", model]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "benchmarks.bench_phone_memory", "--one", str(folder)]
+        cmd += [str(context), "--models", model]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"{folder} at {context}: {proc.stderr.strip()[-600:]}")
         runs.append(json.loads(proc.stdout))
@@ -130,11 +130,13 @@ def markdown(report: dict) -> str:
 
 
 def main() -> None:
+    # Not report.parser: the --one child measures its own resident memory from its start, so
+    # it loads nothing of ours but the engine; the report's modules are imported below.
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundles", nargs="*", type=Path, help="--mobile bundles (fp32, fp16 cache)")
     p.add_argument("--name", default="0.4b")
     p.add_argument("--models", nargs="+", default=MODELS, help="the bundle files loaded")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")  # report.RESULTS
     p.add_argument("--one", nargs=2, metavar=("BUNDLE", "CONTEXT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -142,9 +144,8 @@ def main() -> None:
         return
     import onnxruntime
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from cpu_class import this_cpu
-
+    from benchmarks.cpu_class import this_cpu
+    from benchmarks.report import publish
     from doel.serve.engine import PREFILL_CHUNK
 
     rows = []
@@ -162,10 +163,7 @@ def main() -> None:
         "cpu": f"{cpu['model_name']}, class {cpu['class']}",
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"phone_memory_{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"phone_memory_{args.name}.md").write_text(markdown(report), encoding="utf-8")
-    print(markdown(report))
+    publish(args.out, f"phone_memory_{args.name}", report, markdown(report))
 
 
 if __name__ == "__main__":

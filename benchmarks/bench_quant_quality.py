@@ -28,8 +28,6 @@ waits.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import shutil
@@ -42,16 +40,21 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_serve_llama import (
+    converter,
+    gguf_package,
+    llama_cpp_available,
+    llama_info,
+    make_ggufs,
+)
+from benchmarks.cpu_class import write_result
+from benchmarks.report import parser
+from doel.export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint
+from doel.export.checkpoint import inspect_checkpoint
+from doel.export.parity import eval_texts, torch_reference
+from doel.export.runner import OnnxLM, bits, score, windows
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_serve_llama import converter, llama_cpp_available, llama_info, make_ggufs  # noqa: E402
-
-from doel.export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint  # noqa: E402
-from doel.export.checkpoint import inspect_checkpoint  # noqa: E402
-from doel.export.parity import eval_texts, torch_reference  # noqa: E402
-from doel.export.runner import OnnxLM, bits, score, windows  # noqa: E402
 
 THREADS = 2
 REL_TOL = 1e-3  # llama.cpp f32 vs PyTorch fp32, relative, nats/token
@@ -178,10 +181,7 @@ def onnx_weights(model: Path, vocab: int) -> dict:
 def gguf_weights(path: Path) -> dict:
     """The same from a GGUF file: block linears (blk.*, 2-D), head (output.weight, or the tied
     token_embd.weight that serves as both), embedding."""
-    sys.path.insert(0, str(converter().parent / "gguf-py"))
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    tensors = {t.name: t for t in gguf_package().GGUFReader(str(path)).tensors}
 
     def of(names: list[str]) -> dict:
         kinds = sorted({tensors[n].tensor_type.name for n in names})
@@ -420,12 +420,11 @@ def run(args, work: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="trained checkpoint folder (HF layout)")
     ap.add_argument("--text", nargs="+", default=list(DEFAULT_TEXTS), help="held-out text files")
     ap.add_argument("--eval-tokens", type=int, default=16384, help="split evenly over the files")
     ap.add_argument("--work", help="bundles and GGUF files, kept and reused (default: temporary)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results folder")
     ap.add_argument("--name", default="quant_quality_small", help="results file stem")
     ap.add_argument(
         "--only",
@@ -442,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         VARIANTS[:] = [v for v in VARIANTS if v[0] in keep]
     if not llama_cpp_available():
         raise SystemExit(
-            "llama_cpp is missing: python benchmarks/bench_serve.py --install-llama-cpp"
+            "llama_cpp is missing: python -m benchmarks.bench_serve --install-llama-cpp"
         )
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_quant_quality_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -457,11 +456,8 @@ def main(argv: list[str] | None = None) -> None:
             f"llama.cpp f32 differs from PyTorch fp32 by {res['f32_check']['max_rel_diff']:.2e} "
             f"(tolerance {REL_TOL:.0e}): the windows or the conversion disagree; nothing written"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / f"{args.name}.md").write_text(markdown(res))
-    print(f"wrote {out / args.name}.{{json,md}}")
+    write_result(args.out, args.name, res, markdown(res))
+    print(f"wrote {args.out / args.name}.{{json,md}}")
 
 
 if __name__ == "__main__":

@@ -32,23 +32,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_export import foreign_cpu, make_checkpoint  # noqa: E402
-from bench_serve_engines import best_of  # noqa: E402
-from bench_serve_llama import (  # noqa: E402
+from benchmarks.bench_export import foreign_cpu, make_checkpoint
+from benchmarks.bench_serve_engines import best_of
+from benchmarks.bench_serve_llama import (
     INSTALL_HINT,
     gguf_bytes,
     install_llama_cpp,
@@ -56,8 +50,10 @@ from bench_serve_llama import (  # noqa: E402
     llama_info,
     make_ggufs,
 )
-from bench_serve_report import markdown, plot  # noqa: E402
-from cpu_class import this_cpu, write_result  # noqa: E402
+from benchmarks.bench_serve_report import markdown, plot
+from benchmarks.report import command, publish, stamp
+
+ROOT = Path(__file__).resolve().parents[1]
 
 THREADS = 2
 BUSY_SHARE = 0.05  # of the machine's CPU time used by others during a row
@@ -197,9 +193,9 @@ def export_bundle(ckpt: Path, out: Path, quant: str, eval_tokens: int) -> Path:
 
 
 def run_engine(engine: str, model: Path, spec: Path, out: Path) -> dict:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve_engines.py"), engine, str(model)]
+    cmd = command("bench_serve_engines", engine, model, spec, out)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd + [str(spec), str(out)], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
     return json.loads(out.read_text()) | {"process_s": time.perf_counter() - t0}
@@ -422,10 +418,7 @@ def run_all(work: Path, p: dict, with_llama: bool) -> dict:
         "max_position_embeddings",
     )
     return {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
-        "cpu": this_cpu(),
+        **stamp(python=True),
         "settings": p | {"threads": THREADS, "n_ctx": spec_n_ctx(cfg)},
         "model": {k: cfg[k] for k in keys},
         "parameters_m": safetensors_bytes(ckpt / "model.safetensors")["total"] / 4 / 1e6,
@@ -471,10 +464,8 @@ def main(argv: list[str] | None = None) -> None:
     default_out = ROOT / ("out/bench_serve_quick" if args.quick else "benchmarks/results")
     out = Path(args.out or default_out)
     name = result_name(p["preset"], result["cpu"]["class"])
-    text = markdown(result)
-    write_result(out, name, result, text)
+    publish(out, name, result, markdown(result))
     plot(result, out / f"{name}.png")
-    print(text)
 
 
 if __name__ == "__main__":

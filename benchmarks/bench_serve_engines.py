@@ -1,6 +1,6 @@
 """The engines of the serving benchmark, each measured alone in its own process.
 
-`python benchmarks/bench_serve_engines.py ENGINE MODEL SPEC OUT` loads one engine, times its
+`python -m benchmarks.bench_serve_engines ENGINE MODEL SPEC OUT` loads one engine, times its
 runs as `SPEC` (a JSON file written by bench_serve.py) says, and writes `OUT` (JSON), including
 the process's peak resident memory, which is why every engine gets a fresh interpreter and
 imports only what it needs (our engine never imports torch, so torch's 300 MB are not counted
@@ -31,8 +31,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def timed_run(prefill, step, prompt: list[int], new_tokens: int) -> dict:
@@ -259,10 +257,9 @@ def main(argv: list[str]) -> None:
         result = {"load_s": time.perf_counter() - t0, **measure(run, spec)}
     result["wall_s"] = time.perf_counter() - t0
     result["peak_rss_mb"] = peak_rss_mb()
-    Path(out).write_text(json.dumps(result, indent=1))
+    Path(out).write_text(json.dumps(result))  # for bench_serve.py to read, not a report
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main(sys.argv[1:])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import subprocess
@@ -39,7 +40,7 @@ INSTALL_HINT = (
     f"pip download --no-deps --no-binary :all: llama-cpp-python=={LLAMA_VERSION} -d {SDIST.parent}"
     f"\nCMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS='{CMAKE_ARGS}' pip wheel --no-deps -w {WHEELS} "
     f"{SDIST}\npip install {WHEELS}/llama_cpp_python-{LLAMA_VERSION}-*.whl sentencepiece"
-    "\n(or: python benchmarks/bench_serve.py --install-llama-cpp)"
+    "\n(or: python -m benchmarks.bench_serve --install-llama-cpp)"
 )
 
 
@@ -90,6 +91,28 @@ def converter() -> Path:
         with tarfile.open(SDIST) as tar:
             tar.extractall(src, filter="data")
     return script
+
+
+def gguf_package():
+    """llama.cpp's own `gguf` package, vendored beside convert_hf_to_gguf.py (the version of the
+    llama.cpp that reads our files, not pip's), imported from that folder by its path: its
+    modules import each other as `gguf.x`, so it is registered under that name, as putting its
+    folder first on sys.path would, without editing sys.path. An already imported `gguf` (pip's,
+    through doel.export.gguf) is kept, as an import after such an edit would keep it."""
+    if "gguf" in sys.modules:
+        return sys.modules["gguf"]
+    init = converter().parent / "gguf-py" / "gguf" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "gguf", init, submodule_search_locations=[str(init.parent)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gguf"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["gguf"]
+        raise
+    return module
 
 
 def padded_tokenizer(tokenizer: dict, size: int) -> dict:
@@ -165,11 +188,7 @@ def make_ggufs(ckpt: Path, work: Path, variants: list[str]) -> dict[str, Path]:
 
 
 def gguf_bytes(path: Path) -> dict:
-    script = converter()
-    sys.path.insert(0, str(script.parent / "gguf-py"))
-    from gguf import GGUFReader
-
-    tensors = GGUFReader(str(path)).tensors
+    tensors = gguf_package().GGUFReader(str(path)).tensors
     untied = any(t.name == "output.weight" for t in tensors)  # tied: the table is the head
     emb = sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight" and untied)
     types = sorted({t.tensor_type.name for t in tensors if len(t.shape) > 1})

@@ -15,10 +15,7 @@ Writes benchmarks/results/tokenizer.{json,md,png}. Run: `make bench-tokenizer`.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,13 +23,13 @@ import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.report import heading, machine, parser, publish
+from doel.train.data.fertility import fertility, load_any
+from doel.train.data.prepare import PrepareConfig, prepare
+from doel.train.data.textio import iter_source, resolve_sources
+from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 
-from doel.train.data.fertility import fertility, load_any  # noqa: E402
-from doel.train.data.prepare import PrepareConfig, prepare  # noqa: E402
-from doel.train.data.textio import iter_source, resolve_sources  # noqa: E402
-from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 REFERENCES = {
     "GPT-2": "gpt2/tokenizer.json",
@@ -129,12 +126,11 @@ def throughput(tok_path: Path, paths: list[str], repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--vocab-size", type=int, default=32768)
     ap.add_argument("--bangla-share", type=float, default=0.55)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     data = Path(args.data)
     if not (data / "splits.json").is_file():
@@ -196,8 +192,7 @@ def main() -> None:
     ours = results["doel"]
     report = {
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}",
+        "machine": machine(python=True),
         "bangla_share_of_training_characters": args.bangla_share,
         "tokenizers": results,
         "throughput": speed,
@@ -213,12 +208,8 @@ def main() -> None:
             ),
         },
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    (out / "tokenizer.md").write_text(markdown(report))
-    plot(report, out / "tokenizer.png")
-    print(markdown(report))
+    publish(args.out, "tokenizer", report, markdown(report))
+    plot(report, Path(args.out) / "tokenizer.png")
 
 
 def _tpw(x: dict) -> str:
@@ -229,8 +220,7 @@ def _tpw(x: dict) -> str:
 
 def markdown(r: dict) -> str:
     lines = [
-        f"# Tokenizer benchmark ({r['date']}, {r['machine']})",
-        "",
+        *heading("Tokenizer benchmark", r),
         "Characters per token and tokens per word (whitespace-separated) on the validation "
         "split of `../shared/data/splits.json` (Bangla: Bengali-script text of the bn files; "
         "English: Latin-script text of the en files). Tokenizers marked * were trained here at "

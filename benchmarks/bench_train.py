@@ -30,13 +30,13 @@ import time
 from datetime import date
 from pathlib import Path
 
+import torch
+
+from benchmarks.report import RESULTS, publish
+from doel.train.config import load_config
+from doel.train.trainer import TrainConfig, lr_at
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from doel.train.config import load_config  # noqa: E402
-from doel.train.trainer import TrainConfig, lr_at  # noqa: E402
 
 CONTENDERS = ("doel", "plain", "plain-bf16")
 
@@ -95,7 +95,7 @@ def run_contender(name: str, data: Path, out: Path, steps: int, budget: float) -
         cmd = [
             sys.executable,
             "-m",
-            "train",
+            "doel.train",
             "fit",
             "--config",
             "small",
@@ -120,7 +120,8 @@ def run_contender(name: str, data: Path, out: Path, steps: int, budget: float) -
     else:
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "benchmarks.bench_train",
             "plain",
             "--data",
             str(data),
@@ -410,8 +411,6 @@ def doel_for_steps(args, tok: Path, shards: Path, val: dict) -> None:
         },
     }
     name = f"train_small_cpu_{run['steps']}steps"
-    out = ROOT / "benchmarks" / "results"
-    (out / f"{name}.json").write_text(json.dumps(rep | {"curve": run["curve"]}, indent=1))
     rows = [f"| {n} | {b['bn']:.3f} | {b['en']:.3f} |" for n, b in rep["bits_per_char"].items()] + [
         f"| `{c}` | {comp['bn'][c]:.3f} | {comp['en'][c]:.3f} |" for c in comp["bn"]
     ]
@@ -433,8 +432,7 @@ def doel_for_steps(args, tok: Path, shards: Path, val: dict) -> None:
             "",
         ]
     )
-    (out / f"{name}.md").write_text(md)
-    print(md)
+    publish(RESULTS, name, rep | {"curve": run["curve"]}, md)
 
 
 def main() -> None:
@@ -477,12 +475,9 @@ def main() -> None:
     folders = {n: args.work / n / "final" for n in runs}
     scores = evaluate_all(folders, tok, val, args.eval_chars)
     rep = summarise(runs, scores, args.budget, peaks())
-    out = ROOT / "benchmarks" / "results"
     curves = {n: r["curve"] for n, r in runs.items()}
-    (out / "train_small_cpu.json").write_text(json.dumps(rep | {"curves": curves}, indent=1))
-    (out / "train_small_cpu.md").write_text(markdown(rep))
-    plot(runs, out / "train_small_cpu.png")
-    print(markdown(rep))
+    publish(RESULTS, "train_small_cpu", rep | {"curves": curves}, markdown(rep))
+    plot(runs, RESULTS / "train_small_cpu.png")
 
 
 if __name__ == "__main__":

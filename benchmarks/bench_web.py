@@ -16,31 +16,27 @@ largest peak resident memory of Chromium's processes (the renderer that holds th
 whether the page's greedy ids equal the engine's (and where they first differ), the CPU class
 and the CPU seconds other processes used meanwhile.
 
-Results: benchmarks/results/web_cpu-<class>.{json,md}. Run: `python benchmarks/bench_web.py
+Results: benchmarks/results/web_cpu-<class>.{json,md}. Run: `python -m benchmarks.bench_web
 --bundle demo=out/demo/bundle-int4 --bundle 0.4b=DIR` (a 0.4B random-weight int4 bundle:
 `--make-0.4b WORK` builds one with bench_export's checkpoint and `doel-export --web`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.bench_export import machine_busy_s, make_checkpoint, own_cpu_s
+from benchmarks.cpu_class import isa_summary
+from benchmarks.report import command, heading, parser, publish, stamp
 
-from bench_export import machine_busy_s, make_checkpoint, own_cpu_s  # noqa: E402
-from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SHORT, LONG, NEW, REPEATS = 128, 512, 64, 2
 THREADS = (1, 2)
@@ -99,8 +95,8 @@ def engine_row(bundle: Path, spec: dict, threads: int, work: Path) -> dict:
     path = work / f"spec-{threads}.json"
     path.write_text(json.dumps(spec | {"threads": threads}))
     out = work / f"engine-{bundle.name}-{threads}.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve_engines.py"), "doel"]
-    proc = subprocess.run(cmd + [str(bundle), str(path), str(out)], capture_output=True, text=True)
+    cmd = command("bench_serve_engines", "doel", bundle, path, out)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"engine run failed:\n{proc.stderr[-2000:]}")
     return json.loads(out.read_text())
@@ -274,8 +270,7 @@ def measure_bundle(name: str, bundle: Path, work: Path) -> dict:
 def markdown(result: dict) -> str:
     cpu = result["cpu"]
     lines = [
-        f"# The browser page vs doel-serve's engine ({result['date']})",
-        "",
+        *heading("The browser page vs doel-serve's engine", result, with_machine=False),
         f"{cpu['model_name']} ({isa_summary(cpu)}; class {cpu['class']}), {result['machine']}; "
         f"Chromium {result['chromium']}, onnxruntime-web {result['runtime']['onnxruntime-web']} "
         "(WebAssembly, SIMD) vs onnxruntime "
@@ -338,10 +333,9 @@ def make_big(work: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--bundle", action="append", default=[], help="NAME=DIR (repeat)")
     ap.add_argument("--make-0.4b", dest="big", help="WORK folder: build (or reuse) a 0.4B bundle")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     bundles = [tuple(b.split("=", 1)) for b in args.bundle]
     if args.big:
@@ -354,11 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as work:
         measured = [measure_bundle(n, Path(d), Path(work)) for n, d in bundles]
-    result = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}",
-        "cpu": this_cpu(),
+    result = stamp(python=True) | {
         "chromium": chromium.split()[1] if chromium else None,  # "Chromium 156.0... built on"
         "onnxruntime": onnxruntime.__version__,
         "runtime": runtime_versions(),
@@ -367,10 +357,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_after": os.getloadavg(),
         "bundles": measured,
     }
-    name = f"web_cpu-{result['cpu']['class']}"
-    text = markdown(result)
-    write_result(args.out, name, result, text)
-    print(text)
+    publish(args.out, f"web_cpu-{result['cpu']['class']}", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ benchmarks/results/arm64_*.md), so CI runs only the comparison's unit tests
 
 The environment is built once and cached (DOEL_ARM64_CACHE, default ~/.cache/doel/arm64); after
 that the check needs no network. Run: `make check-arm64` (make demo's model, exported with
---mobile), or `python benchmarks/check_arm64.py DIR [DIR ...] --name NAME`.
+--mobile), or `python -m benchmarks.check_arm64 DIR [DIR ...] --name NAME`.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from doel.serve.engine import BundleError, Engine, read_bundle  # the worker's too, under qemu
 
-from doel.serve.engine import BundleError, Engine, read_bundle  # noqa: E402  (also run under qemu)
+ROOT = Path(__file__).resolve().parents[1]
 
 CACHE = Path(os.environ.get("DOEL_ARM64_CACHE", Path.home() / ".cache" / "doel" / "arm64"))
 SUITE, PYTHON = "bookworm", "python3.11"  # the arm64 userland: Debian 12's Python 3.11
@@ -59,6 +58,8 @@ PROMPTS = (
 # kernels moved logits by at most 4.3e-3 of the largest, flipped the top-1 at 3 of 512 held-out
 # positions (near-ties) and moved the loss by 2e-4 nats/token or less; the bounds leave ~5-10x.
 BOUNDS = {"top1_agreement": 0.98, "max_rel_diff": 0.02, "loss_increase": 0.002}
+# How an interpreter runs the worker below (run_side adds `--worker DIR`), from ROOT.
+WORKER = ("-m", "benchmarks.check_arm64")
 
 
 class ArmError(Exception):
@@ -147,9 +148,9 @@ def ensure_env(cache: Path = CACHE) -> dict:
     pins = [f"{n}=={_version(n)}" for n in ("onnxruntime", "numpy", "tokenizers")]
     arm = ("manylinux_2_28_aarch64", "manylinux2014_aarch64")
     site = _wheels(cache / ("site-" + "-".join(pins).replace("==", "")), arm, pins)
-    arm_py = [str(qemu), "-L", str(root), str(root / "usr/bin" / PYTHON), __file__]
+    arm_py = [str(qemu), "-L", str(root), str(root / "usr/bin" / PYTHON), *WORKER]
     return {
-        "x86_64": {"cmd": [sys.executable, __file__], "env": {}},
+        "x86_64": {"cmd": [sys.executable, *WORKER], "env": {}},
         **{
             f"aarch64 {cpu}": {"cmd": arm_py, "env": {"PYTHONPATH": str(site), "QEMU_CPU": cpu}}
             for cpu in CPUS
@@ -313,7 +314,8 @@ def run_side(spec: dict, job: dict, work_dir: Path, timeout: float) -> tuple[dic
     (work_dir / "job.json").write_text(json.dumps(job), encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", **spec["env"]}
     cmd = [*spec["cmd"], "--worker", str(work_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # From the root, which `-m` puts on sys.path: the emulated Python has no doel installed.
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise ArmError(f"{' '.join(cmd[:2])} failed:\n" + "\n".join(proc.stderr.splitlines()[-8:]))
     result = json.loads((work_dir / "result.json").read_text(encoding="utf-8"))
@@ -419,8 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ArmError, BundleError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from cpu_class import this_cpu
+    # Here, not at the top: the worker (the same module, under qemu) needs none of the report.
+    from benchmarks.cpu_class import this_cpu
+    from benchmarks.report import publish
 
     cpu = this_cpu()
     qemu = subprocess.run(
@@ -440,10 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         "window_positions": rows[0]["positions"] if rows else 0,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"arm64_{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"arm64_{args.name}.md").write_text(markdown(report), encoding="utf-8")
-    print(markdown(report))
+    publish(args.out, f"arm64_{args.name}", report, markdown(report))
     return 1 if any(r["failures"] for r in rows) else 0
 
 

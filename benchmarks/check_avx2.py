@@ -17,7 +17,7 @@ benchmarks/results/avx2_*.md.
 
 Emulated time says nothing about an AVX2 host's speed; only correctness is checked. Needs
 qemu-user-static (`apt-get install qemu-user-static`; Debian 12's 7.2 emulates AVX2). Run:
-`python benchmarks/check_avx2.py BUNDLE [BUNDLE ...] --name NAME`.
+`python -m benchmarks.check_avx2 BUNDLE [BUNDLE ...] --name NAME`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import check_arm64 as arm  # (its worker runs on both sides)
 
-import check_arm64 as arm  # noqa: E402  (its worker runs on both sides)
+ROOT = Path(__file__).resolve().parents[1]
 
 CPUS = ("EPYC-Rome", "EPYC-Milan", "Haswell")  # AVX2 + FMA, no AVX-512: AMD Zen 2/3, Intel
 FEATURES = ("AVX2", "FMA3", "AVX512F", "AVX512_VNNI", "AVX512VNNI")
@@ -60,7 +59,8 @@ def guest_command(qemu: str, cpu: str) -> list[str]:
 
 def _quiet(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     # qemu names every host CPUID bit its emulator lacks on stderr; only failures matter.
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    # From the root, where `-m` finds the benchmarks package under any interpreter.
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def cpu_features(prefix: list[str]) -> dict[str, bool]:
@@ -119,7 +119,7 @@ def gemm_probe() -> dict:
 
 
 def run_probe(prefix: list[str], timeout: float) -> dict:
-    proc = _quiet([*prefix, __file__, "--probe"], timeout)
+    proc = _quiet([*prefix, "-m", "benchmarks.check_avx2", "--probe"], timeout)
     if proc.returncode != 0:
         raise Avx2Error(f"the GEMM probe failed:\n{proc.stderr[-600:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             raise Avx2Error(f"qemu's {args.cpu} is not AVX2-only here: {guest_features}")
         probe = {"native": gemm_probe(), "guest": run_probe(guest, args.timeout)}
         env = {
-            "x86_64": {"cmd": [sys.executable, arm.__file__], "env": {}},
-            side: {"cmd": [*guest, arm.__file__], "env": {}},
+            "x86_64": {"cmd": [sys.executable, *arm.WORKER], "env": {}},
+            side: {"cmd": [*guest, *arm.WORKER], "env": {}},
         }
         sizes = (arm.PROMPTS[: args.prompts], args.new_tokens, args.window)
         jobs = [arm.make_job(b, texts, ("model.onnx",), *sizes) for b in args.bundles]
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     except (Avx2Error, arm.ArmError, arm.BundleError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from cpu_class import this_cpu
+    from benchmarks.cpu_class import this_cpu
+    from benchmarks.report import publish
 
     cpu = this_cpu()
     version = _quiet([qemu, "--version"], 60).stdout.split()
@@ -233,10 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "gemm_probe": probe,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"avx2_{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"avx2_{args.name}.md").write_text(markdown(report), encoding="utf-8")
-    print(markdown(report))
+    publish(args.out, f"avx2_{args.name}", report, markdown(report))
     return 1 if any(r["failures"] for r in rows) else 0
 
 

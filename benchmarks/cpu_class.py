@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import platform
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from doel.train.common import atomic_write_bytes  # noqa: E402  (no torch: plain file writes)
+from doel.train.common import atomic_write_bytes  # no torch: plain file writes
 
 # Reported name -> the kernel flags as Linux spells them (x86 `flags`, ARM `Features`).
 ISA = {
@@ -94,7 +92,8 @@ def write_result(out: str | Path, name: str, result: dict, text: str) -> Path:
     """`name`.json and `name`.md in `out` (made if missing), each written whole and renamed into
     place: a benchmark stopped midway leaves the last result as it was."""
     out = Path(out)
-    atomic_write_bytes(out / f"{name}.json", (json.dumps(result, indent=2) + "\n").encode())
+    text_json = json.dumps(result, indent=2, ensure_ascii=False) + "\n"  # Bangla as written
+    atomic_write_bytes(out / f"{name}.json", text_json.encode("utf-8"))
     atomic_write_bytes(out / f"{name}.md", text.encode("utf-8"))
     return out / f"{name}.md"
 

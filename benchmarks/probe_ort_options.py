@@ -10,7 +10,7 @@ life), and its first 8-row logits are compared with the default's (same inputs):
 that changes the results is not a speed option.
 
 Writes benchmarks/results/ort_options_0.4b_cpu-<class>.{json,md}. Run:
-`python benchmarks/probe_ort_options.py --work DIR` (bench_serve.py's --work folder; its
+`python -m benchmarks.probe_ort_options --work DIR` (bench_serve.py's --work folder; its
 bundles are reused, made there if missing): a few minutes on a quiet machine.
 """
 
@@ -18,25 +18,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_export import foreign_cpu
+from benchmarks.bench_serve import FULL, THREADS, busy, setup
+from benchmarks.profile_serve import ratio_ceiling
+from benchmarks.report import (
+    SERVE_WORK,
+    SERVE_WORK_HELP,
+    command,
+    cpu_line,
+    heading,
+    load_line,
+    parser,
+    publish,
+    stamp,
+)
+from doel.serve.engine import Engine, read_bundle
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_export import foreign_cpu  # noqa: E402
-from bench_serve import FULL, THREADS, busy, setup  # noqa: E402
-from cpu_class import isa_summary, this_cpu, write_result  # noqa: E402
-from profile_serve import ratio_ceiling  # noqa: E402
-
-from doel.serve.engine import Engine, read_bundle  # noqa: E402
 
 # label -> (session config entries, what the option changes); the default first
 OPTIONS = {
@@ -119,8 +123,8 @@ def stream_tok_s(p: float, t1: float, t8: float, new: int = 128) -> tuple[float,
 
 
 def one(bundle: Path, label: str, logits: Path) -> dict:
-    cmd = [sys.executable, __file__, "--one", str(bundle), label, str(logits)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = command("probe_ort_options", "--one", bundle, label, logits)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{bundle.name} / {label} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.splitlines()[-1])
@@ -146,15 +150,15 @@ def run(work: Path) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    cpu = result["cpu"]
+    title = (
+        "ONNX Runtime's session options against the batched decode step, bangla-0.4b random weights"
+    )
     lines = [
-        f"# ONNX Runtime's session options against the batched decode step, bangla-0.4b random "
-        f"weights ({result['date']}, {result['machine']})",
-        "",
-        f"CPU: {cpu['model_name']}, class **{cpu['class']}** ({isa_summary(cpu)}). "
-        f"onnxruntime {result['onnxruntime']}, {THREADS} threads, serve/engine.py with {SLOTS} "
-        f"slots, each holding a {PROMPT}-token prompt; steps are the mean of {STEPS}, best of 3, "
-        f"and every figure the best of {PROCESSES} processes, the options taking turns. Ceiling: "
+        *heading(title, result),
+        f"{cpu_line(result['cpu'])} onnxruntime {result['onnxruntime']}, {THREADS} threads, "
+        f"serve/engine.py with {SLOTS} slots, each holding a {PROMPT}-token prompt; steps are "
+        f"the mean of {STEPS}, best of 3, and every figure the best of {PROCESSES} processes, "
+        "the options taking turns. Ceiling: "
         "8 streams / 1 with these P, t1 and t8 (128-token prompts, 128 new tokens), whatever the "
         "scheduling; tokens/s: one stream's and eight streams' at best with them. An option that "
         "lifts the ceiling by slowing one stream serves nobody faster.",
@@ -181,9 +185,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", help="bench_serve.py's scratch folder (kept and reused)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap = parser(__doc__, work=SERVE_WORK_HELP)
     ap.add_argument(
         "--one", nargs=3, metavar=("BUNDLE", "OPTION", "LOGITS"), help=argparse.SUPPRESS
     )
@@ -193,19 +195,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     import onnxruntime
 
-    work = Path(args.work or ROOT / "out" / "bench-serve")
-    result = {
-        "date": date.today().isoformat(),
-        "machine": f"{os.uname().machine}, {os.cpu_count()} cores",
-        "cpu": this_cpu(),
-        "onnxruntime": onnxruntime.__version__,
-        "rows": run(work),
-    }
-    result["machine_load"] = f"load average {os.getloadavg()[0]:.1f} at the end"
-    name = f"ort_options_0.4b_cpu-{result['cpu']['class']}"
-    text = markdown(result)
-    write_result(args.out, name, result, text)
-    print(text)
+    work = Path(args.work or SERVE_WORK)
+    result = stamp() | {"onnxruntime": onnxruntime.__version__, "rows": run(work)}
+    result["machine_load"] = load_line()
+    publish(args.out, f"ort_options_0.4b_cpu-{result['cpu']['class']}", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,13 @@ gate/up projection, K 1024, N 2816) as fp32 MatMul, as int8 DynamicQuantizeMatMu
 column) and as int4 MatMulNBits (block 128, symmetric, what doel's int4 bundles hold), each after
 warm-up, the mean of 40 runs. The runtime is the one `doel-export --web` installs (export/web.py).
 
-Run: `python benchmarks/probe_web_matmul.py` (needs Node.js and npm); prints a Markdown table.
+Run: `python -m benchmarks.probe_web_matmul` (needs Node.js and npm); prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,10 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from doel.export.web import runtime_modules  # noqa: E402
+from doel.export.web import runtime_modules
 
 K, N, RUNS = 1024, 2816, 40
 

@@ -13,7 +13,7 @@ them), with 2 threads as in the serving benchmark:
   kernel that is compute-bound at 8 rows costs per row what it costs at 128).
 
 Where other jobs share the machine, run it with priority (a scheduler autogroup at nice -20:
-`setsid bash -c 'echo -20 > /proc/self/autogroup; python benchmarks/profile_serve.py'`): plain
+`setsid bash -c 'echo -20 > /proc/self/autogroup; python -m benchmarks.profile_serve'`): plain
 `nice` does not reach across the autogroups of other sessions.
 Writes benchmarks/results/profile_serve_0.4b_cpu-<class>.{json,md}. Run after bench_serve.py
 (`--work DIR` of a kept run) or alone (it builds the bundles: about 3 minutes).
@@ -21,10 +21,8 @@ Writes benchmarks/results/profile_serve_0.4b_cpu-<class>.{json,md}. Run after be
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -36,16 +34,12 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_export import foreign_cpu  # noqa: E402
-from bench_serve import FULL, bandwidth, setup  # noqa: E402
-from cpu_class import this_cpu, write_result  # noqa: E402
-
-from doel.serve.engine import Engine, read_bundle  # noqa: E402
-from doel.serve.sampling import SamplingParams, sample  # noqa: E402
+from benchmarks.bench_export import foreign_cpu
+from benchmarks.bench_serve import FULL, bandwidth, setup
+from benchmarks.cpu_class import this_cpu, write_result
+from benchmarks.report import SERVE_WORK_HELP, cpu_name, load_line, parser, publish
+from doel.serve.engine import Engine, read_bundle
+from doel.serve.sampling import SamplingParams, sample
 
 THREADS = 2
 PROMPT = 128
@@ -559,11 +553,10 @@ def gemm_paragraph(r: dict) -> str:
 
 
 def markdown(r: dict) -> str:
-    cpu = r["cpu"]
     lines = [
         f"# Where a served token's time goes, bangla-0.4b (random weights), {r['date']}",
         "",
-        f"CPU: {cpu.get('model_name', '?')}, class **{cpu['class']}**; {r['threads']} threads; "
+        f"CPU: {cpu_name(r['cpu'])}; {r['threads']} threads; "
         f"decode steps {r['prompt']} tokens into each row's sequence. Made by "
         "`benchmarks/profile_serve.py` (ONNX Runtime's profiler).",
         "",
@@ -639,23 +632,20 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", help="bench_serve's scratch folder (kept and reused)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap = parser(__doc__, work=SERVE_WORK_HELP)
     ap.add_argument("--render", help="a result JSON to write as Markdown again (no measuring)")
     args = ap.parse_args(argv)
-    if args.render:
+    if args.render:  # the JSON is written again as it was, whole, beside its new Markdown
         path = Path(args.render)
-        path.with_suffix(".md").write_text(markdown(json.loads(path.read_text())))
+        result = json.loads(path.read_text())
+        write_result(path.parent, path.stem, result, markdown(result))
         return
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     work = Path(args.work or tempfile.mkdtemp(prefix="profile_serve_"))
     result = run(work)
-    result["machine_load"] = f"load average {os.getloadavg()[0]:.1f} at the end (2 cores)"
+    result["machine_load"] = load_line("at the end (2 cores)")
     name = f"profile_serve_0.4b_cpu-{result['cpu']['class']}"
-    text = markdown(result)
-    write_result(args.out, name, result, text)
-    print(text)
+    publish(args.out, name, result, markdown(result))
 
 
 if __name__ == "__main__":

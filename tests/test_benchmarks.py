@@ -3,6 +3,7 @@ benchmark's engine runs, bandwidth bound, targets and report work on the tiny bu
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import os
@@ -20,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_benchmark_script_reports_mfu_and_the_gate(tmp_path):
     cmd = [
         sys.executable,
-        "benchmarks/bench_gpu.py",
+        "-m",
+        "benchmarks.bench_gpu",
         "--config",
         "tiny",
         "--steps",
@@ -44,9 +46,8 @@ def test_gpu_benchmark_script_reports_mfu_and_the_gate(tmp_path):
 
 
 def _bench(name: str = "bench_serve"):
-    """A script of benchmarks/ as a module (they import each other by name)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    return importlib.import_module(name)
+    """A script of benchmarks/ as the module `benchmarks.NAME` (the package the root holds)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 QUICK = {
@@ -111,8 +112,8 @@ def test_serve_benchmark_times_our_engine_and_its_sweep_in_their_own_processes(
 
 def test_serve_benchmark_targets_verdicts_and_report(serve_spec, tmp_path):
     bench = _bench()
-    from bench_serve_report import markdown, plot
-    from cpu_class import describe
+    from benchmarks.bench_serve_report import markdown, plot
+    from benchmarks.cpu_class import describe
 
     def row(variant, engine, decode, ttft, mem):
         run = {"ttft_s": ttft, "decode_tok_s": decode, "runs": []}
@@ -232,8 +233,7 @@ def _cpuinfo(vendor: str, name: str, flags: str) -> str:
     ],
 )
 def test_cpu_class_names_the_best_int8_path_from_cpuinfo_flags(vendor, flags, slug):
-    _bench()
-    from cpu_class import describe
+    from benchmarks.cpu_class import describe
 
     cpu = describe(_cpuinfo(vendor, "Some CPU", flags), "x86_64")
     assert cpu["class"] == slug and cpu["model_name"] == "Some CPU"
@@ -243,7 +243,7 @@ def test_cpu_class_names_the_best_int8_path_from_cpuinfo_flags(vendor, flags, sl
 
 def test_cpu_class_reads_arm_features_and_names_the_result_file():
     bench = _bench()
-    from cpu_class import describe, this_cpu
+    from benchmarks.cpu_class import describe, this_cpu
 
     graviton3 = "processor\t: 0\nFeatures\t: fp asimd crc32 atomics asimddp sve i8mm bf16\n"
     cpu = describe(graviton3 + "CPU part\t: 0xd40\n", "aarch64")
@@ -272,8 +272,7 @@ def _accuracy_levels(model: Path) -> set[int]:
 def test_accuracy_level_probe_changes_only_the_attribute_and_times_steps(
     tiny_bundle, tmp_path, monkeypatch
 ):
-    _bench()
-    import bench_accuracy_level as probe
+    probe = _bench("bench_accuracy_level")
 
     from doel.export.bundle import ExportOptions, export_checkpoint
 
@@ -299,8 +298,7 @@ def test_accuracy_level_probe_changes_only_the_attribute_and_times_steps(
 def test_gguf_tokenizer_lists_every_embedding_row_and_encodes_as_before(tokenizer_path):
     from tokenizers import Tokenizer
 
-    _bench()
-    from bench_serve_llama import padded_tokenizer
+    from benchmarks.bench_serve_llama import padded_tokenizer
 
     raw = json.loads(Path(tokenizer_path).read_text(encoding="utf-8"))
     padded = padded_tokenizer(raw, 3000)
@@ -542,3 +540,131 @@ def test_a_benchmark_result_is_written_whole_beside_its_markdown(tmp_path, monke
         "x_cpu-amd-avx2.json",
         "x_cpu-amd-avx2.md",
     ]
+
+
+# ---------------------------------------------------------------- benchmarks/ as a package
+
+
+def sys_path_edits(source: str) -> list[int]:
+    """Lines where a source changes sys.path: a call of one of its methods (insert, append,
+    extend, ...), an assignment to it or to an item of it, or `+=` on it."""
+
+    def is_sys_path(node) -> bool:
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        )
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if is_sys_path(node.func.value):
+                lines.append(node.lineno)
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, ast.AugAssign) else []
+        for t in targets:
+            if is_sys_path(t) or (isinstance(t, ast.Subscript) and is_sys_path(t.value)):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_sys_path_check_finds_every_kind_of_edit():
+    source = (
+        "import sys\n"
+        "sys.path.insert(0, 'x')\n"
+        "sys.path.append('x')\n"
+        "sys.path[:0] = ['x']\n"
+        "sys.path += ['x']\n"
+        "sys.path = ['x']\n"
+        "print(sys.path, 'sys.path.insert')\n"  # reading it, or naming it in text, is no edit
+    )
+    assert sys_path_edits(source) == [2, 3, 4, 5, 6]
+
+
+def test_no_file_of_benchmarks_or_tests_edits_sys_path():
+    """Benchmarks import each other as `benchmarks.NAME` and run as `python -m benchmarks.NAME`
+    from the root; llama.cpp's vendored gguf package is loaded by its path
+    (bench_serve_llama.gguf_package). No exception."""
+    files = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tests").glob("*.py")])
+    assert len(files) > 40
+    edits = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in files
+        for line in sys_path_edits(p.read_text(encoding="utf-8"))
+    ]
+    assert edits == []
+
+
+# Scripts of benchmarks/ that write no results file, and why.
+NOT_RESULTS = {
+    "__init__": "the package",
+    "report": "the helpers themselves",
+    "cpu_class": "prints this CPU's class",
+    "bench_serve_engines": "one engine's figures, a file for bench_serve's own process",
+    "bench_serve_llama": "builds llama-cpp-python and GGUF files",
+    "bench_serve_report": "bench_serve's Markdown and PNG",
+    "probe_web_matmul": "prints a table",
+}
+
+
+def _calls(tree: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+
+
+def _name(func: ast.expr) -> str:
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def test_every_benchmark_writes_its_results_through_write_result():
+    """A results file written whole (cpu_class.write_result: a stopped run leaves the last
+    one), never by hand: no `.write_text(json.dumps(..., indent=...))` (indented JSON is for
+    reading: a report; what a process leaves for another is compact) and no
+    `.write_text(markdown(...))` anywhere in benchmarks/."""
+    scripts = {p.stem: p for p in (ROOT / "benchmarks").glob("*.py")}
+    assert set(NOT_RESULTS) < set(scripts), "a script named in NOT_RESULTS is gone"
+    trees = {name: ast.parse(p.read_text(encoding="utf-8")) for name, p in scripts.items()}
+    assert "write_result" in {_name(c.func) for c in _calls(trees["report"])}  # publish's
+    missing = [
+        name
+        for name, tree in sorted(trees.items())
+        if name not in NOT_RESULTS
+        and not {"write_result", "publish"} & {_name(c.func) for c in _calls(tree)}
+    ]
+    assert missing == []
+    by_hand = []
+    for name, tree in sorted(trees.items()):
+        for call in _calls(tree):
+            if _name(call.func) != "write_text" or not call.args:
+                continue
+            arg = call.args[0]
+            report_json = isinstance(arg, ast.Call) and _name(arg.func) == "dumps"
+            report_json = report_json and any(k.arg == "indent" for k in arg.keywords)
+            if report_json or (isinstance(arg, ast.Call) and "markdown" in _name(arg.func)):
+                by_hand.append(f"{name}:{call.lineno}")
+    assert by_hand == []
+
+
+@pytest.mark.slow  # a fresh interpreter per script
+def test_every_benchmark_runs_as_a_module_of_the_package():
+    """`python -m benchmarks.NAME --help` from the root, for every script with a command line:
+    what the Makefile, the docstrings and the scripts' own subprocesses run."""
+    names = sorted(
+        p.stem
+        for p in (ROOT / "benchmarks").glob("*.py")
+        if "parse_args(" in p.read_text(encoding="utf-8") and p.stem != "report"
+    )
+    assert {"bench_serve", "check_arm64", "bench_train", "profile_serve"} <= set(names)
+    env = {**os.environ, "PYTHONPATH": ""}
+    for name in names:
+        proc = subprocess.run(
+            [sys.executable, "-m", f"benchmarks.{name}", "--help"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+        assert "usage:" in proc.stdout, name

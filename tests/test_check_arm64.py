@@ -4,15 +4,12 @@ benchmarks/results/arm64_*.md)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from check_arm64 import BOUNDS, compare, first_divergence, window_stats  # noqa: E402
+from benchmarks.check_arm64 import BOUNDS, compare, first_divergence, window_stats
 
 VOCAB = 16
 
@@ -89,8 +86,7 @@ def test_compare_passes_equal_runs_and_names_each_failure():
 def test_the_worker_decodes_as_serving_does(tiny_bundle, tmp_path):
     """Each side's worker on x86 (the tiny fp32 bundle): its greedy ids are serve's at
     temperature 0, its window logits the engine's, and a run compared with itself passes."""
-    from check_arm64 import make_job, work
-
+    from benchmarks.check_arm64 import make_job, work
     from doel.serve.engine import Engine, read_bundle
     from doel.serve.sampling import SamplingParams
 

@@ -5,15 +5,10 @@ export's choice rests on."""
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import check_avx2  # noqa: E402
+from benchmarks import check_avx2
 
 
 @pytest.mark.parametrize(
