@@ -22,17 +22,17 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from doel.contracts.errors import error_dict
 from doel.serve import chat
-from doel.serve.completions import first_piece, stream, unless_gone, whole
+from doel.serve import completions as completion
+from doel.serve.completions import respond
 from doel.serve.guard import AllowedHosts, Guard
 from doel.serve.metrics import CountRequests, Metrics
 from doel.serve.protocol import (
@@ -52,7 +52,6 @@ from doel.serve.protocol_chat import ChatCompletion, ChatCompletionRequest
 from doel.serve.service import RequestError, Service
 
 log = logging.getLogger("doel.serve")
-T = TypeVar("T")
 ERRORS = {
     400: {"model": ErrorResponse},
     404: {"model": ErrorResponse},
@@ -203,21 +202,11 @@ def add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/completions", response_model=Completion, responses=ERRORS)
     async def completions(req: CompletionRequest, request: Request):
-        svc = service(request, req.model)
-        if not req.stream:
-            return await unless_gone(request, whole(svc, req))
-        # Until the first piece (in the queue, then the prompt going in), nothing watches the
-        # connection but this; from then on the streaming response does.
-        pieces = await unless_gone(request, first_piece(svc.complete(req)))
-        return StreamingResponse(stream(svc, req, pieces), media_type="text/event-stream")
+        return await respond(request, completion, service(request, req.model), req)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        svc = service(request, req.model)
-        if not req.stream:
-            return await unless_gone(request, chat.whole(svc, req))
-        pieces = await unless_gone(request, first_piece(chat.pieces(svc, req)))
-        return StreamingResponse(chat.stream(svc, req, pieces), media_type="text/event-stream")
+        return await respond(request, chat, service(request, req.model), req)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):

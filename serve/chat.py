@@ -1,19 +1,17 @@
 """Serving a chat completion: messages rendered with the bundle's chat template
-(serve/template.py), the reply generated as completions are (the same scheduler, limits and
-disconnect watch, serve/completions.py) until the end-of-turn token or EOS, and answered in
-OpenAI's chat shapes: one `chat.completion`, or `chat.completion.chunk` events whose first
-delta names the role and whose last carries the finish reason (then, with
+(serve/template.py), the reply generated as completions are (the same scheduler, limits,
+disconnect watch and answer skeleton, serve/completions.py) until the end-of-turn token or EOS,
+and answered in OpenAI's chat shapes: one `chat.completion`, or `chat.completion.chunk` events
+whose first delta names the role and whose last carries the finish reason (then, with
 `stream_options.include_usage`, a chunk with the usage and no choices).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
-from doel.serve.protocol import Usage, sse
+from doel.serve.completions import envelope, events, joined, usage_of
 from doel.serve.protocol_chat import (
     AssistantMessage,
     ChatChoice,
@@ -70,42 +68,30 @@ async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piec
             yield p
 
 
-async def stream(
+def stream(
     svc: Service, req: ChatCompletionRequest, pieces: AsyncIterator[Piece]
 ) -> AsyncIterator[str]:
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.name}
-    with_usage = req.include_usage()
     # As OpenAI: with include_usage every chunk has a null usage, and one more carries it.
-    empty = {"usage": None} if with_usage else {}
+    empty = {"usage": None} if req.include_usage() else {}
 
-    def chunk(delta: dict, finish: str | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return sse(head | {"choices": [choice]} | empty)
+        return {"choices": [choice]} | empty
 
-    yield chunk({"role": "assistant", "content": ""})
-    async with contextlib.aclosing(pieces):
-        async for p in pieces:
-            if p.text:
-                yield chunk({"content": p.text})
-            if p.finish_reason:
-                yield chunk({}, p.finish_reason)
-                if with_usage:
-                    usage = Usage.of(p.prompt_tokens, p.completion_tokens, p.cached_tokens)
-                    yield sse(head | {"choices": [], "usage": usage.model_dump()})
-    yield "data: [DONE]\n\n"
+    def chunks(p: Piece) -> Iterator[dict]:
+        if p.text:
+            yield chunk({"content": p.text})
+        if p.finish_reason:
+            yield chunk({}, p.finish_reason)
+
+    head = envelope("chatcmpl", "chat.completion.chunk", svc.name)
+    role = chunk({"role": "assistant", "content": ""})  # the first delta names the role
+    return events(head, pieces, chunks, req.include_usage(), first=[role])
 
 
 async def whole(svc: Service, req: ChatCompletionRequest) -> ChatCompletion:
-    text, last = [], None
-    async with contextlib.aclosing(pieces(svc, req)) as reply:
-        async for last in reply:
-            text.append(last.text)
-    message = AssistantMessage(content="".join(text))
+    text, last = await joined(pieces(svc, req))
+    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
     return ChatCompletion(
-        id=f"chatcmpl-{uuid.uuid4().hex}",
-        created=int(time.time()),
-        model=svc.name,
-        choices=[ChatChoice(message=message, finish_reason=last.finish_reason)],
-        usage=Usage.of(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
+        **envelope("chatcmpl", "chat.completion", svc.name), choices=[choice], usage=usage_of(last)
     )

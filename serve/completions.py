@@ -1,6 +1,9 @@
-"""Serving a completion request: the streamed events or the whole answer, and the watch for a
-client that leaves. The router (serve/app.py) calls `stream`, `first_piece`, `whole` and
-`unless_gone`; the engine work itself is the Service's.
+"""Serving a completion request, and the skeleton every answer made of pieces shares (completions
+here, chat in serve/chat.py): one envelope (id, object, created, model) on the whole answer and
+on each streamed chunk, the stream's usage chunk and [DONE], the pieces joined for a whole
+answer, a refusal before the first piece as an HTTP error, and the watch for a client that
+leaves. A route that answers from pieces is a module with `pieces`, `stream` and `whole`, which
+`respond` serves (serve/app.py); the engine work itself is the Service's.
 """
 
 from __future__ import annotations
@@ -9,50 +12,89 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from types import ModuleType
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from doel.serve.logprobs import Record
 from doel.serve.protocol import Choice, Completion, CompletionRequest, Logprobs, Usage, sse
-from doel.serve.service import RequestError, Service
+from doel.serve.service import Piece, RequestError, Service
 
 T = TypeVar("T")
+DONE = "data: [DONE]\n\n"
 
 
-async def stream(svc: Service, req: CompletionRequest, pieces) -> AsyncIterator[str]:
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+def envelope(prefix: str, kind: str, model: str) -> dict:
+    """An answer's id, object, creation time and model, which each of its chunks repeats."""
+    rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+    return {"id": rid, "object": kind, "created": created, "model": model}
+
+
+def usage_of(p: Piece) -> Usage:
+    return Usage.of(p.prompt_tokens, p.completion_tokens, p.cached_tokens)
+
+
+async def events(
+    head: dict,
+    pieces: AsyncIterator[Piece],
+    chunks: Callable[[Piece], Iterable[dict]],
+    with_usage: bool,
+    first: Iterable[dict] = (),
+) -> AsyncIterator[str]:
+    """A streamed answer: the `first` chunks, then each piece's `chunks`, each in the envelope
+    `head`; after the last piece, `with_usage`, one more with the usage and no choices (as
+    OpenAI); then [DONE]. Closing it (a client gone) closes `pieces`, which frees the engine."""
     async with contextlib.aclosing(pieces):
+        for chunk in first:
+            yield sse(head | chunk)
         async for p in pieces:
-            usage = None
-            if p.finish_reason:
-                usage = Usage.of(p.prompt_tokens, p.completion_tokens, p.cached_tokens)
-            choice = Choice(text=p.text, finish_reason=p.finish_reason)
-            chunk = Completion(
-                id=rid, created=created, model=svc.name, choices=[choice], usage=usage
-            )
-            yield sse(chunk.model_dump(exclude_none=True) | {"choices": [choice.model_dump()]})
-            if usage and req.include_usage():
-                last = Completion(id=rid, created=created, model=svc.name, choices=[], usage=usage)
-                yield sse(last.model_dump())
-    yield "data: [DONE]\n\n"
+            for chunk in chunks(p):
+                yield sse(head | chunk)
+            if p.finish_reason and with_usage:
+                yield sse(head | {"choices": [], "usage": usage_of(p).model_dump()})
+    yield DONE
 
 
-async def first_piece(pieces):
+async def joined(pieces: AsyncIterator[Piece]) -> tuple[str, Piece]:
+    """A whole answer's text, and its last piece (the finish reason and the token counts)."""
+    text, last = [], None
+    async with contextlib.aclosing(pieces):
+        async for last in pieces:
+            text.append(last.text)
+    return "".join(text), last
+
+
+async def first_piece(pieces: AsyncIterator[Piece]) -> Resumed:
     """Run the generator up to its first piece, so that a refusal (queue full) is an HTTP
     error rather than a broken stream."""
-    first = await anext(pieces)
+    return Resumed(await anext(pieces), pieces)
 
-    async def again():
-        # Closing this wrapper (a client gone) must close the service's generator too, which
-        # frees the engine; `async for` alone would leave that to the garbage collector.
-        async with contextlib.aclosing(pieces):
-            yield first
-            async for p in pieces:
-                yield p
 
-    return again()
+class Resumed:
+    """`pieces` with its first piece put back in front. Closing it (a client gone) closes
+    `pieces`, which frees the engine, even before anything was read from it: a wrapping async
+    generator that has not started runs no cleanup when closed, and `async for` alone would
+    leave it to the garbage collector."""
+
+    def __init__(self, first: Piece, pieces: AsyncIterator[Piece]):
+        self._first: Piece | None = first
+        self._pieces = pieces
+
+    def __aiter__(self) -> Resumed:
+        return self
+
+    async def __anext__(self) -> Piece:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._pieces)
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._pieces.aclose()
 
 
 async def disconnected(request: Request) -> None:
@@ -81,6 +123,33 @@ async def unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
+async def respond(request: Request, route: ModuleType, svc: Service, req):
+    """The answer of a route whose module (this one, serve/chat.py) has `whole(svc, req)`,
+    `pieces(svc, req)` and `stream(svc, req, pieces)`: whole, or streamed."""
+    if not req.stream:
+        return await unless_gone(request, route.whole(svc, req))
+    # Until the first piece (in the queue, then the prompt going in), nothing watches the
+    # connection but this; from then on the streaming response does.
+    pieces = await unless_gone(request, first_piece(route.pieces(svc, req)))
+    return StreamingResponse(route.stream(svc, req, pieces), media_type="text/event-stream")
+
+
+def pieces(svc: Service, req: CompletionRequest) -> AsyncIterator[Piece]:
+    return svc.complete(req)
+
+
+def stream(svc: Service, req: CompletionRequest, pieces) -> AsyncIterator[str]:
+    def chunks(p: Piece) -> list[dict]:
+        # Each chunk names all its choice's fields, nulls included; the last carries the
+        # usage whether or not it was asked for (and with include_usage, one more does).
+        choice = Choice(text=p.text, finish_reason=p.finish_reason).model_dump()
+        usage = {"usage": usage_of(p).model_dump()} if p.finish_reason else {}
+        return [{"choices": [choice]} | usage]
+
+    head = envelope("cmpl", "text_completion", svc.name)
+    return events(head, pieces, chunks, req.include_usage())
+
+
 async def one_choice(
     svc: Service, req: CompletionRequest, index: int, prompt, slots: asyncio.Semaphore
 ) -> tuple[Choice, int, int, int]:
@@ -88,21 +157,15 @@ async def one_choice(
     prompt, completion and cached prompt token counts."""
     record = None if req.logprobs is None else Record(req.logprobs, req.echo)
     async with slots:
-        pieces = svc.complete(req, prompt, record)
-        text, last = [], None
-        async with contextlib.aclosing(pieces):
-            async for last in pieces:
-                text.append(last.text)
+        text, last = await joined(svc.complete(req, prompt, record))
     logprobs = None
     if record is not None:
         lp = await svc.in_thread(svc.logprobs, last.ids, last.prompt_tokens, record, req.echo)
         logprobs = Logprobs(**lp)
     if req.echo:
         shown = prompt if isinstance(prompt, str) else await svc.in_thread(svc.decode, prompt)
-        text.insert(0, shown)
-    choice = Choice(
-        text="".join(text), index=index, logprobs=logprobs, finish_reason=last.finish_reason
-    )
+        text = shown + text
+    choice = Choice(text=text, index=index, logprobs=logprobs, finish_reason=last.finish_reason)
     return choice, last.prompt_tokens, last.completion_tokens, last.cached_tokens
 
 
@@ -123,6 +186,5 @@ async def whole(svc: Service, req: CompletionRequest) -> Completion:
         await asyncio.wait(jobs)
         raise
     usage = Usage.of(*(sum(d[i] for d in done) for i in (1, 2, 3)))
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     choices = [d[0] for d in done]
-    return Completion(id=rid, created=created, model=svc.name, choices=choices, usage=usage)
+    return Completion(**envelope("cmpl", "text_completion", svc.name), choices=choices, usage=usage)

@@ -28,7 +28,7 @@ MAX_ERRORS_SHOWN = 5  # a refusal lists this many problems, then counts the rest
 MAX_PROMPTS = 64
 # Token ids in one list: the serving model's context, set by the app for each request
 # (serve/app.py). It is checked before the items, so that a long list of bad ids is one error,
-# not one each (250,000 took 5.9 s to refuse, with a 24 MB answer).
+# not one each (whose building and answer would grow with the list the client chose to send).
 CONTEXT_LENGTH: ContextVar[int] = ContextVar("doel_context_length", default=MAX_TOKENS)
 
 
@@ -245,11 +245,18 @@ class Choice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class Completion(BaseModel):
+class Envelope(BaseModel):
+    """What a whole answer and each chunk of a streamed one start with (serve/completions.py
+    `envelope` builds it); a subclass narrows `object` to its own."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
+
+
+class Completion(Envelope):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[Choice]
     usage: Usage | None = None
 

@@ -12,7 +12,14 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from doel.serve.logprobs import MAX_TOP
-from doel.serve.protocol import MAX_TOKENS, Request, SamplingRequest, Usage, unicode_text
+from doel.serve.protocol import (
+    MAX_TOKENS,
+    Envelope,
+    Request,
+    SamplingRequest,
+    Usage,
+    unicode_text,
+)
 
 # Messages in one chat request: each renders to 2 tokens at least (its role and end markers),
 # so more than this cannot fit any context a doel model has.
@@ -106,10 +113,7 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage

@@ -5,17 +5,21 @@ gone) frees its slot."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from doel.serve import chat, completions
 from doel.serve.app import Settings, create_app
 from doel.serve.completions import first_piece
 from doel.serve.protocol import CompletionRequest
+from doel.serve.protocol_chat import ChatCompletionRequest
 from doel.serve.sampling import SamplingParams
-from doel.serve.service import RequestError, Service
+from doel.serve.service import Piece, RequestError, Service
 
 
 def _req(**kw) -> CompletionRequest:
@@ -184,3 +188,79 @@ def test_a_long_prompt_is_fed_a_chunk_a_step_between_the_running_streams_tokens(
     assert [calls[i][1] for i in b_feeds] == [4] * 7 + [2]
     # Between two of b's chunks, a decoding step of a's slot alone (b's slot 0 is not in it).
     assert all(calls[i + 1] == ("d", 1) for i in b_feeds[:-1]), calls
+
+
+def _pieces(closed: list):
+    async def pieces():
+        try:
+            yield Piece("নদী")
+            yield Piece("র", "stop", prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+        finally:
+            closed.append(True)
+
+    return pieces()
+
+
+def _events(stream) -> list:
+    async def main():
+        return [e async for e in stream]
+
+    sent = asyncio.run(main())
+    assert all(e.startswith("data: ") and e.endswith("\n\n") for e in sent)
+    assert sent[-1] == "data: [DONE]\n\n"
+    return [json.loads(e[6:]) for e in sent[:-1]]
+
+
+@pytest.mark.parametrize("route", [completions, chat])
+def test_a_stream_is_its_envelope_on_each_chunk_then_the_usage_then_done(route):
+    """Both routes' streams share one skeleton: the same id, object, created and model on
+    every chunk, first in each; the text in order; with include_usage one chunk more, with the
+    usage and no choices; the pieces closed at the end."""
+    svc, closed = SimpleNamespace(name="doel-m"), []
+    usage = {"stream_options": {"include_usage": True}, "stream": True}
+    if route is chat:
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **usage)
+    else:
+        req = _req(**usage)
+    chunks = _events(route.stream(svc, req, _pieces(closed)))
+    heads = {tuple(c.items())[:4] for c in chunks}
+    assert len(heads) == 1 and [k for k, _ in next(iter(heads))] == [
+        "id",
+        "object",
+        "created",
+        "model",
+    ]
+    head = dict(next(iter(heads)))
+    kind = "chat.completion.chunk" if route is chat else "text_completion"
+    assert head["object"] == kind and head["model"] == svc.name
+    assert head["id"].startswith("chatcmpl-" if route is chat else "cmpl-")
+    *answer, last = chunks
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+    if route is chat:
+        assert answer[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        texts = [c["choices"][0]["delta"].get("content", "") for c in answer]
+        assert all(c["usage"] is None for c in answer)  # as OpenAI, with include_usage
+    else:
+        texts = [c["choices"][0]["text"] for c in answer]
+        assert answer[-1]["usage"] == last["usage"]  # the last piece's chunk carries it too
+    assert "".join(texts) == "নদীর" and answer[-1]["choices"][0]["finish_reason"] == "stop"
+    assert closed == [True]
+
+
+@pytest.mark.parametrize("route", [completions, chat])
+def test_a_stream_closed_after_its_first_chunk_closes_the_service_generator(route):
+    closed = []
+    if route is chat:
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
+    else:
+        req = _req(stream=True)
+
+    async def main():
+        pieces = await first_piece(_pieces(closed))  # as serve/app.py hands them over
+        stream = route.stream(SimpleNamespace(name="m"), req, pieces)
+        await anext(stream)  # chat's: the role, sent before any piece is read
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert closed == [True]
