@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 # A reuse shorter than this does not decide the slot: every prompt shares its BOS (and a few
 # template tokens) with every cached one, and taking a slot for them would evict a conversation
-# whose next turn needs it, to save a few tokens of prefill (about 3 ms each at 0.4B).
+# whose next turn needs it, to save a few tokens of prefill.
 MIN_REUSE = 16
 # An idle slot inside a batched step's span holding at least this many ids is parked outside it
 # (Prefixes.parking): the copy costs about what one step's attention over the same ids does.

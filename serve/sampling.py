@@ -75,8 +75,9 @@ def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:
 def top_p_probs(probs: np.ndarray, p: float, candidates: int = TOP_P_CANDIDATES) -> np.ndarray:
     """The smallest set of most likely tokens whose mass reaches p, renormalised.
 
-    Sorting the whole vocabulary for every token cost ~4 ms a row at 32,768 tokens, more than a
-    decode step of the 0.4B model (benchmarks/results/profile_serve_0.4b_cpu-*.md). The mass is
+    Sorting the whole vocabulary for every token would cost more than a decode step of the 0.4B
+    model (its step and this sampling's times: benchmarks/results/profile_serve_0.4b_cpu-*.md,
+    "Sampling one row of logits"). The mass is
     nearly always in the few most likely tokens, so only those are sorted: the `candidates`
     largest (with every token tied with the smallest of them, so that ties keep the order of a
     full stable sort), widened 8-fold until they hold p. The result is the full sort's exactly.

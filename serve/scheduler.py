@@ -3,9 +3,9 @@
 Each request gets a slot of the engine's cache. One loop runs steps while there is work: a step
 advances every sequence whose prompt is in the cache by one token in a single batched run, so the
 weights are read once per step for all of them and throughput grows with load; then it feeds one
-chunk (the engine's prefill chunk, 128 tokens) of the oldest prompt not yet in. A prompt of any
-length thus delays the running streams by one chunk's time per token, not by its whole prefill
-(prefill times by prompt length: benchmarks/results/serve_0.4b_cpu-*.md). A finished
+chunk (the engine's prefill chunk, PREFILL_CHUNK tokens) of the oldest prompt not yet in. A
+prompt of any length thus delays the running streams by one chunk's time per token, not by its
+whole prefill (prefill times by prompt length: benchmarks/results/serve_0.4b_cpu-*.md). A finished
 or abandoned sequence frees its slot at the next step, and a waiting request takes it: the free
 slot whose cache already holds the longest start of its prompt, whose prefill then begins after
 it (serve/prefix.py keeps that account). An idle slot inside a step's span runs as a placeholder
@@ -167,8 +167,9 @@ class Scheduler:
     def _step(self, stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
         """In a worker thread: one batched step of the decoding sequences, then one prompt
         chunk of the oldest filling one (admission order: the dict keeps it); sample. Batching
-        the first chunks of prompts that arrive together saved 2-3% of their prefill (0.4B
-        int4, 8 x 128 tokens) and would hold back the first one's first token: not done."""
+        the first chunks of prompts that arrive together saves little of their prefill (the
+        figures: commit cbd7770's message) and would hold back the first one's first token: not
+        done."""
         events = []
         decoding = [s for s in stepping if not s.filling]
         if decoding:

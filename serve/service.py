@@ -28,7 +28,7 @@ from doel.serve.template import ChatTemplate
 from doel.serve.textstream import TextStream
 
 CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream)
-# Tokenizing runs here, off the event loop: a 1 MB text took 0.8-4.7 s. The batch calls let go
+# Tokenizing runs here, off the event loop: a long text takes seconds. The batch calls let go
 # of the GIL as they work (`encode` held it throughout, blocking the loop as much as if it ran
 # there). Two at a time, so long texts cannot take every core from the engine.
 TOKENIZER_THREADS = ThreadPoolExecutor(2, thread_name_prefix="doel-tokenizer")
