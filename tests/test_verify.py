@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from doel.train.build import build_run
 from doel.train.checks.base import VerifyConfig
 from doel.train.checks.suite import CHECKS, VerificationError, run_suite, verify_before_training
 from doel.train.data.loader import TokenLoader
@@ -78,18 +79,19 @@ def test_healthy_tiny_config_passes_every_check_and_writes_the_report(
     assert md.count("| **pass** |") == len(ALL) and "| check | status |" in md
 
 
+def eager_run(cfg, shards):
+    """The Run `fit` builds (train/build.py), eager, on the CPU: what verify_before_training
+    checks."""
+    return build_run(cfg, shards, device=torch.device("cpu"), compile=False, log=lambda s: None)
+
+
 def test_fast_subset_runs_before_training_and_leaves_no_trace(shards, tiny_config):
-    cfg = tiny_config()
-    torch.manual_seed(0)
-    model = Llama(cfg.model)
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
-    loader = TokenLoader(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
+    run = eager_run(tiny_config(), shards)
+    model, opt, loader = run.model, run.optimizer, run.loader
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     lines = []
-    report = verify_before_training(
-        cfg, model, model, opt, loader, torch.device("cpu"), torch.float32, lines.append
-    )
+    report = verify_before_training(run, lines.append)
     assert report.ok and "resume" not in [r.name for r in report.results]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert loader.state_dict()["cursor"] == 0 and not opt.state
@@ -99,15 +101,11 @@ def test_fast_subset_runs_before_training_and_leaves_no_trace(shards, tiny_confi
 
 
 def test_before_training_refuses_a_run_whose_optimizer_misses_a_parameter(shards, tiny_config):
-    cfg = tiny_config()
-    model = Llama(cfg.model)
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    run = eager_run(tiny_config(), shards)
+    opt = run.optimizer
     opt.param_groups[1]["params"] = opt.param_groups[1]["params"][1:]  # a norm left out
-    loader = TokenLoader(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
     with pytest.raises(VerificationError, match="step"):
-        verify_before_training(
-            cfg, model, model, opt, loader, torch.device("cpu"), torch.float32, lambda s: None
-        )
+        verify_before_training(run, lambda s: None)
 
 
 # ---------------------------------------------------------------- planted kernels
@@ -481,20 +479,16 @@ def test_muon_passes_the_groups_parity_and_step_checks_and_a_broken_muon_fails_p
 
 @pytest.mark.parametrize("plant", ["in no group", "in more than one group"])
 def test_a_hidden_matrix_in_no_group_or_in_both_is_caught_before_step_1(shards, tiny_config, plant):
-    cfg = tiny_config("optimizer=muon")
-    model = Llama(cfg.model)
-    opt = build_optimizer(model, cfg, torch.device("cpu"))
-    w = model.model.layers[1].mlp.up_proj.weight
+    run = eager_run(tiny_config("optimizer=muon"), shards)
+    opt = run.optimizer
+    w = run.model.model.layers[1].mlp.up_proj.weight
     muon = next(g for g in opt.param_groups if g["kind"] == "muon")
     muon["params"] = [p for p in muon["params"] if p is not w]
     if plant == "in more than one group":  # Muon's and AdamW's: two updates a step
         muon["params"].append(w)
         opt.param_groups[-1]["params"].append(w)
-    loader = TokenLoader(shards, "train", cfg.batch_size, cfg.seq_len, cfg.seed)
     lines = []
     with pytest.raises(VerificationError, match="groups"):
-        verify_before_training(
-            cfg, model, model, opt, loader, torch.device("cpu"), torch.float32, lines.append
-        )
+        verify_before_training(run, lines.append)
     row = next(line for line in lines if "FAIL groups" in line)
     assert plant in row and "model.layers.1.mlp.up_proj.weight" in row

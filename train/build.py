@@ -1,11 +1,12 @@
-"""Build a training run: the one place that turns a TrainConfig and a shard folder into the
-objects a run uses. `fit`, `verify`, `check-gradients` and the recipe's step timing all call
-`build_run`, so what they check or measure is what training runs.
+"""Build a training run: the one place that turns a TrainConfig and a shard folder (or sft's
+conversations, through a loader factory) into the objects a run uses. `fit`, `sft`, `verify`,
+`check-gradients` and the recipe's step timing all call `build_run`, so what they check or
+measure is what training runs, and a run resumes one way whatever its loader.
 
-Order: device and dtype → the shards' vocabulary against the model's → seed → model on the
-device → DDP/FSDP wrapper (and activation checkpointing) → optimizer (after FSDP: on the sharded
-parameters) → loader at this rank → resume from a checkpoint → torch.compile, falling back to
-eager loudly.
+Order: device and dtype → the shards' vocabulary against the model's → loader at this rank
+(first: a loader that refuses its data does so before a model is built) → seed → model on the
+device → DDP/FSDP wrapper (and activation checkpointing) → optimizer (after FSDP: on the
+sharded parameters) → resume from a checkpoint → torch.compile, falling back to eager loudly.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from torch import nn
 
 from doel.train.checkpoint import load_checkpoint
 from doel.train.common import DoelError
+from doel.train.data.chat import ChatLoader
 from doel.train.data.loader import TokenLoader, read_meta
 from doel.train.dist import DistInfo, autocast, resolve_device, resolve_dtype, wrap_model
 from doel.train.metrics import format_flops, peak_flops
 from doel.train.model import Llama
 from doel.train.optim import build_optimizer, describe_groups
 from doel.train.trainer import TrainConfig
+
+Loader = TokenLoader | ChatLoader
 
 
 @dataclass(kw_only=True)
@@ -39,13 +43,15 @@ class Run:
     wrapped: nn.Module
     compiled: nn.Module
     optimizer: torch.optim.Optimizer
-    loader: TokenLoader | None  # None when the caller brings its own batches
+    # next_batch, peek, state_dict, load_state_dict (a TokenLoader, sft's ChatLoader); None
+    # when the caller brings its own batches
+    loader: Loader | None
     device: torch.device
     dtype: torch.dtype  # autocast dtype
     info: DistInfo
     make_model: Callable[[], nn.Module]
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
-    make_loader: Callable[[], TokenLoader] | None
+    make_loader: Callable[[], Loader] | None
     meta: dict | None = None  # the shards' meta.json
     step: int = 0  # where a resumed run continues
     tokens_seen: int = 0
@@ -117,7 +123,7 @@ def build_run(
     *,
     model_factory: Callable[[TrainConfig], nn.Module] | None = None,
     optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
-    loader_factory: Callable[[], TokenLoader] | None = None,
+    loader_factory: Callable[[], Loader] | None = None,
     info: DistInfo | None = None,
     device: torch.device | None = None,
     resume_from: Path | None = None,
@@ -126,12 +132,14 @@ def build_run(
     describe_to=None,
     log=print,
 ) -> Run:
-    """Build what training `cfg` on the shards in `data` uses. `data` None: no loader (the
-    caller brings its batches; `example_batch` then warms up compilation). `info`/`device`: the
+    """Build what training `cfg` on the shards in `data` uses, resumed from `resume_from` (its
+    loader too, whatever the loader). `data` None and no loader_factory: no loader (the caller
+    brings its batches; `example_batch` then warms up compilation). `info`/`device`: the
     process group and device `init_distributed` gave (default: one process, cfg.device).
     `compile` overrides cfg.compile. `describe_to`: a log that gets the model's size and FLOPs.
-    The factories let tests plant failures: model_factory(cfg) -> model (moved to the device
-    here), optimizer_factory(model), loader_factory()."""
+    The factories replace the defaults (sft: its base model and ChatLoader; tests: planted
+    failures): model_factory(cfg) -> model (moved to the device here), optimizer_factory(model),
+    loader_factory()."""
     info = info or DistInfo()
     device = device or resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -150,7 +158,7 @@ def build_run(
     def make_optimizer(m: nn.Module) -> torch.optim.Optimizer:
         return optimizer_factory(m) if optimizer_factory else build_optimizer(m, cfg, device)
 
-    def make_loader() -> TokenLoader:
+    def make_loader() -> Loader:
         if loader_factory:
             return loader_factory()
         return TokenLoader(
@@ -163,6 +171,8 @@ def build_run(
             world_size=info.world_size,
         )
 
+    has_loader = data is not None or loader_factory is not None
+    loader = make_loader() if has_loader else None  # data it refuses: before a model is built
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = make_model()
     wrapped = wrap_model(model, cfg.strategy, info, device, dtype, cfg.activation_checkpointing)
@@ -170,7 +180,6 @@ def build_run(
     if describe_to is not None:  # the resolved groups, once at the start of a run
         for line in describe_groups(optimizer, model):
             describe_to(line)
-    loader = make_loader() if data is not None else None
     run = Run(
         cfg=cfg,
         model=model,
@@ -183,7 +192,7 @@ def build_run(
         info=info,
         make_model=make_model,
         make_optimizer=make_optimizer,
-        make_loader=make_loader if data is not None else None,
+        make_loader=make_loader if has_loader else None,
         meta=meta,
     )
     if resume_from is not None:

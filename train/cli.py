@@ -128,7 +128,7 @@ def _cmd_sft(args) -> None:
 def _cmd_check_gradients(args) -> None:
     cfg = train_config(args)
     from doel.train.build import build_run
-    from doel.train.fit import gradient_gate
+    from doel.train.run import gradient_gate
 
     # The eager model, as before any compilation: the gate alone, quickly.
     gradient_gate(build_run(cfg, args.data, compile=False), print)

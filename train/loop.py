@@ -1,6 +1,6 @@
 """The step loop of a run and its bookkeeping: logging (tokens/s, MFU, ETA), the time and cost
 projection, periodic validation, checkpoints, and the non-finite-loss stop. `train/build.py`
-builds the run and `train/fit.py` hands it to `RunLoop`.
+builds the run and `train/run.py` (the skeleton of fit and sft) hands it to `RunLoop`.
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ def batches_on(loader, device, n):
 
 
 class RunLoop:
-    """The step loop and its bookkeeping (kept apart so `fit` reads as the recipe)."""
+    """The step loop and its bookkeeping (kept apart so `fit` and `sft` read as recipes)."""
 
-    def __init__(self, *, run, metrics, out, tok_path, log, step_hook=None):
+    def __init__(self, *, run, metrics, out, tok_path, log, step_hook=None, card_extra=None):
         """`run`: what train/build.py built (model, compiled, optimizer, loader, device,
         dtype, info, desc); `metrics` the MetricsLog (None off rank 0); `tok_path` the
-        tokenizer.json copied into checkpoints."""
+        tokenizer.json copied into checkpoints; `card_extra` more of write_model_card's
+        inputs (sft: the base model and the data)."""
         self.cfg, self.model, self.fwd, self.optimizer = (
             run.cfg,
             run.model,
@@ -61,7 +62,7 @@ class RunLoop:
         self.bad_step = torch.full((), -1, dtype=torch.long, device=run.device)
         self.last_ckpt = None
         self._task_items, self._task_tok, self._task_warned = None, None, False
-        self.card_extra: dict = {}  # more of write_model_card's inputs (sft: the base model)
+        self.card_extra: dict = card_extra or {}
 
     def loop(self, step: int, tokens_seen: int, meta: dict) -> None:
         cfg = self.cfg

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from doel.train.build import build_run
+from doel.train.build import Run, build_run
 from doel.train.checks.base import (
     CheckResult,
     Setup,
@@ -282,56 +282,42 @@ def run_suite(
 
 
 def verify_before_training(
-    cfg: TrainConfig,
-    model: torch.nn.Module,
-    fwd: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loader,
-    device: torch.device,
-    dtype: torch.dtype,
+    run: Run,
     log=print,
     out_dir=None,
     subset: str = "fast",
     vcfg: VerifyConfig | None = None,
     names: list[str] | None = None,
 ) -> Report:
-    """The fast subset on the run's own objects (fwd: the compiled model when cfg.compile,
-    else `model`), for `fit` before step 1. Fresh copies for the checks that step or train
-    are made like the run's: same model class and config, the same optimizer recipe (mirrored
-    group by group), a loader like the run's. Writes the report to out_dir if given; raises
-    VerificationError naming the failed checks, after logging every row."""
-    inner = unwrap(model)
-
-    def make_loader():  # like the run's, at the same rank of the same world size
-        ranks = {k: getattr(loader, k) for k in ("rank", "world_size") if hasattr(loader, k)}
-        return type(loader)(
-            loader.data_dir, loader.split, loader.batch_size, loader.seq_len, loader.seed, **ranks
-        )
-
-    setup = Setup(
-        cfg=cfg,
-        device=device,
-        dtype=dtype,
-        model=inner,
-        fwd=fwd,
-        optimizer=optimizer,
-        loader=loader,
-        data_dir=Path(loader.data_dir),
-        make_model=fresh_like(inner, device),
-        make_optimizer=lambda m: mirror_optimizer(optimizer, inner, m),
-        make_loader=make_loader,
+    """The fast subset (or `names`) on a train/build.py Run's own objects, for `fit` before
+    step 1: its eager model, what its step calls (compiled when cfg.compile), its optimizer and
+    loader. The checks that step or train get fresh copies made like the run's: the same model
+    class and config, the same optimizer recipe mirrored group by group (so a parameter the
+    run's optimizer misses is missed here too) and the run's loader factory."""
+    setup = Setup.from_run(
+        run,
+        run.loader.data_dir,
+        make_model=fresh_like(run.model, run.device),
+        make_optimizer=lambda m: mirror_optimizer(run.optimizer, run.model, m),
         vcfg=vcfg or VerifyConfig(),
     )
     log(f"verifying before step 1 ({subset} subset; --skip-verify skips it)")
     report = run_checks(setup, select(subset, names), subset, log=log)
+    return require_pass(
+        report, out_dir, log, ". Run `doel-train verify --full` for the whole suite."
+    )
+
+
+def require_pass(report: Report, out_dir, log, advice: str = "") -> Report:
+    """What a run does with its checks before step 1 (fit's and sft's alike): log the summary,
+    write the report to out_dir if given, and raise VerificationError naming the failed checks,
+    after every row was logged, so nothing trains on a failure."""
     log(report.summary())
     if out_dir is not None:
         report.write(out_dir)
     if not report.ok:
         raise VerificationError(
             f"refusing to train: verification failed ({', '.join(report.failed)}); see the rows "
-            "above"
-            + (f" and {Path(out_dir) / 'verify.md'}" if out_dir else "")
-            + ". Run `doel-train verify --full` for the whole suite."
+            "above" + (f" and {Path(out_dir) / 'verify.md'}" if out_dir else "") + advice
         )
     return report
