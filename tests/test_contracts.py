@@ -181,6 +181,8 @@ def test_a_version_1_bundle_still_reads_as_an_onnx_bundle():
         ({"kind": "tflite"}, "kind 'tflite' unknown"),
         ({"kv_cache": {"layers": "two", "kv_heads": 2, "head_dim": 16}}, "is damaged"),
         ({"kv_cache": None}, "an onnx manifest needs model, kv_cache and vocab_size"),
+        ({"kv_cache": [2, 2, 16]}, "is damaged"),  # not an object
+        ({"quant": None, "quantization": "int4"}, "is damaged"),  # not an object either
     ],
 )
 def test_a_manifest_this_doel_cannot_use_is_refused_in_one_line(tmp_path, change, message):

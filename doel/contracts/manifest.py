@@ -110,7 +110,7 @@ class Manifest:
                 special_tokens=data.get("special_tokens") or {},
                 extra={k: v for k, v in data.items() if k not in known},
             )
-        except (TypeError, ValueError, KeyError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
             if isinstance(e, ManifestError):
                 raise ManifestError(f"{where}: {e}") from None
             raise ManifestError(
