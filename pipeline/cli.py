@@ -5,9 +5,8 @@ rented-GPU recipe. Each stage's own commands are `doel-train`, `doel-export`, `d
 from __future__ import annotations
 
 import argparse
-import sys
 
-from doel.train.common import DoelError, Interrupted  # standard library only
+from doel.train.cli import run_command  # standard library only at import
 
 EXTRA_HINT = "pip install 'doel[train,export,serve]'"
 
@@ -65,15 +64,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except ModuleNotFoundError as e:
-        sys.exit(f"doel {args.command} needs the {e.name!r} package: {EXTRA_HINT}")
-    except Interrupted as e:  # Ctrl-C where the command says what was kept (fit)
-        print(e, file=sys.stderr)
-        sys.exit(130)
-    except DoelError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_command(args, f"doel {args.command} needs the {{name!r}} package: {EXTRA_HINT}")

@@ -371,12 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def run_command(args, missing: str) -> None:
+    """Run a parsed command, turning what a user can fix into one line and an exit code:
+    a missing package (`missing` names the extra, formatted with the package's name), a
+    DoelError, Ctrl-C (130, as a shell reports SIGINT). `doel` (pipeline/cli.py) runs its
+    commands through this too."""
     try:
         args.func(args)
     except ModuleNotFoundError as e:
-        sys.exit(f"doel-train needs the {e.name!r} package, part of the train extra: {EXTRA_HINT}")
+        sys.exit(missing.format(name=e.name))
     except Interrupted as e:  # Ctrl-C where the command says what was kept (fit)
         print(e, file=sys.stderr)
         sys.exit(130)
@@ -385,3 +388,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    run_command(
+        args, f"doel-train needs the {{name!r}} package, part of the train extra: {EXTRA_HINT}"
+    )
