@@ -11,11 +11,14 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+
+from doel.contracts.lock import FolderLock
 
 
 class ExportError(Exception):
@@ -103,21 +106,36 @@ def staging(out: Path, force: bool) -> Iterator[Path]:
     On any error the staging folder is removed and `out` is left as it was, so a failed export
     never leaves a partial bundle. With `force`, an existing `out` is replaced only after the new
     bundle is complete (moved aside, the new one renamed in, the old one deleted). The bundle and
-    its files get the modes the user's umask gives, so another account can serve it.
+    its files get the modes the user's umask gives, so another account can serve it. `out` is
+    locked throughout (doel/contracts/lock.py): a second export into it stops, naming this one,
+    and the staging folders that killed exports left beside it are removed.
     """
-    check_out(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fresh_dir(out.parent, f".{out.name}.", ".tmp")
-    try:
-        yield tmp
-        keep_umask(tmp)
-        old = None
-        if out.exists():
-            old = fresh_dir(out.parent, f".{out.name}.", ".old")
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with FolderLock(out, "doel-export", ExportError):
+        check_out(out, force)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(out)
+        tmp = fresh_dir(out.parent, f".{out.name}.", ".tmp")
+        try:
+            yield tmp
+            keep_umask(tmp)
+            old = None
+            if out.exists():
+                old = fresh_dir(out.parent, f".{out.name}.", ".old")
+                os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove the staging folders (`.OUT.<hex>.tmp`) of exports into `out` that were killed.
+    Called with `out` locked: every export takes the lock before it makes its staging folder,
+    so any found now belongs to a process that has died. Returns what was removed."""
+    name = re.compile(rf"^\.{re.escape(out.name)}\.[0-9a-f]{{12}}\.tmp$")
+    stale = [p for p in out.parent.iterdir() if name.match(p.name) and p.is_dir()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale

@@ -47,7 +47,14 @@ def fit(
     torchrun every rank calls it; rank 0 logs and writes. `step_hook(step)` runs after each
     step (tests use it to plant a hang or a crash)."""
     asked = {"fresh": fresh, "step_hook": step_hook, "skip_verify": skip_verify}
-    return launch(cfg, out_dir, lambda job: _fit(job, cfg, data_dir, tokenizer), log=log, **asked)
+    return launch(
+        cfg,
+        out_dir,
+        lambda job: _fit(job, cfg, data_dir, tokenizer),
+        command="fit",
+        log=log,
+        **asked,
+    )
 
 
 def _fit(job: Job, cfg: TrainConfig, data_dir, tokenizer) -> Path:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from doel.contracts.lock import FolderLock
 from doel.train.build import Run
 from doel.train.checkpoint import latest_checkpoint
 from doel.train.common import DoelError, Interrupted, atomic_write_json
@@ -44,15 +45,18 @@ class GradientFlowError(DoelError):
     pass
 
 
-def launch(cfg, out_dir, body: Callable[[Job], Path], *, log=print, **asked) -> Path:
-    """Run `body(job)` in the process group torchrun set up (or one process); rank 0 alone
-    logs. `asked`: fresh, skip_verify, step_hook (Job's fields). Ctrl-C before the steps or
-    while saving the final model, and a collective that timed out, end in one line that says
-    what to do."""
+def launch(cfg, out_dir, body: Callable[[Job], Path], *, command: str, log=print, **asked) -> Path:
+    """Run `body(job)` in the process group torchrun set up (or one process), with the run
+    folder locked (`command` names the holder to a second process); rank 0 alone logs.
+    `asked`: fresh, skip_verify, no_verify, step_hook (Job's fields). Ctrl-C before the steps
+    or while saving the final model, and a collective that timed out, end in one line that
+    says what to do."""
     out = Path(out_dir)
     info, device = init_distributed(cfg.device, cfg.dist_timeout)
     log = log if info.is_main else (lambda *_: None)
+    lock = None
     try:
+        lock = lock_run(out, f"doel-train {command}", info)
         return body(Job(out=out, info=info, device=device, log=log, **asked))
     except DoelError:
         raise
@@ -64,7 +68,27 @@ def launch(cfg, out_dir, body: Callable[[Job], Path], *, log=print, **asked) -> 
             raise DoelError(collective_timeout_message(info, cfg.dist_timeout, e)) from e
         raise
     finally:
+        if lock is not None:
+            lock.release()
         shutdown()
+
+
+def lock_run(out: Path, what: str, info: DistInfo) -> FolderLock | None:
+    """Rank 0 locks the run folder (doel/contracts/lock.py) and every rank learns whether it
+    could: a refused run ends on all ranks at once, none left waiting in a collective."""
+    lock, problem = None, None
+    if info.is_main:
+        try:
+            lock = FolderLock(out, what, DoelError).acquire()
+        except DoelError as e:
+            problem = str(e)
+    if info.enabled:
+        box = [problem]
+        torch.distributed.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise DoelError(problem if info.is_main else f"rank 0: {problem}")
+    return lock
 
 
 @dataclass(frozen=True)

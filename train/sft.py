@@ -84,7 +84,9 @@ def sft(
     """Fine-tune the model folder `base` on the conversations in `data` (files, folders,
     hf:NAME); returns RUN_DIR/final. Running it again on the same out_dir resumes."""
     asked = {"fresh": fresh, "step_hook": step_hook, "skip_verify": skip_verify}
-    return launch(cfg, out_dir, lambda job: _sft(job, cfg, data, Path(base)), log=log, **asked)
+    return launch(
+        cfg, out_dir, lambda job: _sft(job, cfg, data, Path(base)), command="sft", log=log, **asked
+    )
 
 
 def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:

@@ -20,6 +20,7 @@ import numpy as np
 from tokenizers import normalizers
 from tqdm import tqdm
 
+from doel.contracts.lock import FolderLock
 from doel.train.common import DoelError, atomic_write_json, sha256_file
 from doel.train.config import resolved
 from doel.train.data.overlap import OverlapCheck
@@ -100,8 +101,17 @@ def prepare(
 
     Resumable: a resume record is saved at every finished shard and every `record_every`
     seconds, and a run in the same out_dir with the same inputs and settings continues from
-    it, to the same bytes (`resume=False`: start over). meta.json marks a finished folder."""
+    it, to the same bytes (`resume=False`: start over). meta.json marks a finished folder.
+    The folder is locked meanwhile: a second prepare into it stops, naming this one."""
+    with FolderLock(out_dir, "doel-train prepare", DoelError):
+        return _prepare(
+            tokenizer_path, data, out_dir, cfg, weights, val, progress, log, resume, record_every
+        )
 
+
+def _prepare(
+    tokenizer_path, data, out_dir, cfg, weights, val, progress, log, resume, record_every
+) -> dict:
     if val and cfg.val_fraction:
         raise DoelError("give either --val PATH... or --val-fraction, not both")
     tok, tok_file, bos, vocab = _load(tokenizer_path)
