@@ -28,6 +28,13 @@ from doel.contracts.card import (
 from doel.export.common import ExportError
 
 
+def _tokenizer_line(manifest: dict) -> str:
+    pre = manifest.get("pre_tokenizer")
+    if pre == "llama":
+        return "llama.cpp's SentencePiece vocabulary, the model's `--style spm` tokenizer"
+    return f"llama.cpp's `{pre}` pre-tokenizer, the split of the model's `--style gguf` tokenizer"
+
+
 def check_repo_id(repo_id: str) -> str:
     """`repo_id` if the Hub would take it as a model repository's id; ExportError otherwise."""
     if problem := repo_id_problem(repo_id, "doel-bangla-0.4b-int4-onnx"):
@@ -191,10 +198,9 @@ def gguf_card(manifest: dict, to: Target) -> str:
         [
             "## Files",
             "",
-            f"`{gguf_file}`: the weights, the tokenizer (llama.cpp's "
-            f"`{manifest.get('pre_tokenizer')}` pre-tokenizer, the split of the model's "
-            "`--style gguf` tokenizer, so llama.cpp encodes text to the ids doel's tokenizer.json "
-            f"gives){template}; `Modelfile`: Ollama's, with the "
+            f"`{gguf_file}`: the weights, the tokenizer ({_tokenizer_line(manifest)}, so "
+            f"llama.cpp encodes text to the ids doel's tokenizer.json gives){template}; "
+            "`Modelfile`: Ollama's, with the "
             "context and stop token; `manifest.json`: the tensors' types and the sha256 of every "
             "file.",
         ],

@@ -3,12 +3,16 @@ tokenizer, chat template when tokenizer_config.json has one, metadata) and an Ol
 
 The tokenizer is the hard part. llama.cpp does not run tokenizer.json: it runs its own
 tokenizers, picked by `tokenizer.ggml.model` and a pre-tokenizer name. Only a tokenizer that one
-of them reproduces id for id is written: byte-level BPE (llama.cpp's "gpt2" model) whose split is
-verbatim the regex of one of llama.cpp's pre-types, no normalizer, no extra word marks. That is
-what `doel-train tokenizer --style gguf` trains; any other tokenizer (doel's own style included:
-characters with byte fallback and NFC) is refused with a line saying so, never written as a GGUF
-that silently tokenizes differently. This module reads tokenizer.json only (export imports nothing
-from train/).
+of them reproduces id for id is written, in one of two forms:
+- SentencePiece (llama.cpp's "llama" model, as for Llama 2): BPE over characters with byte
+  fallback, no pre-tokenizer, a normalizer that only puts "▁" in front and turns spaces into "▁",
+  merges ranked as the pieces' scores. That is what `doel-train tokenizer --style spm` trains;
+  the GGUF gets each piece's score (minus its rank), byte tokens and the "▁" prefix flag.
+- byte-level BPE (llama.cpp's "gpt2" model) whose split is verbatim the regex of one of
+  llama.cpp's pre-types, no normalizer, no extra word marks: `--style gguf`.
+Any other tokenizer (the doel style included: characters with byte fallback, doel's own split
+and NFC) is refused with a line saying so, never written as a GGUF that silently tokenizes
+differently. This module reads tokenizer.json only (export imports nothing from train/).
 
 Weights: Hugging Face's Llama stores each q/k head's rotary pairs as two halves; llama.cpp's llama
 architecture rotates adjacent pairs, so q_proj and k_proj rows are interleaved on the way (the
@@ -36,9 +40,16 @@ from doel.export.common import ExportError, file_table, staging, write_json
 
 EMBEDDING_AND_HEAD = ("token_embd.weight", "output.weight")  # at the row's head_bits
 STYLE_HINT = (
-    "train one it can with `doel-train tokenizer --style gguf` (and a model on it), or export "
-    "this one to ONNX (doel-export without --format gguf)"
+    "train one it can with `doel-train tokenizer --style spm` or `--style gguf` (and a model on "
+    "it), or export this one to ONNX (doel-export without --format gguf)"
 )
+SPACE = "\u2581"  # SentencePiece's space, "▁"
+# The SentencePiece form, as doel's spm style and transformers' legacy Llama conversion write it.
+SPM_NORMALIZER = [
+    {"type": "Prepend", "prepend": SPACE},
+    {"type": "Replace", "pattern": {"String": " "}, "content": SPACE},
+]
+SPM_DECODER = ["Replace", "ByteFallback", "Fuse", "Strip"]
 # tokenizer.json split regex -> llama.cpp pre-type that runs it (src/llama-vocab.cpp; the
 # pre-type also implies its flags: qwen35 keeps spaces and applies every merge by rank).
 PRE_TYPES = {
@@ -46,7 +57,7 @@ PRE_TYPES = {
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen35",
 }
 # gguf TokenType values
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 3, 4, 5, 6
 
 
 def _refuse(path: Path, why: str) -> ExportError:
@@ -55,14 +66,34 @@ def _refuse(path: Path, why: str) -> ExportError:
     )
 
 
+def is_sentencepiece(tok: dict) -> bool:
+    """Whether this tokenizer.json is the SentencePiece form llama.cpp's "llama" model runs."""
+    model = tok.get("model") or {}
+    norm = tok.get("normalizer") or {}
+    decoder = tok.get("decoder") or {}
+    return (
+        model.get("type") == "BPE"
+        and bool(model.get("byte_fallback"))
+        and not model.get("ignore_merges")
+        and not model.get("continuing_subword_prefix")
+        and not model.get("end_of_word_suffix")
+        and tok.get("pre_tokenizer") is None
+        and norm.get("type") == "Sequence"
+        and norm.get("normalizers") == SPM_NORMALIZER
+        and [d.get("type") for d in decoder.get("decoders", [])] == SPM_DECODER
+    )
+
+
 def llama_cpp_pre_type(tok: dict, path: Path) -> str:
-    """The llama.cpp pre-type that tokenizes like this tokenizer.json id for id; ExportError
-    naming the first difference otherwise."""
+    """The llama.cpp pre-type that tokenizes like this tokenizer.json id for id ("llama": the
+    SentencePiece form, which has none); ExportError naming the first difference otherwise."""
     model = tok.get("model") or {}
     if model.get("type") != "BPE":
         raise _refuse(path, f"a {model.get('type')} model, not BPE")
+    if is_sentencepiece(tok):
+        return "llama"
     if model.get("byte_fallback"):
-        raise _refuse(path, "BPE over characters with byte fallback, doel's default style")
+        raise _refuse(path, "BPE over characters with byte fallback and a split of its own")
     if (
         model.get("ignore_merges")
         or model.get("continuing_subword_prefix")
@@ -179,6 +210,32 @@ def tensor_type(row: Quant, name: str, shape: tuple[int, ...]) -> gguf.GGMLQuant
     return _ggml(row)
 
 
+def _add_vocabulary(w: gguf.GGUFWriter, tok: dict, size: int, pre: str) -> None:
+    tokens, types = vocabulary(tok, size)
+    if pre == "llama":
+        # llama.cpp merges the pair whose piece scores highest; the merges' ranks are the pieces'
+        # order, so a piece's score is minus its id. Byte tokens are typed so that llama.cpp
+        # spells an unknown character with them and decodes them as bytes.
+        scores = [0.0] * size
+        for text, i in tok["model"]["vocab"].items():
+            if types[i] == NORMAL:
+                scores[i] = -float(i)
+                if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                    types[i], scores[i] = BYTE, 0.0
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_add_space_prefix(True)  # the normalizer's "▁" in front
+        return
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    merges = tok["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+
+
 def write_gguf(ckpt: Checkpoint, path: Path, row: Quant, name: str) -> dict:
     """Write the GGUF file in the format `row`; returns what the manifest records."""
     tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
@@ -203,13 +260,7 @@ def write_gguf(ckpt: Checkpoint, path: Path, row: Quant, name: str) -> dict:
     w.add_file_type(row.gguf_ftype)
     if row.quantized:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokens, types = vocabulary(tok, ckpt.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    merges = tok["model"]["merges"]
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    _add_vocabulary(w, tok, ckpt.vocab_size, pre)
     for role, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
                       ("pad", w.add_pad_token_id)):  # fmt: skip
         if role in ckpt.special_tokens:

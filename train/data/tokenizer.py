@@ -38,6 +38,7 @@ from tokenizers import (
 from doel.train.common import DoelError, atomic_write_bytes, atomic_write_json
 from doel.train.config import resolved
 from doel.train.data.bytelevel import QWEN35, respell_byte_level
+from doel.train.data.spm import nfc, smallest, train_spm
 from doel.train.data.textio import Source, iter_source
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -88,6 +89,8 @@ STYLES = {
     "gpt2": ("gpt2", True),
     # Trained over characters, written as byte-level BPE that llama.cpp runs id for id.
     "gguf": ("qwen35", False),
+    # SentencePiece BPE, no split at all: llama.cpp's "llama" vocabulary (train/data/spm.py).
+    "spm": (None, False),
 }
 # Always whole tokens, whatever the corpus: the Bengali block, printable ASCII, a few marks.
 ALPHABET = [chr(c) for c in range(0x0980, 0x0A00) if unicodedata.category(chr(c)) != "Cn"]
@@ -98,12 +101,15 @@ ALPHABET += [chr(c) for c in range(32, 127)] + list("\n\t।॥\u200c\u200d‘�
 class TokenizerConfig:
     vocab_size: int = 32768
     min_frequency: int = 2
-    style: str = "doel"  # or gguf (llama.cpp), an ablation: doel-bytelevel, marks-bytelevel, gpt2
+    style: str = "doel"  # spm, gguf (llama.cpp); ablations: doel-bytelevel, marks-bytelevel, gpt2
     max_token_length: int = 24  # in characters; long tokens are rare and waste vocabulary
     limit_alphabet: int = 1000  # rarer characters are spelled with byte tokens
     max_doc_chars: int = 10_000  # long documents are cut so one book cannot dominate the counts
     max_chars: int = 2_000_000_000  # training stops after this many characters
     text_field: str = "text"
+    # spm: train on the text NFC, as prepare gives it to the model (llama.cpp itself normalizes
+    # nothing, so the tokenizer does not either). The other styles ignore it.
+    nfc_text: bool = True
 
     def __post_init__(self):
         if self.style not in STYLES:
@@ -131,6 +137,8 @@ def smallest_vocab(style: str, limit_alphabet: int = 1000) -> int:
     tokens, or the byte-level alphabet), and in the character styles every ALPHABET character
     (the trainer keeps them whole); a corpus's other characters can add more, up to
     limit_alphabet characters in all."""
+    if style == "spm":
+        return smallest(ALPHABET, len(SPECIAL_TOKENS), N_BYTES)
     chars = 0 if STYLES[style][1] else min(len(set(ALPHABET)), limit_alphabet)
     return len(SPECIAL_TOKENS) + N_BYTES + chars
 
@@ -263,23 +271,6 @@ def train_tokenizer(
     merges first, unused reserved tokens fill it (logged in one line); a size below what the
     corpus's characters need is refused."""
 
-    tok = build_tokenizer(cfg.style)
-    byte_level = STYLES[cfg.style][1]
-    if byte_level:
-        alphabet = {"initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
-    else:
-        alphabet = {"initial_alphabet": ALPHABET, "limit_alphabet": cfg.limit_alphabet}
-    trainer = trainers.BpeTrainer(
-        # The gguf style's one-byte characters share their byte tokens' ids, freeing up to 128:
-        # it learns that many merges more, and re-spelling keeps cfg.vocab_size of them.
-        vocab_size=cfg.vocab_size + (128 if cfg.style == "gguf" else 0),
-        min_frequency=cfg.min_frequency,
-        # Byte fallback needs the 256 <0xNN> tokens in the vocabulary, right after the specials.
-        special_tokens=SPECIAL_TOKENS + ([] if byte_level else BYTE_TOKENS),
-        max_token_length=cfg.max_token_length,
-        show_progress=progress,
-        **alphabet,
-    )
     used: dict[str, dict[str, int]] = {}
 
     def texts() -> Iterator[str]:
@@ -291,20 +282,18 @@ def train_tokenizer(
             yield doc
 
     t0 = time.time()
-    tok.train_from_iterator(texts(), trainer=trainer)
+    if cfg.style == "spm":  # SentencePiece reads the whole corpus first (as it trains)
+        docs = list(nfc(texts()) if cfg.nfc_text else texts())
+        specials = (SPECIAL_TOKENS, BYTE_TOKENS, ALPHABET)
+        size = cfg.vocab_size
+        data = docs and train_spm(docs, size, *specials, cfg.max_token_length, cfg.max_doc_chars)
+        if data:
+            data["post_processor"] = _bos_first(data)
+    else:
+        data = _train_bpe(texts(), cfg, progress)
     if not used:
         names = ", ".join(s.name for s in sources)
         raise DoelError(f"no text found in {names}: the corpus is empty")
-    bos = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
-    )
-    data = json.loads(tok.to_str())
-    # The byte tokens were passed as special only to reserve their ids; as added tokens they
-    # would be matched in text ("<0x41>") and skipped by decode, so they stay model-only.
-    data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] not in BYTE_TOKENS]
-    if cfg.style == "gguf":
-        respell_byte_level(data, cfg.vocab_size)
     learned = len(data["model"]["vocab"])
     if learned > cfg.vocab_size:  # the corpus's characters alone are more than asked
         raise DoelError(
@@ -340,6 +329,45 @@ def train_tokenizer(
         },
     )
     return path
+
+
+def _train_bpe(texts: Iterator[str], cfg: TokenizerConfig, progress: bool) -> dict:
+    """The tokenizers library's BPE trainer on `texts`: tokenizer.json as a dict."""
+    tok = build_tokenizer(cfg.style)
+    byte_level = STYLES[cfg.style][1]
+    if byte_level:
+        alphabet = {"initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
+    else:
+        alphabet = {"initial_alphabet": ALPHABET, "limit_alphabet": cfg.limit_alphabet}
+    trainer = trainers.BpeTrainer(
+        # The gguf style's one-byte characters share their byte tokens' ids, freeing up to 128:
+        # it learns that many merges more, and re-spelling keeps cfg.vocab_size of them.
+        vocab_size=cfg.vocab_size + (128 if cfg.style == "gguf" else 0),
+        min_frequency=cfg.min_frequency,
+        # Byte fallback needs the 256 <0xNN> tokens in the vocabulary, right after the specials.
+        special_tokens=SPECIAL_TOKENS + ([] if byte_level else BYTE_TOKENS),
+        max_token_length=cfg.max_token_length,
+        show_progress=progress,
+        **alphabet,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    data = json.loads(tok.to_str())
+    data["post_processor"] = _bos_first(data)
+    # The byte tokens were passed as special only to reserve their ids; as added tokens they
+    # would be matched in text ("<0x41>") and skipped by decode, so they stay model-only.
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] not in BYTE_TOKENS]
+    if cfg.style == "gguf":
+        respell_byte_level(data, cfg.vocab_size)
+    return data
+
+
+def _bos_first(data: dict) -> dict:
+    """The post-processor that puts <|bos|> in front of every text (tokenizer.json's form)."""
+    bos = data["model"]["vocab"][BOS]
+    post = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
+    )
+    return json.loads(post.__getstate__())
 
 
 def write_hf_side_files(out: Path) -> None:
