@@ -24,18 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import report
 from benchmarks.bench_export import foreign_cpu
 from benchmarks.bench_serve import FULL, THREADS, setup
-from benchmarks.report import (
-    SERVE_WORK,
-    SERVE_WORK_HELP,
-    cpu_line,
-    heading,
-    load_line,
-    parser,
-    publish,
-    stamp,
-)
 from doel.serve.engine import Engine, read_bundle
 from doel.serve.prefix import Hit
 from doel.serve.sampling import SamplingParams
@@ -118,10 +109,11 @@ def summary(m: dict) -> dict:
 
 
 def markdown(r: dict) -> str:
+    title = "A conversation held between running streams, bangla-0.4b int4 random weights"
     lines = [
-        *heading("A conversation held between running streams, bangla-0.4b int4 random weights", r),
-        f"{cpu_line(r['cpu'])} {THREADS} threads, {SLOTS} slots. Streams A and C ({SHORT}-token "
-        f"prompts, {NEW} new ids) and B "
+        *report.heading(title, r),
+        f"{report.cpu_line(r['cpu'])} {THREADS} threads, {SLOTS} slots. Streams A and C "
+        f"({SHORT}-token prompts, {NEW} new ids) and B "
         f"(a {LONG}-token conversation, {LONG_NEW} new ids) arrive together in slots 0-2; B "
         "ends first. Step: slots 0-2 with slot 1 a placeholder row (mean of "
         f"{STEPS}, best of 3 in each of {ROUNDS} rounds); the scheduler's figures are the best "
@@ -148,21 +140,22 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser(__doc__, work=SERVE_WORK_HELP).parse_args(argv)
-    work = Path(args.work or SERVE_WORK)
+    args = report.parser(__doc__, work=report.SERVE_WORK_HELP).parse_args(argv)
+    work = Path(args.work or report.SERVE_WORK)
     setup(work, FULL, with_llama=False)  # reuses the checkpoint and bundles already there
     t0 = time.perf_counter()
     m, foreign = foreign_cpu(measure, work / "bundle-int4")
     ids = {w: [r["ids"] for r in m["runs"][w]] for w in WAYS}
-    result = stamp() | {
+    result = report.stamp() | {
         "summary": summary(m),
         "same_ids": ids[WAYS[0]] == ids[WAYS[1]],
         "copy_ms": m["copy_ms"],
         "foreign_cpu_s": foreign,
         "wall_s": time.perf_counter() - t0,
-        "machine_load": load_line(),
+        "machine_load": report.load_line(),
     }
-    publish(args.out, f"held_prefix_0.4b_cpu-{result['cpu']['class']}", result, markdown(result))
+    name = f"held_prefix_0.4b_cpu-{result['cpu']['class']}"
+    report.publish(args.out, name, result, markdown(result))
 
 
 if __name__ == "__main__":

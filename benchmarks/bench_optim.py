@@ -45,13 +45,7 @@ from benchmarks.report import parser
 from doel.train.build import build_run
 from doel.train.config import load_config
 from doel.train.loop import batches_on
-from doel.train.trainer import (
-    TrainConfig,
-    lr_at,
-    micro_batches_per_update,
-    run_step,
-    train_step,
-)
+from doel.train.trainer import TrainConfig, lr_at, micro_batches_per_update, run_step, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

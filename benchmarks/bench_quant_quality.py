@@ -40,13 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_serve_llama import (
-    converter,
-    gguf_package,
-    llama_cpp_available,
-    llama_info,
-    make_ggufs,
-)
+from benchmarks import bench_serve_llama as llama
+from benchmarks.bench_serve_engines import load_llama
 from benchmarks.cpu_class import write_result
 from benchmarks.report import parser
 from doel.export.bundle import MAX_WINDOW, ExportOptions, export_checkpoint
@@ -122,11 +117,11 @@ def gguf_files(ckpt: Path, work: Path) -> dict[str, Path]:
     if not (files["q4_0"].is_file() and files["q8_0"].is_file()):
         wait_quiet()
         print("converting to GGUF, quantizing to q4_0 and q8_0 ...", flush=True)
-        make_ggufs(ckpt, work, ["q4_0", "q8_0"])
+        llama.make_ggufs(ckpt, work, ["q4_0", "q8_0"])
     if not files["f32"].is_file():
         wait_quiet()
         print("converting to GGUF f32 ...", flush=True)
-        cmd = [sys.executable, str(converter()), str(work / "gguf-src"), "--outtype", "f32"]
+        cmd = [sys.executable, str(llama.converter()), str(work / "gguf-src"), "--outtype", "f32"]
         proc = subprocess.run(
             cmd + ["--outfile", str(files["f32"])], capture_output=True, text=True
         )
@@ -181,7 +176,7 @@ def onnx_weights(model: Path, vocab: int) -> dict:
 def gguf_weights(path: Path) -> dict:
     """The same from a GGUF file: block linears (blk.*, 2-D), head (output.weight, or the tied
     token_embd.weight that serves as both), embedding."""
-    tensors = {t.name: t for t in gguf_package().GGUFReader(str(path)).tensors}
+    tensors = {t.name: t for t in llama.gguf_package().GGUFReader(str(path)).tensors}
 
     def of(names: list[str]) -> dict:
         kinds = sorted({tensors[n].tensor_type.name for n in names})
@@ -207,18 +202,8 @@ def onnx_logits(bundle: Path, ckpt):
 def llama_logits(path: Path, window: int, kv_type: int):
     """ids [1, T] -> logits [1, T, V] from llama.cpp: the cache cleared, the ids evaluated as
     given (no BOS added), every position's logits kept (logits_all)."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(
-        str(path),
-        n_ctx=window + 1,
-        n_batch=window,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        logits_all=True,
-        type_k=kv_type,
-        type_v=kv_type,
-        verbose=False,
+    llm = load_llama(
+        path, THREADS, window + 1, n_batch=window, logits_all=True, type_k=kv_type, type_v=kv_type
     )
 
     def logits(ids: np.ndarray) -> np.ndarray:
@@ -415,7 +400,7 @@ def run(args, work: Path) -> dict:
         "blocks": ckpt.config["num_hidden_layers"],
         "f32_check": check,
         "rows": rows(sums, secs, texts, file_weights(bundles, ggufs, ckpt.vocab_size)),
-        "llama_cpp": llama_info(),
+        "llama_cpp": llama.llama_info(),
     }
 
 
@@ -439,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--only: no row {sorted(unknown)}; rows: {sorted(names)}")
         keep = {*args.only, "torch fp32", "llama.cpp f32"}
         VARIANTS[:] = [v for v in VARIANTS if v[0] in keep]
-    if not llama_cpp_available():
+    if not llama.llama_cpp_available():
         raise SystemExit(
             "llama_cpp is missing: python -m benchmarks.bench_serve --install-llama-cpp"
         )

@@ -79,19 +79,22 @@ def doel_runner(bundle: str, threads: int):
     return run
 
 
+def load_llama(gguf: str | Path, threads: int, n_ctx: int, **options):
+    """llama-cpp-python on a GGUF file, quiet, with the same threads for the prompt and for each
+    step: opened one way here and in bench_quant_quality, so that both benchmarks' llama.cpp
+    figures come from the same settings. `options`: Llama's other arguments."""
+    import llama_cpp
+
+    return llama_cpp.Llama(
+        str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **options
+    )
+
+
 def llama_runner(gguf: str, threads: int, n_ctx: int, flash_attn: bool):
     import llama_cpp
     import numpy as np
 
-    llm = llama_cpp.Llama(
-        gguf,
-        n_ctx=n_ctx,
-        n_threads=threads,
-        n_threads_batch=threads,
-        flash_attn=flash_attn,
-        logits_all=False,
-        verbose=False,
-    )
+    llm = load_llama(gguf, threads, n_ctx, flash_attn=flash_attn, logits_all=False)
     n_vocab = llm.n_vocab()
 
     def next_id() -> int:

@@ -23,48 +23,50 @@ def verdict(t: dict) -> str:
 
 def engine_table(result: dict) -> list[str]:
     p = result["settings"]
-    lines = [
+    return [
         f"| engine | variant | time to first token, {p['short']} / {p['long']} tokens (s) | "
         f"decode tok/s after {p['short']} / {p['long']} | peak RSS MB | load s | "
         "decode / bandwidth bound, short / long | foreign CPU s (of row s) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
+        *map(engine_row, result["rows"]),
     ]
-    for r in result["rows"]:
-        name = f"{LABELS[r['engine']]}"
-        if "short" not in r:
-            why = r.get("missing") or r.get("error", "failed")
-            lines.append(f"| {name} | {r['variant']} | missing: {why.splitlines()[0]} ||||||")
-            continue
-        s, lo = r["short"], r["long"]
-        flag = " **busy**" if r["busy"] else ""
-        lines.append(
-            f"| {name} | {r['variant']} | {s['ttft_s']:.3g} / {lo['ttft_s']:.3g} | "
-            f"**{s['decode_tok_s']:.1f}** / {lo['decode_tok_s']:.1f} | {r['peak_rss_mb']:.0f} | "
-            f"{r['load_s']:.1f} | {r['short_fraction_of_bound']:.0%} / "
-            f"{r['long_fraction_of_bound']:.0%} | {r['foreign_cpu_s']:.0f} "
-            f"({r['row_wall_s']:.0f}){flag} |"
-        )
-    return lines
+
+
+def engine_row(r: dict) -> str:
+    """An engine's row; one that did not run says why in its first line, the rest left empty."""
+    name = LABELS[r["engine"]]
+    if "short" not in r:
+        why = r.get("missing") or r.get("error", "failed")
+        return f"| {name} | {r['variant']} | missing: {why.splitlines()[0]} ||||||"
+    s, lo = r["short"], r["long"]
+    flag = " **busy**" if r["busy"] else ""
+    return (
+        f"| {name} | {r['variant']} | {s['ttft_s']:.3g} / {lo['ttft_s']:.3g} | "
+        f"**{s['decode_tok_s']:.1f}** / {lo['decode_tok_s']:.1f} | {r['peak_rss_mb']:.0f} | "
+        f"{r['load_s']:.1f} | {r['short_fraction_of_bound']:.0%} / "
+        f"{r['long_fraction_of_bound']:.0%} | {r['foreign_cpu_s']:.0f} "
+        f"({r['row_wall_s']:.0f}){flag} |"
+    )
 
 
 def bound_table(result: dict) -> list[str]:
-    lines = [
+    """One row per file (its engines share it): the first row that measured each variant."""
+    files = {}
+    for r in result["rows"]:
+        if "short_bound_tok_s" in r:
+            files.setdefault(r["variant"], r)
+    return [
         "| variant | weights MB (embedding MB) | bytes read per token, short / long (MB) | "
         "bound tok/s, short / long | tensor types |",
         "|---|---:|---:|---:|---|",
-    ]
-    seen = set()
-    for r in result["rows"]:
-        if "short_bound_tok_s" not in r or r["variant"] in seen:  # one row per file
-            continue
-        seen.add(r["variant"])
-        lines.append(
+        *(
             f"| {r['variant']} | {r['weight_bytes'] / 1e6:.0f} ({r['embedding_bytes'] / 1e6:.0f}) "
             f"| {r['short_bytes_per_token'] / 1e6:.0f} / {r['long_bytes_per_token'] / 1e6:.0f} | "
             f"{r['short_bound_tok_s']:.1f} / {r['long_bound_tok_s']:.1f} | "
             f"{', '.join(r.get('tensor_types') or []) or '–'} |"
-        )
-    return lines
+            for r in files.values()
+        ),
+    ]
 
 
 def sweep_table(sw: dict) -> list[str]:

@@ -366,33 +366,60 @@ def job_quant(folder: Path) -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = [
-        f"# ARM64 check: {report['name']} ({report['date']})",
-        "",
+    intro = (
         f"serve/'s engine on each bundle file, aarch64 under qemu-user {report['qemu']} "
         f"(CPU models: {', '.join(report['cpus'])}) against x86_64, both with onnxruntime "
         f"{report['onnxruntime']}. "
         f"Prompts: {', '.join(repr(t) for t in PROMPTS[: report['prompts']])}, "
         f"{report['new_tokens']} greedy tokens each; held-out "
         f"window: {report['window_positions']} positions. Bounds: {report['bounds']}. "
-        f"Host: {report['host']}. Emulated time is no phone's speed.",
+        f"Host: {report['host']}. Emulated time is no phone's speed."
+    )
+    lines = opening("ARM64 check", report, intro, "widest x86 gap of a flip")
+    lines += [table_row(r) for r in report["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def opening(title: str, report: dict, intro: str, gap: str, file: bool = True) -> list[str]:
+    """The lines above the rows, in this report and check_avx2's: `# TITLE: NAME (DATE)`, what
+    ran against what, the run's note if it has one, and the header of table_row's columns (gap:
+    the flip column's name), kept beside table_row so that the two cannot drift apart."""
+    from benchmarks.report import heading  # here: the worker, under qemu, needs no report
+
+    columns = ["bundle", *(["file"] if file else []), "quant", "side", "greedy ids"]
+    columns += ["top-1 agree", gap, "max abs diff", "max rel diff", "loss increase (nats/tok)"]
+    columns += ["s", "verdict"]
+    return [
+        *heading(f"{title}: {report['name']}", report, with_machine=False),
+        intro,
         "",
         *([report["note"], ""] if report.get("note") else []),
-        "| bundle | file | quant | side | greedy ids | top-1 agree | widest x86 gap of a flip "
-        "| max abs diff | max rel diff | loss increase (nats/tok) | s | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {' | '.join(columns)} |",
+        "|" + "---|" * len(columns),
     ]
-    for r in report["rows"]:
-        greedy = "equal" if r["greedy_equal"] else f"differ at {tuple(r['first_divergence'])}"
-        verdict = "ok" if not r["failures"] else "; ".join(r["failures"])
-        gap = f"{r['flip_max_gap']:.2e}" if "flip_max_gap" in r else "-"  # older reports lack it
-        lines.append(
-            f"| {r['bundle']} | {r['model']} | {r['quant']} | {r['side']} | {greedy} "
-            f"| {r['top1_agreement']:.4f} | {gap} | {r['max_abs_diff']:.2e} "
-            f"| {r['max_rel_diff']:.2e} "
-            f"| {r['loss_increase']:+.2e} | {r['seconds']:.1f} | {verdict} |"
-        )
-    return "\n".join(lines) + "\n"
+
+
+def table_row(r: dict, file: bool = True) -> str:
+    """One bundle file's row on one side, in this report and check_avx2's (which runs
+    model.onnx alone, so names no file): one function, so both tables read the same figures
+    the same way. A report from before flip_max_gap was recorded shows `-` there."""
+    greedy = "equal" if r["greedy_equal"] else f"differ at {tuple(r['first_divergence'])}"
+    gap = f"{r['flip_max_gap']:.2e}" if "flip_max_gap" in r else "-"
+    cells = [
+        r["bundle"],
+        *([r["model"]] if file else []),
+        r["quant"],
+        r["side"],
+        greedy,
+        f"{r['top1_agreement']:.4f}",
+        gap,
+        f"{r['max_abs_diff']:.2e}",
+        f"{r['max_rel_diff']:.2e}",
+        f"{r['loss_increase']:+.2e}",
+        f"{r['seconds']:.1f}",
+        "ok" if not r["failures"] else "; ".join(r["failures"]),
+    ]
+    return f"| {' | '.join(cells)} |"
 
 
 def main(argv: list[str] | None = None) -> int:

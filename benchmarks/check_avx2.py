@@ -129,53 +129,46 @@ def run_probe(prefix: list[str], timeout: float) -> dict:
 
 
 def markdown(report: dict) -> str:
-    probe = report["gemm_probe"]
-    lines = [
-        f"# AVX2 check: {report['name']} ({report['date']})",
-        "",
+    intro = (
         f"serve/'s engine on each bundle, under qemu-user {report['qemu']}'s x86_64 emulator "
         f"with CPU model {report['cpu']} (what numpy's dispatch finds there: "
         f"{report['guest_features']}), against this host natively ({report['host']}: "
         f"{report['host_features']}), both with onnxruntime {report['onnxruntime']} in the same "
         f"venv. Prompts: {report['prompts']} of check_arm64.py's, {report['new_tokens']} "
         f"greedy tokens each; held-out windows: {report['window_positions']} positions. Bounds "
-        f"(check_arm64.py's): {report['bounds']}. Emulated time is no AVX2 host's speed.",
-        "",
-        *([report["note"], ""] if report.get("note") else []),
-        "| bundle | quant | side | greedy ids | top-1 agree | widest gap of a flip "
-        "| max abs diff | max rel diff | loss increase (nats/tok) | s | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["rows"]:
-        greedy = "equal" if r["greedy_equal"] else f"differ at {tuple(r['first_divergence'])}"
-        lines.append(
-            f"| {r['bundle']} | {r['quant']} | {r['side']} | {greedy} "
-            f"| {r['top1_agreement']:.4f} | {r['flip_max_gap']:.2e} | {r['max_abs_diff']:.2e} "
-            f"| {r['max_rel_diff']:.2e} | {r['loss_increase']:+.2e} | {r['seconds']:.1f} "
-            f"| {'ok' if not r['failures'] else '; '.join(r['failures'])} |"
-        )
-    lines += [
+        f"(check_arm64.py's): {report['bounds']}. Emulated time is no AVX2 host's speed."
+    )
+    lines = arm.opening("AVX2 check", report, intro, "widest gap of a flip", file=False)
+    lines += [arm.table_row(r, file=False) for r in report["rows"]]
+    return "\n".join(lines + gemm_section(report["cpu"], report["gemm_probe"]))
+
+
+# Why the probe decides an export choice: the closing paragraph of the report's GEMM section.
+GEMM_VERDICT = (
+    "u8 × s8 is the fast int8 GEMM where VNNI exists; on AVX2 alone MLAS sums pairs of "
+    "products in 16 bits with saturation, and weights of the full range overflow it. A "
+    "bundle that ran its prefill through it (per-row activations, faster than MatMulNBits "
+    "for many rows) would be wrong on exactly the hosts it was meant for, unless its "
+    "weights kept 7 bits or it took the u8 × u8 path; doel's int8 stays on MatMulNBits."
+)
+
+
+def gemm_section(cpu: str, probe: dict) -> list[str]:
+    """The GEMM probe's section: its error natively and on the emulated CPU, and what that
+    decides (GEMM_VERDICT)."""
+    lines = [
         "",
         "## ONNX Runtime's int8 GEMM (MatMulInteger): error against the exact product",
         "",
         f"16 rows of activations quantized per row to uint8, weights of the full int8 range, "
         f"{PROBE_K} x {PROBE_N}; largest error over the largest exact value.",
         "",
-        "| operands | native | " + report["cpu"] + " (emulated) |",
+        "| operands | native | " + cpu + " (emulated) |",
         "|---|---:|---:|",
     ]
     for kind in probe["native"]:
         lines.append(f"| {kind} | {probe['native'][kind]:.2e} | {probe['guest'][kind]:.2e} |")
-    lines += [
-        "",
-        "u8 × s8 is the fast int8 GEMM where VNNI exists; on AVX2 alone MLAS sums pairs of "
-        "products in 16 bits with saturation, and weights of the full range overflow it. A "
-        "bundle that ran its prefill through it (per-row activations, faster than MatMulNBits "
-        "for many rows) would be wrong on exactly the hosts it was meant for, unless its "
-        "weights kept 7 bits or it took the u8 × u8 path; doel's int8 stays on MatMulNBits.",
-        "",
-    ]
-    return "\n".join(lines)
+    return [*lines, "", GEMM_VERDICT, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,20 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import report
 from benchmarks.bench_export import foreign_cpu
 from benchmarks.bench_serve import FULL, THREADS, busy, setup
 from benchmarks.profile_serve import ratio_ceiling
-from benchmarks.report import (
-    SERVE_WORK,
-    SERVE_WORK_HELP,
-    command,
-    cpu_line,
-    heading,
-    load_line,
-    parser,
-    publish,
-    stamp,
-)
 from doel.serve.engine import Engine, read_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +113,7 @@ def stream_tok_s(p: float, t1: float, t8: float, new: int = 128) -> tuple[float,
 
 
 def one(bundle: Path, label: str, logits: Path) -> dict:
-    cmd = command("probe_ort_options", "--one", bundle, label, logits)
+    cmd = report.command("probe_ort_options", "--one", bundle, label, logits)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{bundle.name} / {label} failed:\n{proc.stderr[-3000:]}")
@@ -154,8 +144,8 @@ def markdown(result: dict) -> str:
         "ONNX Runtime's session options against the batched decode step, bangla-0.4b random weights"
     )
     lines = [
-        *heading(title, result),
-        f"{cpu_line(result['cpu'])} onnxruntime {result['onnxruntime']}, {THREADS} threads, "
+        *report.heading(title, result),
+        f"{report.cpu_line(result['cpu'])} onnxruntime {result['onnxruntime']}, {THREADS} threads, "
         f"serve/engine.py with {SLOTS} slots, each holding a {PROMPT}-token prompt; steps are "
         f"the mean of {STEPS}, best of 3, and every figure the best of {PROCESSES} processes, "
         "the options taking turns. Ceiling: "
@@ -185,7 +175,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = parser(__doc__, work=SERVE_WORK_HELP)
+    ap = report.parser(__doc__, work=report.SERVE_WORK_HELP)
     ap.add_argument(
         "--one", nargs=3, metavar=("BUNDLE", "OPTION", "LOGITS"), help=argparse.SUPPRESS
     )
@@ -195,10 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     import onnxruntime
 
-    work = Path(args.work or SERVE_WORK)
-    result = stamp() | {"onnxruntime": onnxruntime.__version__, "rows": run(work)}
-    result["machine_load"] = load_line()
-    publish(args.out, f"ort_options_0.4b_cpu-{result['cpu']['class']}", result, markdown(result))
+    work = Path(args.work or report.SERVE_WORK)
+    result = report.stamp() | {"onnxruntime": onnxruntime.__version__, "rows": run(work)}
+    result["machine_load"] = report.load_line()
+    name = f"ort_options_0.4b_cpu-{result['cpu']['class']}"
+    report.publish(args.out, name, result, markdown(result))
 
 
 if __name__ == "__main__":
