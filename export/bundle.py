@@ -60,6 +60,7 @@ class ExportOptions:
     tokenizer: str | None = None
     repo_id: str | None = None  # the bundle's Hub repository, for its card
     web: bool = False  # also BUNDLE/web: the static page that runs it in a browser (export/web.py)
+    verify: bool = True  # check the checkpoint's files against its checksums.json, if it has one
     log: object = field(default=print, compare=False)
 
     def __post_init__(self):
@@ -235,7 +236,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     """Export, prove, write the bundle; return its manifest. Raises ExportError on bad input or a
     failed check, leaving `out` untouched."""
     log, out = opts.log, Path(out)
-    ckpt = inspect_checkpoint(checkpoint, opts.tokenizer)
+    ckpt = inspect_checkpoint(checkpoint, opts.tokenizer, verify=opts.verify)
     if opts.block_size is None:
         opts = replace(opts, block_size=fit_block(opts.quant, linear_widths(ckpt.config)))
     engine = graph.choose_engine(ckpt, opts.engine)

@@ -1,7 +1,10 @@
 """Read and check the checkpoint folder before any work: Hugging Face layout, safetensors weights
 whose headers parse and whose sizes match the files' lengths (a truncated copy is refused in a
 second, naming the file), a causal-LM architecture, and a tokenizer whose ids fit the model's
-vocabulary.
+vocabulary. A folder that records its files' hashes (checksums.json: a checkpoint or RUN/final
+that `doel-train` wrote) has the files the export reads checked against them: damaged weights are
+refused, naming the file, instead of being exported and then matched by parity against
+themselves.
 
 Every refusal says what is wrong and what to pass instead; nothing is written before these checks
 pass.
@@ -11,9 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from doel.contracts import checksums
 from doel.export.common import ExportError, sha256_file
 
 # What `doel-train fit` writes; any Hugging Face folder with these files works too.
@@ -47,6 +51,7 @@ class Checkpoint:
     special_tokens: dict
     config_sha256: str
     weights: tuple[Path, ...]
+    hashes: dict = field(default_factory=dict)  # {file name: sha256} checked against the record
 
 
 def _read_config(folder: Path) -> dict:
@@ -204,8 +209,21 @@ def _tokenizer_info(path: Path, config: dict, vocab: int) -> tuple[int, dict]:
     return size, {**special, "added": added}
 
 
-def inspect_checkpoint(folder: str | Path, tokenizer: str | Path | None = None) -> Checkpoint:
-    """Check the folder and its tokenizer; raise ExportError naming the problem."""
+def _verified(folder: Path, weights: tuple[Path, ...], tokenizer: Path) -> dict[str, str]:
+    """The files the export reads, checked against the folder's checksums.json where it has
+    one: {name: sha256} of those checked."""
+    names = ["config.json", *(p.name for p in weights)]
+    if tokenizer.parent.resolve() == folder.resolve():
+        names.append(tokenizer.name)
+    hint = "copy it again or export another checkpoint; or pass --no-verify to export it as it is"
+    return checksums.verify(folder, ExportError, names=names, hint=hint)
+
+
+def inspect_checkpoint(
+    folder: str | Path, tokenizer: str | Path | None = None, verify: bool = True
+) -> Checkpoint:
+    """Check the folder and its tokenizer; raise ExportError naming the problem. `verify`: the
+    files read checked against the folder's recorded hashes, where it records them."""
     folder = Path(folder)
     config = _read_config(folder)
     weights = _weights(folder)
@@ -218,6 +236,7 @@ def inspect_checkpoint(folder: str | Path, tokenizer: str | Path | None = None) 
             f"no tokenizer at {tok}: the bundle must carry the model's tokenizer.json; put it in "
             "the checkpoint folder or pass --tokenizer PATH"
         )
+    hashes = _verified(folder, weights, tok) if verify else {}
     tok_size, special = _tokenizer_info(tok, config, vocab)
     return Checkpoint(
         folder=folder,
@@ -231,8 +250,9 @@ def inspect_checkpoint(folder: str | Path, tokenizer: str | Path | None = None) 
         tokenizer=tok,
         tokenizer_vocab_size=tok_size,
         special_tokens=special,
-        config_sha256=sha256_file(folder / "config.json"),
+        config_sha256=hashes.get("config.json") or sha256_file(folder / "config.json"),
         weights=weights,
+        hashes=hashes,
     )
 
 
@@ -245,7 +265,8 @@ def source_record(ckpt: Checkpoint) -> dict:
         "folder": ckpt.folder.resolve().name,
         "config_sha256": ckpt.config_sha256,
         "weights": {
-            p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in ckpt.weights
+            p.name: {"bytes": p.stat().st_size, "sha256": ckpt.hashes.get(p.name) or sha256_file(p)}
+            for p in ckpt.weights
         },
         "num_hidden_layers": cfg.get("num_hidden_layers", cfg.get("n_layer")),
         "hidden_size": cfg.get("hidden_size", cfg.get("n_embd")),

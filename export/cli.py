@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--repo-id",
         help="the bundle's Hugging Face repository (OWNER/NAME), named in its README.md card",
     )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="export a checkpoint without checking its files against the sha256 it records "
+        "(checksums.json; a damaged file is otherwise refused, named)",
+    )
     p.add_argument("--json", action="store_true", help="print the manifest")
     return p
 
@@ -151,6 +157,7 @@ def _onnx(args) -> None:
         force=args.force,
         tokenizer=args.tokenizer,
         repo_id=args.repo_id,
+        verify=not args.no_verify,
         log=lambda msg: print(msg, file=sys.stderr),
     )
     result = export_checkpoint(args.checkpoint, args.out, opts)
@@ -170,6 +177,7 @@ def _gguf(args) -> None:
         tokenizer=args.tokenizer,
         log=lambda msg: print(msg, file=sys.stderr),
         repo_id=args.repo_id,
+        verify=not args.no_verify,
     )
     if args.json:
         print(json.dumps(result, indent=2))

@@ -310,16 +310,18 @@ def export_gguf(
     tokenizer: str | Path | None = None,
     log=print,
     repo_id: str | None = None,
+    verify: bool = True,
 ) -> dict:
     """Write OUT/model-<quant>.gguf, OUT/Modelfile, OUT/README.md (the model card, naming the
-    Hub repository `repo_id`: export/card.py) and OUT/manifest.json, all or nothing."""
+    Hub repository `repo_id`: export/card.py) and OUT/manifest.json, all or nothing. `verify`:
+    the checkpoint's files checked against its recorded hashes first, where it records them."""
     try:
         row = quant_row(quant, "gguf")
     except ValueError as e:
         raise ExportError(f"--quant: {e}") from None
     if repo_id is not None:
         card.check_repo_id(repo_id)
-    ckpt = inspect_checkpoint(checkpoint, tokenizer)
+    ckpt = inspect_checkpoint(checkpoint, tokenizer, verify=verify)
     tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
     llama_cpp_pre_type(tok, ckpt.tokenizer)  # refuse before any work
     out = Path(out)

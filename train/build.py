@@ -131,6 +131,7 @@ def build_run(
     example_batch=None,
     describe_to=None,
     log=print,
+    verify: bool = True,
 ) -> Run:
     """Build what training `cfg` on the shards in `data` uses, resumed from `resume_from` (its
     loader too, whatever the loader). `data` None and no loader_factory: no loader (the caller
@@ -139,7 +140,8 @@ def build_run(
     `compile` overrides cfg.compile. `describe_to`: a log that gets the model's size and FLOPs.
     The factories replace the defaults (sft: its base model and ChatLoader; tests: planted
     failures): model_factory(cfg) -> model (moved to the device here), optimizer_factory(model),
-    loader_factory()."""
+    loader_factory(). `verify`: check the shards and the checkpoint against their recorded
+    hashes (--no-verify: not)."""
     info = info or DistInfo()
     device = device or resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -169,6 +171,7 @@ def build_run(
             cfg.seed,
             rank=info.rank,
             world_size=info.world_size,
+            verify=verify,
         )
 
     has_loader = data is not None or loader_factory is not None
@@ -196,7 +199,7 @@ def build_run(
         meta=meta,
     )
     if resume_from is not None:
-        _, state = load_checkpoint(resume_from, wrapped, optimizer)
+        _, state = load_checkpoint(resume_from, wrapped, optimizer, verify=verify)
         loader.load_state_dict(state["loader"])
         run.step, run.tokens_seen = state["step"], state.get("tokens_seen", 0)
         log(f"resuming from {resume_from} (step {run.step})")

@@ -4,6 +4,8 @@
 generation_config.json (loadable by transformers as is) and, for resuming, the optimizer's
 tensors keyed by parameter name, trainer_state.json (step, optimizer hyper-parameters, loader
 position, config) and rng.safetensors. No pickles: every file is safetensors or JSON.
+checksums.json (doel/contracts/checksums.py) records every file's sha256, and a resume checks
+them first: a damaged file is named in one line, never resumed from silently.
 
 On one process and under DDP the optimizer is one file, optimizer.safetensors (the full state,
 gathered to rank 0 under DDP). Under FSDP nothing but the HF-layout model is gathered: each rank
@@ -20,6 +22,7 @@ mid-save leaves the previous checkpoint whole; only the last `keep` are kept.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -31,9 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dcp_state
+from safetensors import SafetensorError
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
-from doel.train.common import DoelError, atomic_write_json
+from doel.contracts import checksums
+from doel.train.common import Damaged, DoelError, atomic_write_json
 from doel.train.dist import full_model_state, full_state, is_sharded, load_full_state
 from doel.train.gradflow import unwrap
 from doel.train.hf import WEIGHTS, load_model, read_config, read_safetensors, save_model
@@ -84,7 +90,9 @@ def save_checkpoint(
 ) -> Path:
     """Write `run_dir/checkpoints/step-NNNNNN` atomically and prune older ones. Under
     torch.distributed every rank must call it (each writes its shards under FSDP, and the
-    full model is gathered); rank 0 writes the rest."""
+    full model is gathered); rank 0 writes the rest. A write that fails (a full disk) removes
+    the partial folder and raises one line on every rank, naming the space needed and the
+    checkpoint a resume will use."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:06d}"
     # One name on every rank (each writes its shards into it); a stale one is a killed save.
@@ -93,24 +101,76 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    sharded = is_sharded(model)
-    if sharded:
-        optim_rest = save_sharded(tmp / SHARDED, model, optimizer)
-        model_sd = full_model_state(model)
-    else:  # complete on rank 0 alone
-        model_sd, optim_sd = full_state(model, optimizer)
-    if _rank() == 0:
-        save_model(unwrap(model), tmp, tokenizer=tokenizer, state_dict=model_sd)
-        if not sharded:
-            tensors, optim_rest = flatten_optimizer(optim_sd)
-            tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
-            save_file(tensors, str(tmp / "optimizer.safetensors"))
-        save_file(rng_state(), str(tmp / "rng.safetensors"))
-        meta = {"step": step, "saved_at": time.time(), "optimizer": optim_rest}
-        atomic_write_json(tmp / "trainer_state.json", {**meta, **trainer_state})
-        _publish(tmp, final, run_dir, keep)
-    _barrier()
+    problem, error = None, None
+    try:
+        optim_sd, optim_rest = None, None
+        if is_sharded(model):
+            optim_rest = save_sharded(tmp / SHARDED, model, optimizer)
+            model_sd = full_model_state(model)
+        else:  # complete on rank 0 alone
+            model_sd, optim_sd = full_state(model, optimizer)
+        if _rank() == 0:
+            _write(tmp, model, model_sd, (optim_sd, optim_rest), step, trainer_state, tokenizer)
+            _publish(tmp, final, run_dir, keep)
+    except (OSError, SafetensorError, CheckpointException) as e:
+        error = e
+        problem = _save_failed(e, root, tmp, step, model) if _rank() == 0 else str(e)
+    problem = _agree(problem)  # rank 0's outcome, on every rank (the barrier of the save)
+    if problem is not None:
+        raise DoelError(problem) from None
+    if error is not None:  # this rank alone failed: not seen by rank 0
+        raise error
     return final
+
+
+def _write(tmp: Path, model, model_sd, optim, step, trainer_state, tokenizer) -> None:
+    """Rank 0's files of a checkpoint, checksums.json last. `optim`: the full optimizer state
+    (one process, DDP) or None, and the non-tensor rest when DCP wrote the tensors (FSDP)."""
+    optim_sd, optim_rest = optim
+    save_model(unwrap(model), tmp, tokenizer=tokenizer, state_dict=model_sd)
+    if optim_sd is not None:
+        tensors, optim_rest = flatten_optimizer(optim_sd)
+        tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+    save_file(rng_state(), str(tmp / "rng.safetensors"))
+    meta = {"step": step, "saved_at": time.time(), "optimizer": optim_rest}
+    atomic_write_json(tmp / "trainer_state.json", {**meta, **trainer_state})
+    atomic_write_json(tmp / checksums.NAME, checksums.record(tmp))  # the sharded/ files too
+
+
+def _save_failed(e: Exception, root: Path, tmp: Path, step: int, model) -> str:
+    """Remove the partial folder; the one line that says what failed, what is kept and, for a
+    full disk, the space a checkpoint needs (the last one's size, else ~3x the parameters:
+    weights and two optimizer moments)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    last = latest_checkpoint(root.parent)
+    resume = (
+        f"a resume will use {last}, the last whole checkpoint"
+        if last
+        else "no checkpoint was written before it: a rerun starts over"
+    )
+    text = " ".join(str(e).split())
+    if not (getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text):
+        return f"writing the checkpoint of step {step} to {tmp} failed ({text[:200]}); {resume}"
+    if last is not None:
+        need = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
+    else:
+        need = 3 * sum(p.numel() * p.element_size() for p in unwrap(model).parameters())
+    free = shutil.disk_usage(root).free
+    return (
+        f"no space left on the device of {root} for the checkpoint of step {step}: it needs "
+        f"about {need / 1e6:,.1f} MB, {free / 1e6:,.1f} MB are free; the partial {tmp.name} was "
+        f"removed and {resume}: free space and run the same command again"
+    )
+
+
+def _agree(problem: str | None) -> str | None:
+    """Rank 0's `problem` on every rank (it alone writes most of a checkpoint)."""
+    if not dist.is_initialized():
+        return problem
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _publish(tmp: Path, final: Path, run_dir, keep: int) -> None:
@@ -196,14 +256,18 @@ def _damaged_hint(folder: Path) -> str:
     return f"delete {folder} and run again to resume from the checkpoint before it, if any"
 
 
-def load_checkpoint(folder, model=None, optimizer=None, device="cpu"):
+def load_checkpoint(folder, model=None, optimizer=None, device="cpu", verify=True):
     """Load a checkpoint into `model` (built from its config.json if None) and `optimizer`,
     plain or wrapped by DDP/FSDP at any world size; restore the RNG state. Returns
-    (model, trainer_state)."""
+    (model, trainer_state). `verify`: first check its files against checksums.json (a
+    checkpoint written before doel recorded hashes has none to check)."""
     folder = Path(folder)
     state_path = folder / "trainer_state.json"
     if not state_path.is_file():
         raise DoelError(f"{folder} is not a training checkpoint (no trainer_state.json)")
+    if verify:
+        hint = f"{_damaged_hint(folder)}; or pass --no-verify to resume from it as it is"
+        checksums.verify(folder, Damaged, hint=hint)
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:

@@ -108,6 +108,7 @@ def _cmd_fit(args) -> None:
         tokenizer=args.tokenizer,
         fresh=args.fresh,
         skip_verify=args.skip_verify,
+        no_verify=args.no_verify,
     )
 
 
@@ -122,7 +123,15 @@ def _cmd_sft(args) -> None:
     cfg = load_config(SFTConfig, resolve_config(args.config), sets)  # before torch loads
     from doel.train.sft import sft
 
-    sft(cfg, args.data, args.base, args.out, fresh=args.fresh, skip_verify=args.skip_verify)
+    sft(
+        cfg,
+        args.data,
+        args.base,
+        args.out,
+        fresh=args.fresh,
+        skip_verify=args.skip_verify,
+        no_verify=args.no_verify,
+    )
 
 
 def _cmd_check_gradients(args) -> None:
@@ -225,6 +234,15 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _no_verify(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help=f"use {what} without checking them against their recorded sha256 (a damaged file "
+        "is otherwise refused, named)",
+    )
+
+
 def _moved(name: str):
     def run(args) -> None:
         raise DoelError(f"`doel-train {name}` is now `doel {name}` (same options)")
@@ -279,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the verification suite before step 1 (loudly; the gradient gate still runs)",
     )
+    _no_verify(fi, "the shards and the checkpoint resumed from")
     fi.set_defaults(func=_cmd_fit)
 
     sf = sub.add_parser("sft", help="chat fine-tuning of a base checkpoint (resumes RUN_DIR)")
@@ -304,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the checks before step 1 (loudly; the gradient gate still runs)",
     )
+    _no_verify(sf, "the base model and the checkpoint resumed from")
     sf.set_defaults(func=_cmd_sft)
 
     cg = sub.add_parser("check-gradients", help="run the gradient-flow gate alone")

@@ -18,6 +18,11 @@ class DoelError(Exception):
     without a traceback."""
 
 
+class Damaged(DoelError):
+    """A file whose bytes differ from the hash recorded when it was written (a shard, a
+    checkpoint): never trained on, resumed from or exported silently."""
+
+
 class Interrupted(DoelError):
     """Ctrl-C stopped the work; the message says what was kept and how to go on. The CLI
     prints it without a traceback and exits 130 (128 + SIGINT), as a shell reports it."""

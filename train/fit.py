@@ -11,11 +11,13 @@ checkpoint; `fresh=True` starts over.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from doel.train.build import build_run, check_vocab
 from doel.train.checks.suite import fit_subset, verify_before_training
-from doel.train.common import DoelError, sha256_file
+from doel.train.common import DoelError
 from doel.train.data.loader import check_tokenizer, read_meta
 from doel.train.run import Checks, Job, launch
 from doel.train.trainer import TrainConfig
@@ -33,6 +35,20 @@ def _tokenizer_for(meta: dict, tokenizer, data_dir) -> Path | None:
     return None  # the shards' tokenizer moved: the model folder will lack tokenizer.json
 
 
+def shards_key(meta: dict) -> str:
+    """What the checks' result depends on in the shards' meta.json: the format, the tokenizer's
+    hash, the shards' names, sizes and hashes, the settings. Not meta.json's own hash: it holds
+    how long prepare took (seconds, tokens_per_second), new on every run of it, and where the
+    files lay, so an unchanged resume would never find its checks passed before."""
+    kept = {
+        "format": meta["format"],
+        "tokenizer": {k: v for k, v in meta["tokenizer"].items() if k != "path"},
+        "splits": meta["splits"],
+        "config": meta.get("config"),
+    }
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def fit(
     cfg: TrainConfig,
     data_dir,
@@ -42,11 +58,18 @@ def fit(
     log=print,
     step_hook=None,
     skip_verify=False,
+    no_verify=False,
 ) -> Path:
     """Train per `cfg` on the shards in `data_dir`; returns the final model folder. Under
     torchrun every rank calls it; rank 0 logs and writes. `step_hook(step)` runs after each
-    step (tests use it to plant a hang or a crash)."""
-    asked = {"fresh": fresh, "step_hook": step_hook, "skip_verify": skip_verify}
+    step (tests use it to plant a hang or a crash). `no_verify`: the shards and the checkpoint
+    resumed from are not checked against their recorded hashes."""
+    asked = {
+        "fresh": fresh,
+        "step_hook": step_hook,
+        "skip_verify": skip_verify,
+        "no_verify": no_verify,
+    }
     return launch(
         cfg,
         out_dir,
@@ -71,12 +94,13 @@ def _fit(job: Job, cfg: TrainConfig, data_dir, tokenizer) -> Path:
         resume_from=job.resume_from,
         describe_to=log,
         log=log,
+        verify=not job.no_verify,
     )
     checks = Checks(  # the fast subset, gradient flow included, on the run's own objects
         run=lambda out: verify_before_training(
             run, log, out_dir=out, names=fit_subset(job.info.enabled)
         ),
-        inputs=lambda: {"meta_sha256": sha256_file(Path(data_dir) / "meta.json")},
+        inputs=lambda: {"shards_sha256": shards_key(meta)},
         skipped="the verification suite did not run, so the silent failures it catches would "
         "go unnoticed",
     )

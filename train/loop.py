@@ -11,7 +11,7 @@ import time
 import torch
 
 from doel.train.checkpoint import save_checkpoint
-from doel.train.common import DoelError
+from doel.train.common import Damaged, DoelError
 from doel.train.config import resolved
 from doel.train.data.loader import TokenLoader
 from doel.train.data.tokenizer import load_tokenizer
@@ -203,8 +203,15 @@ class RunLoop:
     def _validate(self, step, meta) -> None:
         try:
             val = TokenLoader(
-                self.loader.data_dir, "val", self.cfg.batch_size, self.cfg.seq_len, seed=0
+                self.loader.data_dir,
+                "val",
+                self.cfg.batch_size,
+                self.cfg.seq_len,
+                seed=0,
+                verify=getattr(self.loader, "verify", True),
             )
+        except Damaged:  # a damaged split is said, not taken for a missing one
+            raise
         except (DoelError, KeyError):
             return  # no (or too small a) validation split: nothing to report
         n = min(self.cfg.eval_batches, val.n_windows // self.cfg.batch_size)

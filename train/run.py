@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from doel.contracts import checksums
 from doel.contracts.lock import FolderLock
 from doel.train.build import Run
 from doel.train.checkpoint import latest_checkpoint
@@ -147,6 +148,7 @@ class Job:
     log: Callable[[str], object]
     fresh: bool = False
     skip_verify: bool = False
+    no_verify: bool = False  # the recorded hashes of shards and checkpoints go unchecked
     step_hook: Callable[[int], object] | None = None
     resume_from: Path | None = None
 
@@ -250,6 +252,7 @@ def _save_final(run: Run, out: Path, tok_path, info: DistInfo, log) -> Path:
             state_dict=model_sd,
             extra_json={"train_config.json": resolved(run.cfg)},
         )
+        atomic_write_json(tmp / checksums.NAME, checksums.record(tmp))  # doel-export checks it
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         log(f"final model: {final}")

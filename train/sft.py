@@ -18,11 +18,12 @@ import json
 import time
 from pathlib import Path
 
+from doel.contracts import checksums
 from doel.train.build import build_run
 from doel.train.checks.base import Setup, VerifyConfig, fresh_like
 from doel.train.checks.chat import check_loss_mask
 from doel.train.checks.suite import SINGLE_PROCESS_ONLY, Report, require_pass, run_checks
-from doel.train.common import DoelError, sha256_file
+from doel.train.common import Damaged, DoelError, sha256_file
 from doel.train.data.chat import ChatData, ChatLoader, chat_tokenizer, load_chat_data
 from doel.train.data.chat import special_ids as chat_special_ids
 from doel.train.data.conversations import SFTConfig
@@ -80,10 +81,17 @@ def sft(
     log=print,
     step_hook=None,
     skip_verify: bool = False,
+    no_verify: bool = False,
 ) -> Path:
     """Fine-tune the model folder `base` on the conversations in `data` (files, folders,
-    hf:NAME); returns RUN_DIR/final. Running it again on the same out_dir resumes."""
-    asked = {"fresh": fresh, "step_hook": step_hook, "skip_verify": skip_verify}
+    hf:NAME); returns RUN_DIR/final. Running it again on the same out_dir resumes (the
+    checkpoint checked against its recorded hashes first, unless `no_verify`)."""
+    asked = {
+        "fresh": fresh,
+        "step_hook": step_hook,
+        "skip_verify": skip_verify,
+        "no_verify": no_verify,
+    }
     return launch(
         cfg, out_dir, lambda job: _sft(job, cfg, data, Path(base)), command="sft", log=log, **asked
     )
@@ -91,6 +99,8 @@ def sft(
 
 def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
     cfg, log, info = with_base_model(cfg, base), job.log, job.info
+    if not job.no_verify:  # the base as fit wrote it: RUN/final records its files' hashes
+        checksums.verify(base, Damaged, hint="copy it again, or pass --no-verify to use it as is")
     # --fresh also clears the checks' report and the tokenizer, both made from the base.
     job.prepare(
         cfg,
@@ -120,6 +130,7 @@ def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
         resume_from=job.resume_from,
         describe_to=log,
         log=log,
+        verify=not job.no_verify,
     )
     checks = Checks(
         run=lambda out: verify_chat(run, cfg, tok_path, info, log, out_dir=out),

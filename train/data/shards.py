@@ -12,7 +12,8 @@
 
 All little-endian. A shard never splits a document, so each shard starts with <|bos|>.
 Shards are written to a temporary name and renamed when complete; an interrupted prepare
-continues the unfinished one from its recorded length (`ShardWriter.restore`).
+continues the unfinished one from its recorded length (`ShardWriter.restore`). meta.json records
+each shard's sha256, which a reader checks before training on it (`verify_shards`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from doel.train.common import DoelError, sha256_file
+from doel.contracts.checksums import hash_files
+from doel.train.common import Damaged, DoelError, sha256_file
 
 MAGIC = b"DOELTOKS"
 VERSION = 1
@@ -81,6 +83,32 @@ def open_shard(path: str | Path) -> tuple[ShardHeader, np.ndarray]:
     h = read_header(path)
     tokens = np.memmap(path, dtype=h.dtype, mode="r", offset=HEADER_BYTES, shape=(h.n_tokens,))
     return h, tokens
+
+
+# (path, size, mtime, ctime, inode, sha256) of the shards this process has checked: the loaders
+# made again for validation and for the checks before step 1 do not hash them again. A write,
+# a copy or a rename changes a file's ctime, which no program can set back.
+_VERIFIED: set[tuple] = set()
+
+
+def _seen(path: Path, sha256: str) -> tuple:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, sha256)
+
+
+def verify_shards(paths: list[Path], digests: list[str]) -> None:
+    """Check each shard against the sha256 meta.json records for it (several at a time, each
+    once a process while unchanged); raise Damaged naming the first that differs."""
+    todo = [(p, d, _seen(p, d)) for p, d in zip(paths, digests)]
+    todo = [t for t in todo if t[2] not in _VERIFIED]
+    for (path, want, key), got in zip(todo, hash_files([p for p, _, _ in todo])):
+        if got != want:
+            raise Damaged(
+                f"{path} does not match the sha256 meta.json records for it: damaged since "
+                "`doel-train prepare` wrote it; prepare it again, or pass --no-verify to train "
+                "on it as it is"
+            )
+        _VERIFIED.add(key)
 
 
 class ShardWriter:
