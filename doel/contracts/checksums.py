@@ -98,8 +98,8 @@ def verify(
         size = path.stat().st_size
         if size != files[name]["bytes"]:
             raise error(
-                f"{path} has {size:,} bytes where {NAME} records {files[name]['bytes']:,}: "
-                f"damaged since it was written; {hint}"
+                f"{path} is truncated or damaged: {size:,} bytes where {NAME} records "
+                f"{files[name]['bytes']:,}; {hint}"
             )
     digests = hash_files([folder / n for n in wanted])
     for name, got in zip(wanted, digests):
