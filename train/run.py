@@ -1,6 +1,6 @@
 """The skeleton `fit` and `sft` share, from the process group to RUN_DIR/final.
 
-`launch` (process group, rank-0 logging; Ctrl-C and a collective's time-out become one line) →
+`launch` (process group, the run folder locked, rank-0 logging; Ctrl-C and a time-out: one line) →
 `Job.prepare` (--fresh, train_config.json, the latest checkpoint to resume from) → the caller
 builds its Run with `build_run` (train/build.py), which resumes model, optimizer, RNG and loader,
 whatever the loader → `Job.train`: the checks before step 1, not repeated on an unchanged resume

@@ -24,8 +24,11 @@ except ImportError:  # pragma: no cover (Windows: no flock)
 
 def lock_path(folder: str | os.PathLike) -> Path:
     """The lock file of `folder`: `.NAME.lock` in its parent, after resolving links, so every
-    spelling of one folder reaches one lock."""
+    spelling of one folder reaches one lock; `.doel.lock` inside it where the parent is not
+    writable (a run folder made for its user in a shared one) and the folder exists."""
     folder = Path(folder).resolve()
+    if folder.is_dir() and not os.access(folder.parent, os.W_OK | os.X_OK):
+        return folder / ".doel.lock"
     return folder.parent / f".{folder.name}.lock"
 
 
