@@ -3,8 +3,9 @@
 `doel-train fit` is the same command on one process and under `torchrun --nproc_per_node=N`
 (`--nnodes`, c10d rendezvous for several machines): `init_distributed` reads the variables
 torchrun sets. NCCL drives GPUs, gloo the CPU (how the tests run it, several processes on
-loopback). Every collective has a timeout, so a rank that hangs ends the job with a message
-instead of hanging it forever.
+loopback, and two torchrun agents as two nodes: tests/test_multinode.py). Every collective has
+a timeout, so a rank that hangs ends the job with a message instead of hanging it forever.
+Across nodes the run folder must be one folder every node sees (`require_shared_folder`).
 
 Under DDP, checkpoints gather the full model and optimizer state to rank 0 and write the
 ordinary single-process checkpoint. Under FSDP each rank writes its own shards of the model and
@@ -16,8 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from doel.train.common import DoelError
 from doel.train.metrics import cpu_peak_flops
 
 HEARTBEAT = "doel/step/"  # key prefix in torchrun's store: the step each rank last began
@@ -88,16 +94,65 @@ def init_distributed(device_name: str, timeout_s: float) -> tuple[DistInfo, torc
         # torchrun reuses one store across elastic restarts; a prefix per attempt keeps a
         # restarted group from reading the dead attempt's connection keys (it hangs otherwise).
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             "nccl" if cuda else "gloo",
-            store=dist.PrefixStore(f"doel/attempt-{attempt}/", store),
+            store=dist.PrefixStore(f"doel/attempt-{_attempt(store, world)}/", store),
             rank=rank,
             world_size=world,
             timeout=timeout,
             device_id=device if cuda else None,
         )
     return DistInfo(rank, world, local), device
+
+
+def _attempt(store, world: int) -> int:
+    """A number every rank of this start of the job agrees on, new at each elastic restart.
+
+    torchrun's agents keep one store across restarts (TORCHELASTIC_USE_AGENT_STORE), so a
+    restarted group would read the dead attempt's connection keys and hang: a prefix per
+    attempt keeps them apart. On one node the agent's restart count is that number. Across
+    nodes it is not: an agent whose own worker failed counts a restart, one that restarts
+    because another node rejoined does not, and ranks with different prefixes never meet.
+    There every rank takes a ticket instead; each start of the job hands out `world` of them.
+    Without the shared store, rank 0 hosts a new store each attempt and nothing is stale."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return 0
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return (store.add("doel/tickets", 1) - 1) // world
+
+
+def require_shared_folder(out: Path, info: DistInfo, wait_s: float = 5.0) -> None:
+    """Refuse, on every rank and in one line, a run folder that other nodes do not see.
+
+    Under FSDP each rank writes its shards of a checkpoint into the run folder, and every rank
+    resumes from the latest one it finds there: on storage each node has of its own, each
+    would hold a partial checkpoint and the ranks would disagree on where to resume. Rank 0
+    writes a marker with a fresh name; after a barrier every rank looks for it (for up to
+    `wait_s`, as network file systems cache directory listings for a few seconds)."""
+    if not info.enabled:
+        return
+    box = [secrets.token_hex(8)]
+    dist.broadcast_object_list(box, src=0)
+    marker = Path(out) / f".doel-shared-{box[0]}"
+    if info.is_main:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(socket.gethostname(), encoding="utf-8")
+    dist.barrier()
+    deadline = time.monotonic() + wait_s
+    while not marker.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    views = [None] * info.world_size
+    dist.all_gather_object(views, (marker.is_file(), socket.gethostname()))
+    if info.is_main:
+        marker.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host}" for r, (seen, host) in enumerate(views) if not seen]
+    if blind:
+        raise DoelError(
+            f"{', '.join(blind)} cannot see the run folder {out} that rank 0 on {views[0][1]} "
+            "writes: each node would write its own partial checkpoint. Put --out on storage "
+            "every node mounts at the same path (NFS, a shared volume, a mounted bucket)"
+        )
 
 
 def shutdown() -> None:

@@ -31,6 +31,7 @@ from doel.train.dist import (
     collective_timeout_message,
     full_model_state,
     init_distributed,
+    require_shared_folder,
     shutdown,
 )
 from doel.train.gradflow import check_gradient_flow
@@ -58,6 +59,7 @@ def launch(cfg, out_dir, body: Callable[[Job], Path], *, command: str, log=print
     lock = None
     try:
         lock = lock_run(out, f"doel-train {command}", info)
+        require_shared_folder(out, info)  # across nodes: one run folder, not one a node
         return body(Job(out=out, info=info, device=device, log=log, **asked))
     except DoelError:
         raise
