@@ -140,8 +140,11 @@ def check_stage(stage: str, need: Need, free: float, ram: float | None, where: P
         )
 
 
-def projection(steps: int, done: int, sec_per_step: float, gpus: int, price: float) -> dict:
-    """Time and cost of the whole budget and of what is left, at `price` a GPU-hour."""
+def projection(
+    steps: int, done: int, sec_per_step: float, gpus: int, price: float, nodes: int = 1
+) -> dict:
+    """Time and cost of the whole budget and of what is left, at `price` a GPU-hour. `gpus`
+    counts the GPUs of all `nodes`: each is paid for while the job runs."""
     total, left = steps * sec_per_step, (steps - done) * sec_per_step
     return {
         "steps": steps,
@@ -150,10 +153,22 @@ def projection(steps: int, done: int, sec_per_step: float, gpus: int, price: flo
         "total_s": total,
         "remaining_s": left,
         "gpus": gpus,
+        "nodes": nodes,
         "hourly_price": price,
-        "total_usd": total / 3600 * gpus * price,
-        "remaining_usd": left / 3600 * gpus * price,
+        "total_usd": total / 3600 * hourly_cost(gpus, price),
+        "remaining_usd": left / 3600 * hourly_cost(gpus, price),
     }
+
+
+def hourly_cost(gpus: int, price: float) -> float:
+    """Dollars an hour of the job: every GPU of every node, at `price` a GPU-hour (the launch
+    files in recipes/ quote it for the GPUs they rent; tests/test_recipe.py checks them)."""
+    return gpus * price
+
+
+def _over_nodes(p: dict) -> str:
+    nodes = p.get("nodes", 1)
+    return f" ({nodes} nodes of {p['gpus'] // nodes})" if nodes > 1 else ""
 
 
 def require_answer(yes: bool, stdin=None) -> None:
@@ -261,8 +276,9 @@ def format_projection(m: dict, p: dict, tokens: int, optimizer: str = "adamw") -
         f"{m['compile']}): {m['sec_per_step']:.3f} s a step, {m['tokens_per_s']:,.0f} tokens/s "
         f"a GPU{util}{mem}",
         f"projected: {p['steps']:,} steps for {tokens / 1e6:,.1f}M tokens = "
-        f"{format_duration(p['total_s'])} on {p['gpus']} GPU(s), ${p['total_usd']:,.2f} at "
-        f"${p['hourly_price']:.2f}/GPU-hour",
+        f"{format_duration(p['total_s'])} on {p['gpus']} GPU(s){_over_nodes(p)}, "
+        f"${p['total_usd']:,.2f} at ${p['hourly_price']:.2f}/GPU-hour "
+        f"(${hourly_cost(p['gpus'], p['hourly_price']):,.2f} an hour)",
     ]
     if p["steps_done"]:
         lines.append(

@@ -11,7 +11,9 @@ Training runs in this process on one device. On several GPUs only the training s
 under torchrun, as a child process (`torchrun --no-python ... doel-train fit`): the
 data, tokenizer and export stages must run once, not once per rank, and a crashed rank is
 restarted by torchrun from the last checkpoint without repeating them. The verify stage runs
-on one GPU the checks `fit` leaves out, so the two together are the whole suite.
+on one GPU the checks `fit` leaves out, so the two together are the whole suite. On several
+nodes (--nodes) the first runs every stage and the others join its training alone
+(pipeline/nodes.py); --gpus is then a node's, and the plan's GPUs those of all nodes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,9 +36,10 @@ from doel.pipeline.budget import (
     require_answer,
 )
 from doel.pipeline.fetch import corpus
+from doel.pipeline.nodes import Nodes, clear_launch, follow, node_stages
 from doel.pipeline.order import DEPENDS, STAGES
 from doel.pipeline.spec import load_recipe, make_plan, resolve_recipe
-from doel.pipeline.stages import STAGE_FUNCTIONS, gpu_slice
+from doel.pipeline.stages import STAGE_FUNCTIONS, gpu_slice, torchrun_command
 from doel.train.common import DoelError, atomic_write_json
 
 
@@ -44,9 +48,9 @@ def _read(path: Path) -> dict | None:
 
 
 class RecipeRun:
-    def __init__(self, plan, log=print, probe_fn=probe, stdin=None, on_chunk=None):
+    def __init__(self, plan, log=print, probe_fn=probe, stdin=None, on_chunk=None, nodes=None):
         self.plan, self.log, self.probe, self.stdin = plan, log, probe_fn, stdin
-        self.on_chunk = on_chunk
+        self.on_chunk, self.nodes = on_chunk, nodes or Nodes()
         out = plan.out
         self.data, self.tok_path = out / "data", out / "tokenizer" / "tokenizer.json"
         self.shards, self.run, self.stages = out / "shards", out / "run", out / "stages"
@@ -147,8 +151,9 @@ class RecipeRun:
                 "training the recipe needs a CUDA GPU and torch sees none. Try it here with "
                 "--dry-run, or run the data stages on this machine with --until shards"
             )
-        if plan.gpus > torch.cuda.device_count():
-            raise DoelError(f"--gpus {plan.gpus}, but {torch.cuda.device_count()} are visible")
+        here = plan.gpus // self.nodes.count * self.nodes.here  # this machine's agents' GPUs
+        if here > torch.cuda.device_count():
+            raise DoelError(f"{here} GPUs here, but {torch.cuda.device_count()} are visible")
 
     def stage(self, name: str, fn) -> None:
         path = self.stages / f"{name}.json"
@@ -185,16 +190,25 @@ def run_recipe(plan, until: str = "summary", log=print, **kw) -> dict:
     """Run the stages up to `until`; returns the summary (None when stopped earlier)."""
     if until not in STAGES:
         raise DoelError(f"--until {until!r}: choose one of {STAGES}")
-    stages = list(STAGES[: STAGES.index(until) + 1])
     r = RecipeRun(plan, log=log, **kw)
-    cfg = plan.train_cfg
+    nodes, cfg = r.nodes, plan.train_cfg
+    stages = node_stages(STAGES[: STAGES.index(until) + 1], nodes)
+    where = f" on {nodes.count} nodes" if nodes.count > 1 else ""
     log(
         f"recipe {plan.recipe.name}{' (dry run)' if plan.dry_run else ''} -> {plan.out}: "
         f"{plan.recipe.token_budget:,} tokens = {cfg.steps:,} steps of "
-        f"{cfg.tokens_per_step * plan.gpus:,} on {plan.gpus} device(s); stages {stages}"
+        f"{cfg.tokens_per_step * plan.gpus:,} on {plan.gpus} device(s){where}; stages {stages}"
     )
+    if not nodes.first:  # the first node prepares, announces and reports; this one trains
+        if stages:
+            r._check_devices()
+            cmd_for = partial(torchrun_command, plan, r.shards, r.run, r.tok_path, nodes=nodes)
+            done = partial(r.complete, "train")
+            follow(cmd_for, nodes, r.stages, r.fingerprint("train"), done, log)
+        return None
+    clear_launch(r.stages)
     r.preflight(stages)
-    atomic_write_json(plan.out / "recipe.json", plan.resolved())
+    atomic_write_json(plan.out / "recipe.json", plan.resolved() | {"nodes": nodes.count})
     for name in stages:
         r.stage(name, STAGE_FUNCTIONS[name])
     return _read(plan.out / "summary.json") if until == "summary" else None
@@ -217,15 +231,37 @@ def main(args) -> None:
     gpus = args.gpus or (1 if args.dry_run or args.gpu_slice else _visible_gpus())
     if gpus < 1:
         raise DoelError(f"--gpus must be >= 1, got {gpus}")
+    nodes = _nodes(args)
     out = args.out or f"out/{recipe.name}{'-dry-run' if args.dry_run else ''}"
-    plan = make_plan(recipe, out, args.dry_run, gpus, args.yes, local, args.eval_dir)
+    # The plan's GPUs are all nodes': the global batch is split over every rank.
+    world = gpus * nodes.count
+    plan = make_plan(recipe, out, args.dry_run, world, args.yes, local, args.eval_dir)
     if args.gpu_slice:
         where = Path(args.out or "benchmarks/results")
         gpu_slice(
             plan.train_cfg, recipe.train.preset, recipe.token_budget, args.slice_seconds, where
         )
         return
-    run_recipe(plan, args.until)
+    run_recipe(plan, args.until, nodes=nodes)
+
+
+def _nodes(args) -> Nodes:
+    """--nodes, --node-rank, --master-addr, --master-port. All nodes on this machine (no
+    --node-rank) meet on a free port unless one is given: two such runs must not collide."""
+    if args.node_rank is not None and args.nodes == 1:
+        raise DoelError("--node-rank needs --nodes N (N > 1): the job's node count")
+    port = args.master_port
+    if port is None:
+        port = _free_port() if args.node_rank is None else 29400
+    return Nodes(args.nodes, args.node_rank, args.master_addr, port)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _visible_gpus() -> int:

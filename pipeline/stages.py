@@ -10,14 +10,15 @@ import datetime
 import json
 import math
 import shutil
-import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from doel.pipeline.budget import confirm, format_projection, measure_steps, projection
 from doel.pipeline.fetch import fetch_all, standins
+from doel.pipeline.nodes import Nodes, lead, rendezvous_args, run_agents
 from doel.pipeline.summary import write_card, write_summary
 from doel.train.checkpoint import latest_checkpoint
 from doel.train.checks.suite import fit_subset, run_suite, select
@@ -123,7 +124,7 @@ def train(r) -> None:
         spec.measure_steps,
         log=r.log,
     )
-    p = projection(cfg.steps, done, m["sec_per_step"], plan.gpus, cfg.hourly_price)
+    p = projection(cfg.steps, done, m["sec_per_step"], plan.gpus, cfg.hourly_price, r.nodes.count)
     r.log(format_projection(m, p, cfg.steps * cfg.tokens_per_step * plan.gpus, cfg.optimizer))
     atomic_write_json(r.plan.out / "measure.json", {"measured": m, "projection": p})
     cost = f"{format_duration(p['remaining_s'])} and ${p['remaining_usd']:,.2f}"
@@ -133,13 +134,17 @@ def train(r) -> None:
 
 
 def _launch(r) -> None:
-    """One device: `fit` in this process. Several: `fit` under torchrun, a child process."""
-    if r.plan.gpus == 1:
-        fit(r.plan.train_cfg, r.shards, r.run, tokenizer=r.tok_path, log=r.log)
+    """One device: `fit` in this process. Several: `fit` under torchrun, a child process; on
+    several nodes, this node's agent (pipeline/nodes.py: the first node announces it)."""
+    plan, nodes = r.plan, r.nodes
+    if plan.gpus == 1:
+        fit(plan.train_cfg, r.shards, r.run, tokenizer=r.tok_path, log=r.log)
         return
-    cmd = torchrun_command(r.plan, r.shards, r.run, r.tok_path)
-    r.log("under torchrun: " + " ".join(cmd))
-    rc = subprocess.run(cmd, check=False).returncode
+    cmd_for = partial(torchrun_command, plan, r.shards, r.run, r.tok_path, nodes=nodes)
+    if nodes.rank is None:  # one node, or every node on this machine
+        rc = run_agents(cmd_for, nodes, plan.out / "nodes", r.log)
+    else:
+        rc = lead(cmd_for, nodes, r.stages, r.fingerprint("train"), r.log)
     if rc:
         raise DoelError(
             f"training under torchrun failed (exit {rc}; its log is above). Rerun the "
@@ -228,13 +233,16 @@ def console_script(name: str) -> str:
     return found
 
 
-def torchrun_command(plan, shards: Path, run: Path, tok_path: Path) -> list[str]:
+def torchrun_command(plan, shards: Path, run: Path, tok_path: Path, rdzv_id="", nodes=None):
     """`doel-train fit` under torchrun with the recipe's training config (the preset and its
-    overrides, as on the command line). --no-python runs the console script itself, never a
+    overrides, as on the command line), for one node of `nodes` (pipeline/nodes.py; plan.gpus
+    counts the GPUs of all of them). --no-python runs the console script itself, never a
     `train` module found in the working directory. --max-restarts: a crashed rank brings the
     job back from the last checkpoint; the recipe cleared old runs before, so no --fresh
     here."""
-    cmd = [console_script("torchrun"), "--standalone", f"--nproc_per_node={plan.gpus}"]
+    nodes = nodes or Nodes()
+    cmd = [console_script("torchrun")]
+    cmd += rendezvous_args(nodes, plan.gpus // nodes.count, rdzv_id)
     cmd += ["--max-restarts=2", "--no-python", console_script("doel-train"), "fit"]
     cmd += ["--config", str(plan.preset), "--data", str(shards), "--out", str(run)]
     cmd += ["--tokenizer", str(tok_path)]

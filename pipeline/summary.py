@@ -1,7 +1,9 @@
 """The recipe's last words: the model card with the final evaluation, and RUN/summary.{json,md}
 (time per stage over every attempt, tokens/s, MFU, dollars at the hourly price, the evaluation
-table, the bundles). Everything is read back from the files the stages wrote, so a summary of a
-resumed run counts the time of the runs before it.
+table, the bundles). On several nodes the GPU-hours are those of every GPU of every node for
+the whole wall time: the other nodes are rented while the first prepares the data too.
+Everything is read back from the files the stages wrote, so a summary of a resumed run counts
+the time of the runs before it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from doel.pipeline.budget import hourly_cost
 from doel.pipeline.order import STAGES
 from doel.train.common import atomic_write_bytes, atomic_write_json
 from doel.train.data.loader import read_meta
@@ -34,7 +37,9 @@ def _train_rows(run: Path) -> list[dict]:
 
 def _hardware(r) -> tuple[str, bool]:
     measured = (_read(r.plan.out / "measure.json") or {}).get("measured", {})
-    device = measured.get("device", "cpu")
+    device, nodes = measured.get("device", "cpu"), r.nodes.count
+    if nodes > 1:
+        return f"{nodes} nodes × {r.plan.gpus // nodes} × {device}", device != "cpu"
     return f"{r.plan.gpus} × {device}", device != "cpu"
 
 
@@ -104,7 +109,8 @@ def summary(r) -> dict:
         "recipe": plan.recipe.name,
         "dry_run": plan.dry_run,
         "hardware": hardware,
-        "gpus": plan.gpus,
+        "gpus": plan.gpus,  # of all nodes: each is rented for the whole job
+        "nodes": r.nodes.count,
         "stages": stages,
         "wall_seconds": wall,
         "training": {
@@ -119,8 +125,8 @@ def summary(r) -> dict:
         "cost": {
             "hourly_price": price,
             "gpu_hours": wall / 3600 * plan.gpus,
-            "total_usd": wall / 3600 * plan.gpus * price,
-            "training_usd": train_s / 3600 * plan.gpus * price,
+            "total_usd": wall / 3600 * hourly_cost(plan.gpus, price),
+            "training_usd": train_s / 3600 * hourly_cost(plan.gpus, price),
             "on_gpu": gpu,
         },
         "data": _data_table(r),
