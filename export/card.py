@@ -7,9 +7,9 @@ checkpoint's repository is known, `base_model`. The body says what is in the fol
 it, its parity figures from manifest.json and the upload line.
 
 Where the checkpoint's card came from doel (`model_card.json` beside it), its license and its Hub
-repository id (`doel-train eval --repo-id`) are read from there, as JSON: export imports nothing
-from train. What the checkpoint's card says the same way (the metadata block, the rule for a
-repository id, the upload lines) is doel.contracts.card's.
+repository id (`doel-train eval --repo-id`) are read from there, as JSON: export imports
+nothing of doel.train. What the checkpoint's card says the same way (the metadata block, the
+rule for a repository id, the upload lines) is doel.contracts.card's.
 """
 
 from __future__ import annotations

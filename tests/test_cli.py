@@ -39,7 +39,8 @@ def small_model(folder: Path, tokenizer_path) -> Path:
 
 
 def run(*args, check=True, pre=""):
-    code = f"{pre}from train.cli import main; main({list(args)!r})"
+    cli = "doel.pipeline.cli" if args[0] in ("demo", "recipe") else "doel.train.cli"
+    code = f"{pre}from {cli} import main; main({list(args)!r})"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     if check and proc.returncode:
         raise AssertionError(proc.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,6 +189,42 @@ def test_no_file_imports_a_folder_by_its_bare_name():
         if t.split(".")[0] in BARE
     ]
     assert bad == []
+
+
+# Code run from a string (`python -c`, `-m`): the folders by their bare names. The two files
+# below name them on purpose, to show a user's own `train` wins over doel's folder.
+BARE_IN_CODE = re.compile(
+    r"(?:^|[\n;]\s*)(?:from|import) (?:train|export|serve|pipeline)\b"
+    r"|\"-m\", \"(?:train|export|serve)\""
+)
+ON_PURPOSE = {"tests/test_packaging.py", "tests/test_recipe.py", "tests/test_imports.py"}
+
+
+def bare_names_in_code_strings(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    found = [
+        f"{path.name}:{n.lineno}"
+        for n in ast.walk(ast.parse(text))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and BARE_IN_CODE.search(n.value)
+    ]
+    return found + [
+        f"{path.name}:argv" for m in BARE_IN_CODE.finditer(text) if m.group(0)[0] == '"'
+    ]
+
+
+def test_no_code_string_runs_a_folder_by_its_bare_name(tmp_path):
+    files = [
+        p
+        for top in (*BARE[:4], "doel", "tests", "benchmarks")
+        for p in (ROOT / top).rglob("*.py")
+        if p.relative_to(ROOT).as_posix() not in ON_PURPOSE
+    ]
+    assert [hit for p in files for hit in bare_names_in_code_strings(p)] == []
+    planted = tmp_path / "probe.py"
+    planted.write_text(
+        'CODE = "import sys; from train.cli import main"\nCMD = ["python", "-m", "serve"]\n'
+    )
+    assert bare_names_in_code_strings(planted) == ["probe.py:1", "probe.py:argv"]
 
 
 def imports_of_test_modules(folder: Path) -> list[str]:

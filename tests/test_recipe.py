@@ -525,15 +525,23 @@ DECOY = "raise SystemExit('a train.py in the working directory ran instead of do
 def test_the_torchrun_launch_trains_doel_from_a_folder_holding_a_decoy_train_py(
     tmp_path, shards, tokenizer_path
 ):
-    """`python -m train` from this folder runs the decoy; the recipe's launch still trains."""
+    """`python -m train` from this folder runs the decoy (a bare name's hazard, which doel's
+    installed name `doel.train` is free of); the recipe's launch still trains."""
     (tmp_path / "train.py").write_text(DECOY, encoding="utf-8")
     old = subprocess.run(
-        [sys.executable, "-m", "doel.train", "fit", "--help"],
+        [sys.executable, "-m", "train", "fit", "--help"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
     )
     assert "ran instead of doel" in old.stderr  # the hazard is real here
+    ours = subprocess.run(
+        [sys.executable, "-m", "doel.train", "fit", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert ours.returncode == 0 and "ran instead of doel" not in ours.stdout + ours.stderr
     recipe = load_recipe(RECIPE, ["tokenizer.vocab_size=2048"], dry_run=True)
     plan = make_plan(recipe, tmp_path / "out", dry_run=True, gpus=2)
     run = tmp_path / "out" / "run"

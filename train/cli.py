@@ -243,11 +243,7 @@ def _no_verify(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def _moved(name: str):
-    def run(args) -> None:
-        raise DoelError(f"`doel-train {name}` is now `doel {name}` (same options)")
-
-    return run
+MOVED = ("demo", "recipe")  # they use every stage: `doel demo`, `doel recipe` (pipeline/cli.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -384,10 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="default RUN_DIR/curves.png")
     pl.set_defaults(func=_cmd_plot)
 
-    for name in ("demo", "recipe"):  # moved to `doel` (pipeline/cli.py): it uses all stages
-        m = sub.add_parser(name, help=f"moved: `doel {name}`", add_help=False)
-        m.add_argument("rest", nargs=argparse.REMAINDER)
-        m.set_defaults(func=_moved(name))
+    for name in MOVED:
+        sub.add_parser(name, help=f"moved: `doel {name}`", add_help=False)
     return p
 
 
@@ -411,6 +405,9 @@ def run_command(args, missing: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in MOVED:  # before parsing: their options are not doel-train's
+        sys.exit(f"error: `doel-train {argv[0]}` is now `doel {argv[0]}` (same options)")
     args = build_parser().parse_args(argv)
     run_command(
         args, f"doel-train needs the {{name!r}} package, part of the train extra: {EXTRA_HINT}"
