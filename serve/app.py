@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from doel.serve import chat
 from doel.serve import completions as completion
 from doel.serve.completions import respond
 from doel.serve.guard import AllowedHosts, Guard
+from doel.serve.limits import DEFAULT_MAX_MESSAGES
 from doel.serve.metrics import CountRequests, Metrics
 from doel.serve.protocol import (
     CONTEXT_LENGTH,
@@ -48,8 +51,10 @@ from doel.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from doel.serve.protocol_chat import ChatCompletion, ChatCompletionRequest
+from doel.serve.protocol_chat import MESSAGE_LIMIT, ChatCompletion, ChatCompletionRequest
 from doel.serve.service import RequestError, Service
+from doel.serve.tenants import DEFAULT_MODE
+from doel.serve.verify import Damaged, Verification
 
 log = logging.getLogger("doel.serve")
 ERRORS = {
@@ -73,6 +78,11 @@ class Settings:
     allowed_hosts: tuple[str, ...] | None = None  # Host names answered (any port); None: any
     docs: bool = False  # /docs, /redoc, /openapi.json (the pages load their scripts from a CDN)
     url: str | None = None  # the server's address, printed in one line once the model is ready
+    api_keys: dict[str, str] | None = None  # {key: tenant} (serve/tenants.py); with api_key: both
+    prefix_cache: str = DEFAULT_MODE  # per-tenant, shared or off (serve/tenants.py)
+    max_messages: int = DEFAULT_MAX_MESSAGES  # in one chat request; more is a 400
+    verify: Verification | None = None  # the bundle's hashes being checked (serve/verify.py)
+    exit_on_damage: bool = False  # doel-serve: a damaged bundle stops the server (cli.py)
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
@@ -146,7 +156,7 @@ def make_lifespan(settings: Settings, loader: Callable[[Settings], Service]):
                 svc.metrics = app.state.metrics
                 app.state.service = svc
                 if settings.url:  # the line a user looks for, whatever the log level
-                    key = "; key required" if settings.api_key else ""
+                    key = "; key required" if settings.api_key or settings.api_keys else ""
                     print(
                         f"doel-serve: {svc.name} ready at {settings.url}/v1 (OpenAI API{key}), "
                         f"playground at {settings.url}/",
@@ -154,6 +164,8 @@ def make_lifespan(settings: Settings, loader: Callable[[Settings], Service]):
                     )
                 else:
                     log.info("model %s ready", svc.name)
+            except Damaged as e:
+                damaged(settings, app, e)
             except Exception as e:  # reported on /health; the server stays up to say so
                 log.exception("loading %s failed", settings.bundle)
                 app.state.load_error = f"loading the model failed: {type(e).__name__}: {e}"
@@ -167,10 +179,28 @@ def make_lifespan(settings: Settings, loader: Callable[[Settings], Service]):
     return lifespan
 
 
+def damaged(settings: Settings, app: FastAPI, e: Damaged) -> None:
+    """A bundle file that is not what its manifest records: one line, no traceback. doel-serve
+    then exits with status 1; nothing has been served (every request was a 503 while loading),
+    and uvicorn's graceful stop would end the process by the signal it stopped for, not with a
+    status a script can read."""
+    app.state.load_error = f"the bundle is damaged: {e}"
+    if not settings.exit_on_damage:
+        log.error("%s", e)
+        return
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def default_loader(settings: Settings) -> Service:
-    return Service.load(
+    svc = Service.load(
         settings.bundle, settings.threads, settings.model_name, settings.max_queue, settings.slots
     )
+    if settings.verify is not None:  # hashing since doel-serve started, beside the load
+        seconds = settings.verify.wait()
+        log.info("bundle files match their manifest's sha256 (%.2f s)", seconds)
+    return svc
 
 
 def add_routes(app: FastAPI) -> None:
@@ -222,20 +252,22 @@ def add_routes(app: FastAPI) -> None:
 
 class ModelContext:
     """ASGI middleware: token-id lists in a request are bounded by the loaded model's context
-    (protocol.CONTEXT_LENGTH), which the body's validation reads."""
+    (protocol.CONTEXT_LENGTH), and a chat's messages by --max-messages (MESSAGE_LIMIT), which
+    the body's validation reads."""
 
-    def __init__(self, app, state):
-        self.app, self.state = app, state
+    def __init__(self, app, state, max_messages: int = DEFAULT_MAX_MESSAGES):
+        self.app, self.state, self.max_messages = app, state, max_messages
 
     async def __call__(self, scope, receive, send):
+        messages = MESSAGE_LIMIT.set(self.max_messages)
         svc = getattr(self.state, "service", None)
-        if svc is None:
-            return await self.app(scope, receive, send)
-        token = CONTEXT_LENGTH.set(svc.context_length)
+        token = CONTEXT_LENGTH.set(svc.context_length) if svc is not None else None
         try:
             return await self.app(scope, receive, send)
         finally:
-            CONTEXT_LENGTH.reset(token)
+            if token is not None:
+                CONTEXT_LENGTH.reset(token)
+            MESSAGE_LIMIT.reset(messages)
 
 
 def create_app(settings: Settings, loader: Callable[[Settings], Service] | None = None) -> FastAPI:
@@ -247,9 +279,11 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
         **{k: v if settings.docs else None for k, v in pages.items()},
     )
     app.state.metrics = Metrics()
+    app.state.prefix_cache = settings.prefix_cache  # read by completions.respond
     install_errors(app)
     add_routes(app)
-    app.add_middleware(ModelContext, state=app.state)  # innermost: only the routes read it
+    # Innermost: only the routes read it.
+    app.add_middleware(ModelContext, state=app.state, max_messages=settings.max_messages)
     # The last added is the outermost: CountRequests → AllowedHosts → CORS → Guard → routes.
     # A Host not ours is refused before anything else. CORS outside the key check answers a
     # browser's preflight (which carries no key) and puts its headers on a 401, so that a page
@@ -259,6 +293,7 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
         max_headers=settings.max_headers,
+        keys=settings.api_keys,
     )
     if settings.cors_origins:
         app.add_middleware(

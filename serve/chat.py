@@ -63,7 +63,7 @@ async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piec
     limit = ctx - n if limit is None else limit
     svc.check_fits(n, limit, "conversation", "messages")
     params = req.to_sampling_params(limit, svc.chat.stop_ids)
-    async with contextlib.aclosing(svc.run(ids, params, req.stops())) as run:
+    async with contextlib.aclosing(svc.run(ids, params, req.stops(), cache=req.cache)) as run:
         async for p in run:
             yield p
 

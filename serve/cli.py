@@ -2,8 +2,11 @@
 
 It binds 127.0.0.1 unless told otherwise; an API key (`--api-key-file`, DOEL_API_KEY or
 `--api-key`) guards every route but /health and the playground page; binding another address
-without one is warned about. The bundle and the key are checked before the port opens, so a wrong
-folder or an empty key is a one-line error.
+without one is warned about. A key file may hold several keys, each a tenant whose cached
+prefixes no other tenant reuses (serve/tenants.py, `--prefix-cache`). The bundle and the keys
+are checked before the port opens, so a wrong folder or an empty key is a one-line error; the
+bundle's files are hashed against its manifest while the model loads (serve/verify.py), a
+damaged one ending the server with one line.
 Connections get the limits of serve/limits.py (read deadline, keep-alive, a cap, header count),
 served by uvicorn's h11 protocol with those added.
 Heavy imports happen inside `main`, so a missing extra prints the `pip install` line that fixes
@@ -18,6 +21,9 @@ import ipaddress
 import os
 import sys
 from pathlib import Path
+
+from doel.serve.limits import DEFAULT_MAX_MESSAGES  # stdlib only, as tenants.py is
+from doel.serve.tenants import DEFAULT_MODE, MODES, KeyFileError, parse_keys
 
 EXTRA_HINT = "pip install 'doel[serve]'"
 KEY_ENV = "DOEL_API_KEY"
@@ -36,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key-file",
         metavar="PATH",
-        help=f"require 'Authorization: Bearer KEY' on all but /health, KEY read from PATH (or "
-        f"${KEY_ENV}, or --api-key, which every local user can see in the process list)",
+        help=f"require 'Authorization: Bearer KEY' on all but /health, the keys read from PATH, "
+        f"one a line, each optionally named 'NAME:KEY'; each name (or unnamed key) is a tenant "
+        f"(or ${KEY_ENV}, or --api-key: one key, which every local user can see in the process "
+        f"list)",
     )
     p.add_argument("--api-key", help="the key itself (prefer --api-key-file)")
     p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
@@ -71,6 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--docs",
         action="store_true",
         help="serve /docs, /redoc and /openapi.json (off: the pages load scripts from a CDN)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        choices=MODES,
+        default=DEFAULT_MODE,
+        help="per-tenant: a cached prompt prefix is reused only for the tenant (API key) that "
+        "sent it, and a request's cache_salt; shared: for every tenant; off: never (default "
+        "per-tenant; without keys there is one tenant)",
+    )
+    p.add_argument(
+        "--max-messages",
+        type=int,
+        default=DEFAULT_MAX_MESSAGES,
+        metavar="N",
+        help=f"messages in one chat request; more is refused with 400 (default "
+        f"{DEFAULT_MAX_MESSAGES})",
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="serve the bundle without checking its files against the sha256 its manifest "
+        "records (checked while the model loads otherwise)",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     limits = p.add_argument_group("connection limits (see serve/limits.py)")
@@ -106,17 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def key_file(path: str) -> dict[str, str]:
+    """{key: tenant} from --api-key-file (serve/tenants.py); a one-line error otherwise (a
+    two-line file once made every key fail, silently)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: cannot read --api-key-file {path}: {e}")
+    try:
+        return parse_keys(text, path)
+    except KeyFileError as e:
+        sys.exit(f"error: {e}")
+
+
 def api_key(args: argparse.Namespace) -> str | None:
-    """The key from --api-key-file, --api-key or $DOEL_API_KEY; an empty one is an error rather
-    than a server without a key."""
+    """The key from --api-key or $DOEL_API_KEY (--api-key-file: `key_file`); an empty one is an
+    error rather than a server without a key."""
     if args.api_key_file and args.api_key is not None:
         sys.exit("error: give --api-key-file or --api-key, not both")
     if args.api_key_file:
-        try:
-            key, where = Path(args.api_key_file).read_text(encoding="utf-8"), args.api_key_file
-        except (OSError, UnicodeDecodeError) as e:
-            sys.exit(f"error: cannot read --api-key-file {args.api_key_file}: {e}")
-    elif args.api_key is not None:
+        return None
+    if args.api_key is not None:
         key, where = args.api_key, "--api-key"
     elif KEY_ENV in os.environ:
         key, where = os.environ[KEY_ENV], KEY_ENV
@@ -172,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("threads", "max_queue", "max_body_bytes"):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
-    for name in ("slots", "max_connections", "max_headers"):
+    for name in ("slots", "max_connections", "max_headers", "max_messages"):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name.replace('_', '-')} must be 1 or more")
     for name in ("timeout_read", "timeout_keep_alive"):
@@ -184,14 +224,16 @@ def main(argv: list[str] | None = None) -> None:
         from doel.serve.app import Settings, create_app
         from doel.serve.engine import BundleError, read_bundle
         from doel.serve.limits import QuietFloods, Refusals, protocol_class, raise_open_files
+        from doel.serve.verify import Verification
     except ModuleNotFoundError as e:
         sys.exit(f"doel-serve needs the {e.name!r} package, part of the serve extra: {EXTRA_HINT}")
     try:
-        read_bundle(args.bundle)
+        bundle = read_bundle(args.bundle)
     except BundleError as e:
         sys.exit(f"error: {e}")
     key = api_key(args)
-    if key is None and not is_loopback(args.host):
+    keys = key_file(args.api_key_file) if args.api_key_file else None
+    if key is None and keys is None and not is_loopback(args.host):
         print(
             f"warning: serving on {args.host} without an API key: anyone who can reach it can "
             f"use the model and read /metrics; set {KEY_ENV} or --api-key-file",
@@ -210,6 +252,12 @@ def main(argv: list[str] | None = None) -> None:
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         docs=args.docs,
         url=base_url(args.host, args.port),
+        api_keys=keys,
+        prefix_cache=args.prefix_cache,
+        max_messages=args.max_messages,
+        # Started now: the files are hashed while the port opens and the model loads.
+        verify=None if args.no_verify else Verification(bundle),
+        exit_on_damage=True,
     )
     _, files = raise_open_files()
     if files and args.max_connections > files - FD_RESERVE:

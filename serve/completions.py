@@ -19,9 +19,11 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from doel.serve.guard import TENANT
 from doel.serve.logprobs import Record
 from doel.serve.protocol import Choice, Completion, CompletionRequest, Logprobs, Usage, sse
 from doel.serve.service import Piece, RequestError, Service
+from doel.serve.tenants import DEFAULT_MODE, partition
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
@@ -125,7 +127,10 @@ async def unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
 
 async def respond(request: Request, route: ModuleType, svc: Service, req):
     """The answer of a route whose module (this one, serve/chat.py) has `whole(svc, req)`,
-    `pieces(svc, req)` and `stream(svc, req, pieces)`: whole, or streamed."""
+    `pieces(svc, req)` and `stream(svc, req, pieces)`: whole, or streamed. The request's
+    prefix cache partition is set here, from its key's tenant (the Guard's) and its salt."""
+    mode = getattr(request.app.state, "prefix_cache", DEFAULT_MODE)
+    req.cache = partition(mode, request.scope.get(TENANT), req.cache_salt)
     if not req.stream:
         return await unless_gone(request, route.whole(svc, req))
     # Until the first piece (in the queue, then the prompt going in), nothing watches the

@@ -1,5 +1,5 @@
 """ASGI middleware in front of every route: the Host name (`AllowedHosts`); the header count, the
-API key, the body-size limit (`Guard`).
+API key and so the tenant (serve/tenants.py), the body-size limit (`Guard`).
 
 It is plain ASGI rather than FastAPI dependencies so that it also covers 404s, the OpenAPI page
 and bodies sent without a Content-Length (chunked), which are read up to the limit and replayed.
@@ -7,9 +7,8 @@ and bodies sent without a Content-Length (chunked), which are read up to the lim
 
 from __future__ import annotations
 
-import hmac
-
 from doel.contracts.errors import error_body
+from doel.serve.tenants import Keys
 
 # Answered without a key: probes, and the playground page (it holds no data; its requests
 # carry the key typed into it).
@@ -18,6 +17,9 @@ OPEN_PATHS = ("/health", "/")
 # CORS middleware, outside this one, answers it when --cors-origin is set); no route answers
 # OPTIONS otherwise (405).
 OPEN_METHODS = ("OPTIONS",)
+# Where the Guard puts the tenant of a request that passed the key check (serve/tenants.py);
+# absent without keys.
+TENANT = "doel.tenant"
 
 
 async def _reply(send, status: int, message: str, kind: str, headers=()) -> None:
@@ -80,22 +82,27 @@ class Guard:
         api_key: str | None = None,
         max_body_bytes: int = 1 << 20,
         max_headers: int = 256,
+        keys: dict[str, str] | None = None,
     ):
+        """`api_key`: one key (one tenant); `keys`: {key: tenant} (serve/tenants.py)."""
         self.app, self.api_key, self.limit = app, api_key, max_body_bytes
         self.max_headers = max_headers
-        self.key = api_key.encode() if api_key else None
+        table = keys or ({api_key: "#1"} if api_key else {})
+        self.key = Keys(table) if table else None
 
     def _refusal(self, scope) -> tuple[int, str, str, list] | None:
-        """Why the request does not pass the key check (status, message, type, headers)."""
+        """Why the request does not pass the key check (status, message, type, headers); None
+        when it passes, its tenant then in scope[TENANT]."""
         given = [v for k, v in scope["headers"] if k == b"authorization"]
         if len(given) > 1:  # which one counts would depend on who reads them: refuse both
             why = f"the request has {len(given)} Authorization headers; send one"
             return 400, why, "invalid_request_error", []
         scheme, _, token = (given[0] if given else b"").partition(b" ")
-        # The scheme in any case (RFC 9110 11.1); the key compared in constant time, so that
-        # it cannot be guessed by timing.
-        right = hmac.compare_digest(token.strip(b" \t"), self.key)
-        if scheme.lower() == b"bearer" and right:
+        # The scheme in any case (RFC 9110 11.1); the keys compared in constant time, so that
+        # none can be guessed by timing.
+        tenant = self.key.tenant(token.strip(b" \t"))
+        if scheme.lower() == b"bearer" and tenant is not None:
+            scope[TENANT] = tenant
             return None
         why = "missing or wrong API key: send Authorization: Bearer KEY"
         return 401, why, "authentication_error", [(b"www-authenticate", b"Bearer")]

@@ -10,12 +10,15 @@ that adds, per connection:
 - one read deadline per request, from the connection's opening (or the first byte after a
   keep-alive pause) to the body's last byte; past it, a 408 in the OpenAI error shape, then close;
 - over `max_connections` open, a 503 to its request, and only `BUSY_GRACE` to send it;
-- the 400 for a request that is not HTTP (or whose head is over h11's 16 KiB) in the error shape.
+- the 400 for a request that is not HTTP, or whose head is over 16 KiB, in the error shape. h11
+  refuses a head over 16 KiB only while it is incomplete: one sent whole in a single write (20-70
+  KB were accepted) is measured here before h11 parses it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 
@@ -23,9 +26,14 @@ from doel.contracts.errors import error_body
 
 log = logging.getLogger("doel.serve")
 
+# Messages in one chat request (--max-messages): a long conversation has a few hundred turns,
+# and each costs validation and rendering (serve/protocol_chat.py refuses more by count).
+DEFAULT_MAX_MESSAGES = 512
 BUSY_GRACE = 1.0  # seconds a connection over the limit has to send the request its 503 answers
 LOG_EVERY = 60.0  # seconds between two log lines of one kind of refusal
 
+MAX_HEAD = 16 * 1024  # bytes of a request's line and headers, its blank line included
+HEAD_END = re.compile(rb"\n\r?\n")  # where h11 ends a head (it accepts bare LF lines too)
 REASONS = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
 
 
@@ -111,6 +119,16 @@ def _raw(status: int, message: str, kind: str) -> bytes:
     return head.encode() + body
 
 
+def _head_too_big(buffered: bytes) -> bool:
+    """Whether the head at the start of `buffered` (all of it, or its start) is over MAX_HEAD.
+    A buffer within the limit holds no head over it, and is not searched."""
+    if len(buffered) <= MAX_HEAD:
+        return False
+    start = len(buffered) - len(buffered.lstrip(b"\r\n"))  # h11 skips blank lines before one
+    end = HEAD_END.search(buffered, start, start + MAX_HEAD + 2)
+    return end is None or end.end() - start > MAX_HEAD
+
+
 def protocol_class(timeout_read: float, max_connections: int, refusals: Refusals):
     """uvicorn's h11 protocol with the limits above (the `http=` argument of uvicorn.run)."""
     import h11
@@ -157,6 +175,16 @@ def protocol_class(timeout_read: float, max_connections: int, refusals: Refusals
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._watch()
+
+        def handle_events(self) -> None:
+            # Every head passes here before h11 parses it: a connection's first, each next
+            # one after a response (pipelined ones wait in h11's buffer until then).
+            if self.conn.their_state is h11.IDLE and _head_too_big(self.conn.trailing_data[0]):
+                refusals("bad_http", "answered 400 to requests whose head is over 16 KiB")
+                message = f"the request's head is over {MAX_HEAD // 1024} KiB; send less"
+                self._close_with(_raw(400, message, "invalid_request_error"))
+                return
+            super().handle_events()
 
         def _reading(self) -> bool:
             """Waiting for a request's bytes: a new connection, a head begun, a body unread.

@@ -9,13 +9,20 @@ has returned (`wrote`), never before, so a run that fails or a prefill abandoned
 the claim at what was already in place; and a slot given to a new prompt keeps only the common
 part (`assign`), since everything after it is about to be overwritten.
 
+A slot's entries are reused only for a prompt of the partition that wrote them (its tenant and
+cache salt, serve/tenants.py): a cached prefix tells whoever finds it what the text was, so
+another partition's prompt sees the slot as holding nothing it can use.
+
 The scheduler calls it from its worker thread and from the event loop, never both at once (the
 loop waits for each step).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
+
+from doel.serve.tenants import ONE
 
 # A reuse shorter than this does not decide the slot: every prompt shares its BOS (and a few
 # template tokens) with every cached one, and taking a slot for them would evict a conversation
@@ -46,12 +53,18 @@ class Prefixes:
 
     def __init__(self, slots: int, context_length: int, enabled: bool = True):
         self.held: list[list[int]] = [[] for _ in range(slots)]
+        self.owner: list[Hashable | None] = [ONE] * slots  # the partition that wrote each slot
         self.used = [0] * slots  # when each slot was last assigned (for least-recently-used)
         self.clock = 0
         self.context_length, self.enabled = context_length, enabled
 
     def assign(
-        self, prompt: list[int], free: list[int], reuse: bool = True, busy: tuple[int, ...] = ()
+        self,
+        prompt: list[int],
+        free: list[int],
+        reuse: bool = True,
+        busy: tuple[int, ...] = (),
+        owner: Hashable | None = ONE,
     ) -> tuple[int, int]:
         """(slot, tokens reused) for `prompt` among the `free` slots, `busy` being those that
         run: the one with the longest common prefix when that reaches MIN_REUSE, else the one
@@ -60,10 +73,13 @@ class Prefixes:
         idle one as a placeholder row at a whole row's cost: new prompts given the emptiest
         slots anywhere spread 8 streams over 16 slots (benchmarks/results/serve_0.4b_cpu-*.md).
         At least the prompt's last token is fed again, for its logits. The slot keeps only the
-        reused ids."""
+        reused ids, and belongs to `owner` (the prompt's partition; None: reuse nothing) from
+        now on: only its slots are searched."""
         best, k = None, 0
-        if self.enabled and reuse:
+        if self.enabled and reuse and owner is not None:
             for s in free:
+                if self.owner[s] != owner:
+                    continue
                 n = min(common_prefix(self.held[s], prompt), len(prompt) - 1)
                 if n > k:
                     best, k = s, n
@@ -76,6 +92,7 @@ class Prefixes:
             best, k = min(free, key=cost), 0
         self.clock += 1
         self.used[best] = self.clock
+        self.owner[best] = owner
         del self.held[best][k:]
         return best, k
 
@@ -117,7 +134,7 @@ class Prefixes:
     def moved(self, src: int, dst: int) -> None:
         """The engine copied what `src` holds to `dst`: the claim follows, `src` is empty."""
         self.held[dst], self.held[src] = self.held[src], []
-        self.used[dst] = self.used[src]
+        self.used[dst], self.owner[dst] = self.used[src], self.owner[src]
 
     def forget(self, slot: int) -> None:
         self.held[slot].clear()

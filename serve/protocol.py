@@ -7,14 +7,16 @@ serve/protocol_chat.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
 from contextvars import ContextVar
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from doel.serve.logprobs import MAX_TOP
 from doel.serve.sampling import MIN_REPETITION_PENALTY, SamplingParams
+from doel.serve.tenants import ONE
 
 MAX_TOKENS = 1 << 20  # a bound for the schema; the context length is checked per request
 MAX_STOPS = 4  # as OpenAI
@@ -23,6 +25,7 @@ MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256
 INT64_MAX = (1 << 63) - 1
 MAX_ERRORS_SHOWN = 5  # a refusal lists this many problems, then counts the rest
+MAX_SALT_CHARS = 1024  # a cache_salt: room for any token a client derives it from
 # Prompts in one request (each one choice): a scorer batches (lm-eval's batch_size), and each
 # prompt's logits and KV cache are the server's, so the batch is bounded as the body is.
 MAX_PROMPTS = 64
@@ -113,6 +116,16 @@ class SamplingRequest(Request):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one completion per request")
     user: str | None = None
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_SALT_CHARS,
+        description="as vLLM: a prompt's cached prefix is reused only for requests with the "
+        "same salt (and tenant)",
+    )
+    # The prefix cache's partition, set by the server from the key's tenant and the salt
+    # (serve/completions.py `respond`); a request built in a test has the one of no key.
+    _cache: Hashable | None = PrivateAttr(ONE)
 
     _unicode_stop = field_validator("stop")(unicode_text)
 
@@ -127,6 +140,15 @@ class SamplingRequest(Request):
                     {"n": len(s), "limit": MAX_STOP_CHARS},
                 )
         return stop
+
+    @property
+    def cache(self) -> Hashable | None:
+        """The prefix cache's partition of this request (serve/tenants.py)."""
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: Hashable | None) -> None:
+        self._cache = value
 
     def stops(self) -> list[str]:
         if self.stop is None:

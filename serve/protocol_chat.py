@@ -6,11 +6,13 @@ completions, their bounds and `to_sampling_params` are serve/protocol.py's.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from doel.serve.limits import DEFAULT_MAX_MESSAGES
 from doel.serve.logprobs import MAX_TOP
 from doel.serve.protocol import (
     MAX_TOKENS,
@@ -22,8 +24,22 @@ from doel.serve.protocol import (
 )
 
 # Messages in one chat request: each renders to 2 tokens at least (its role and end markers),
-# so more than this cannot fit any context a doel model has.
+# so more than this cannot fit any context a doel model has. The schema's bound; the server's
+# own (`--max-messages`, set by the app for each request) is lower.
 MAX_MESSAGES = 1 << 12
+MESSAGE_LIMIT: ContextVar[int] = ContextVar("doel_message_limit", default=DEFAULT_MAX_MESSAGES)
+
+
+def few_messages(messages):
+    """At most the server's limit of messages, refused by count before any is validated (a
+    flood of tiny messages costs the event loop its validation, and a thread its rendering)."""
+    if isinstance(messages, list) and len(messages) > (limit := MESSAGE_LIMIT.get()):
+        raise PydanticCustomError(
+            "too_many_messages",
+            "{n} messages, over this server's limit of {limit} (--max-messages); send fewer",
+            {"n": len(messages), "limit": limit},
+        )
+    return messages
 
 
 def text_parts_only(content):
@@ -75,6 +91,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
+
+    _few_messages = field_validator("messages", mode="before")(few_messages)
 
     @model_validator(mode="after")
     def _one_limit(self):

@@ -20,7 +20,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 
 import anyio
@@ -30,6 +30,7 @@ from doel.serve.engine import Engine
 from doel.serve.logprobs import Record, score_rows
 from doel.serve.prefix import Hit, Prefixes
 from doel.serve.sampling import SamplingParams, sample
+from doel.serve.tenants import ONE
 
 DONE = -1  # end of a sequence in its queue
 log = logging.getLogger("doel.serve")
@@ -48,6 +49,7 @@ class Seq:
     fed: int = 0  # prompt ids in the slot's cache; the sequence decodes once all are
     record: Record | None = None  # log-probabilities asked for, written as the steps go
     hit: Hit = field(default_factory=Hit)  # prompt ids found in the slot's cache
+    cache: Hashable | None = ONE  # the prefix cache's partition (serve/tenants.py)
 
     @property
     def filling(self) -> bool:
@@ -80,17 +82,19 @@ class Scheduler:
         params: SamplingParams,
         record: Record | None = None,
         hit: Hit | None = None,
+        cache: Hashable | None = ONE,
     ) -> AsyncIterator[int]:
         """Token ids of one request as they come; raises QueueFull when too many wait. With
         `record`, each new id's log-probabilities are in it before the id is yielded (and the
         prompt's once it is in the cache, when the record asks for them); `hit` gets the
-        number of prompt ids taken from a slot's cache before the first id comes."""
+        number of prompt ids taken from a slot's cache before the first id comes, only ever
+        from slots its partition `cache` wrote (None: none)."""
         if len(self.waiting) >= self.max_queue and len(self.running) >= self.engine.slots:
             raise QueueFull(len(self.waiting))
         context = np.zeros(self.engine.context_length, np.int64)
         context[: len(prompt)] = prompt
         rng = np.random.default_rng(params.seed)
-        seq = Seq(list(prompt), params, context, rng, n=len(prompt), record=record)
+        seq = Seq(list(prompt), params, context, rng, n=len(prompt), record=record, cache=cache)
         seq.hit = hit if hit is not None else seq.hit
         self.waiting.append(seq)
         self._start()
@@ -159,7 +163,8 @@ class Scheduler:
             seq = self.waiting.popleft()
             # A prompt scored from its first token is computed whole.
             reuse = seq.record is None or not seq.record.prompt
-            seq.slot, seq.fed = self.prefixes.assign(seq.prompt, free, reuse, tuple(self.running))
+            busy = tuple(self.running)
+            seq.slot, seq.fed = self.prefixes.assign(seq.prompt, free, reuse, busy, seq.cache)
             seq.hit.tokens = seq.fed
             free.remove(seq.slot)
             self.running[seq.slot] = seq  # the rest of its prompt goes in over the next steps

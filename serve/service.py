@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,6 +25,7 @@ from doel.serve.protocol import CompletionRequest
 from doel.serve.sampling import SamplingParams
 from doel.serve.scheduler import QueueFull, Scheduler
 from doel.serve.template import ChatTemplate
+from doel.serve.tenants import ONE
 from doel.serve.textstream import TextStream
 
 CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream)
@@ -179,7 +180,8 @@ class Service:
         eos = self.engine.bundle.eos_id
         params = req.to_sampling_params(req.max_tokens, () if eos is None else (eos,))
         # Closed with this generator (a client gone), not left to the garbage collector.
-        async with contextlib.aclosing(self.run(ids, params, req.stops(), record)) as pieces:
+        run = self.run(ids, params, req.stops(), record, req.cache)
+        async with contextlib.aclosing(run) as pieces:
             async for piece in pieces:
                 yield piece
 
@@ -189,12 +191,14 @@ class Service:
         params: SamplingParams,
         stops: list[str],
         record: Record | None = None,
+        cache: Hashable | None = ONE,
     ) -> AsyncIterator[Piece]:
-        """`complete` from the prompt's ids on (chat comes in here with its rendered ids)."""
+        """`complete` from the prompt's ids on (chat comes in here with its rendered ids);
+        `cache`: the prefix cache's partition (serve/tenants.py)."""
         stream = TextStream(self.tokenizer.decode, stops, ids[-CONTEXT_IDS:])
         made, t0, ttft, out, hit = 0, time.perf_counter(), 0.0, list(ids), Hit()
         try:
-            generating = self.scheduler.generate(ids, params, record, hit)
+            generating = self.scheduler.generate(ids, params, record, hit, cache)
             async with contextlib.aclosing(generating) as tokens:
                 async for token in tokens:
                     out.append(token)

@@ -97,30 +97,33 @@ class ChatTemplate:
         return shown
 
     def ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt's ids, ending with the assistant's turn marker."""
-        marks = [f"\x00{secrets.token_hex(8)}:{i}\x00" for i in range(len(messages))]
+        """The prompt's ids, ending with the assistant's turn marker. Linear in the
+        conversation: one pattern, whatever the number of messages, and one pass over the
+        rendered text (a pattern with an alternative per message, and index/count calls per
+        placeholder, cost 811 ms for 4,096 one-character messages)."""
+        nonce = secrets.token_hex(8)
+        marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
         shown = self.render([m | {"content": k} for m, k in zip(messages, marks)])
-        where = [shown.find(k) for k in marks]
-        cuts = re.split("(" + "|".join(map(re.escape, marks)) + ")", shown)
-        # Verbatim: each placeholder once, in order, and the content itself in their places
-        # gives what the template renders from it (a template may trim or edit content).
-        placed = "".join(messages[marks.index(c)]["content"] if j % 2 else c
-                         for j, c in enumerate(cuts))  # fmt: skip
-        if (
-            any(shown.count(k) != 1 for k in marks)
-            or where != sorted(where)
-            or placed != self.render(messages)
-        ):
+        cuts = re.split(f"\x00{nonce}:(\\d+)\x00", shown)
+        # Text, then (message index, text) pairs. Verbatim: each placeholder once, in order,
+        # and the content itself in their places gives what the template renders from it (a
+        # template may trim or edit content).
+        order = [int(i) for i in cuts[1::2]]
+        if order != list(range(len(messages))):
+            return self._ids_verbatim(messages)
+        contents = [m["content"] for m in messages]
+        placed = "".join(c if j % 2 == 0 else contents[int(c)] for j, c in enumerate(cuts))
+        if placed != self.render(messages):
             return self._ids_verbatim(messages)
         # The template's text between the placeholders, split at its special tokens; the
         # content joins the text around it (which a tokenizer would not split from it either).
-        pieces: list[str | int] = [""]
+        pieces = _Pieces()
         for j, part in enumerate(cuts):
             if j % 2:
-                pieces[-1] += messages[marks.index(part)]["content"]
+                pieces.text(contents[int(part)])
             else:
                 self._split(part, pieces)
-        return self._encode(pieces)
+        return self._encode(pieces.done())
 
     def _ids_verbatim(self, messages: list[dict[str, str]]) -> list[int]:
         for i, m in enumerate(messages):
@@ -130,19 +133,19 @@ class ChatTemplate:
                     f"message {i} spells the special token {found.group()!r}, which this "
                     "model's chat template cannot keep as text; remove it"
                 )
-        pieces: list[str | int] = [""]
+        pieces = _Pieces()
         self._split(self.render(messages), pieces)
-        return self._encode(pieces)
+        return self._encode(pieces.done())
 
-    def _split(self, text: str, pieces: list[str | int]) -> None:
-        """Append `text` to `pieces`: its special tokens as ids, the text between them joined
-        to the last text piece."""
+    def _split(self, text: str, pieces: _Pieces) -> None:
+        """Add `text` to `pieces`: its special tokens as ids, the text between them joined to
+        the text piece before."""
         pos = 0
         for m in self.split.finditer(text) if self.split else ():
-            pieces[-1] += text[pos : m.start()]
-            pieces += [self.specials[m.group()], ""]
+            pieces.text(text[pos : m.start()])
+            pieces.special(self.specials[m.group()])
             pos = m.end()
-        pieces[-1] += text[pos:]
+        pieces.text(text[pos:])
 
     def _encode(self, pieces: list[str | int]) -> list[int]:
         texts = [p for p in pieces if isinstance(p, str) and p]
@@ -154,3 +157,22 @@ class ChatTemplate:
             elif p:
                 ids += next(encoded).ids
         return ids
+
+
+class _Pieces:
+    """Texts and special-token ids in order, the texts between two ids joined once at the end
+    (joining as they come copies the text so far at each part: quadratic in a long turn)."""
+
+    def __init__(self):
+        self.out: list[str | int] = []
+        self.parts: list[str] = []
+
+    def text(self, part: str) -> None:
+        self.parts.append(part)
+
+    def special(self, token: int) -> None:
+        self.out += ["".join(self.parts), token]
+        self.parts = []
+
+    def done(self) -> list[str | int]:
+        return [*self.out, "".join(self.parts)]
