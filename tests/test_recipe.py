@@ -357,9 +357,10 @@ def test_the_dry_run_goes_from_local_files_to_a_bundle_and_a_summary(dry_run, st
     plan, s, _ = dry_run
     out = plan.out
     assert set(s) == {
-        "recipe", "dry_run", "hardware", "gpus", "stages", "wall_seconds", "training", "cost",
-        "data", "eval", "exports", "artifacts",
+        "recipe", "dry_run", "hardware", "gpus", "nodes", "stages", "wall_seconds", "training",
+        "cost", "data", "eval", "exports", "artifacts",
     }  # fmt: skip
+    assert (s["nodes"], s["hardware"]) == (1, "1 × cpu")
     stages = ["data", "tokenizer", "shards", "verify", "train", "eval", "sft", "export"]
     assert list(s["stages"]) == stages
     assert all(m["done"] and m["attempts"] == 1 for m in s["stages"].values())
