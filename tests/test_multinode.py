@@ -3,7 +3,8 @@ c10d rendezvous on 127.0.0.1, gloo), each in a working folder of its own and bot
 run folder, as machines with a shared file system would. They train what one process trains
 when it accumulates the same micro-batches, bit for bit, under DDP and FSDP2; a worker killed
 with -9 brings both agents back from the last checkpoint to the uninterrupted weights; and a
-run folder each node holds on its own is refused at the start."""
+run folder each node holds on its own is refused at the start.
+(The recipe on several nodes and its launch files: tests/test_recipe_nodes.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow  # every test here spawns torchrun agents and their ranks
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -102,6 +102,7 @@ def accumulated(shards, tmp_path_factory):
 STRATEGIES = {"ddp": (), "fsdp": ("grad_clip=0",)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_nodes_train_what_one_process_accumulates_bit_for_bit(
     shards, accumulated, tmp_path, strategy
@@ -115,6 +116,7 @@ def test_two_nodes_train_what_one_process_accumulates_bit_for_bit(
     assert_equal_weights(out, accumulated(*extra))
 
 
+@pytest.mark.slow
 def test_a_killed_worker_brings_both_nodes_back_to_the_uninterrupted_weights(
     shards, accumulated, tmp_path
 ):
@@ -135,6 +137,7 @@ def test_a_killed_worker_brings_both_nodes_back_to_the_uninterrupted_weights(
     assert_equal_weights(out, accumulated())
 
 
+@pytest.mark.slow
 def test_a_run_folder_each_node_holds_alone_is_refused_at_the_start(shards, tmp_path):
     """A relative --out: each node would write its own folder under its own working folder."""
     texts = finish(start_nodes(tmp_path, fit_args(shards, "run", "batch_size=2")), ok=False)
