@@ -27,7 +27,6 @@ from doel.serve.tenants import DEFAULT_MODE, MODES, KeyFileError, parse_keys
 
 EXTRA_HINT = "pip install 'doel[serve]'"
 KEY_ENV = "DOEL_API_KEY"
-SWITCH_INTERVAL = 0.0005  # seconds (see main)
 FD_RESERVE = 64  # descriptors kept for the model's files, the log and the listening socket
 
 
@@ -268,11 +267,6 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         args.max_connections = max(files - FD_RESERVE, 1)
-    # A thread that asks for the GIL waits this long for a busy one to yield it (5 ms by
-    # default). The engine's thread asks after each step, and the event loop, busy parsing
-    # other clients' bodies, made each of a chat's steps wait that long (16 tokens: 6 ms idle,
-    # 310 ms beside four clients sending 4,096-message chats).
-    sys.setswitchinterval(SWITCH_INTERVAL)
     app = create_app(settings)
     refusals = Refusals(app.state.metrics)
     uvicorn.run(
