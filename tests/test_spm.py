@@ -200,3 +200,13 @@ def test_llama_cpp_matches_tokenizers_on_bangla_corner_cases_and_the_chat_prompt
     ]
     llm.create_chat_completion(messages=messages, max_tokens=1, temperature=0.0)
     assert seen[0] == ChatTemplate.load(ckpt).ids(messages)
+
+
+def test_text_that_spells_sentencepieces_unknown_piece_still_merges(tmp_path):
+    # Wikipedia dumps spell "<unk>"; SentencePiece never merges the spelling of its own unknown
+    # piece, so the style names that piece what no text spells.
+    text = tmp_path / "w.txt"
+    text.write_text("the <unk> was <unk> and <unk>\n" * 300, encoding="utf-8")
+    cfg = TokenizerConfig(vocab_size=600, style="spm")
+    path = train_tokenizer(resolve_sources([str(text)]), cfg, tmp_path / "t", log=lambda _m: None)
+    assert len(load_tokenizer(path).encode("<unk>", add_special_tokens=False).ids) == 1

@@ -254,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, default=None, help="default 32768")
     t.add_argument(
         "--style",
-        help="doel (default), or gguf: a tokenizer llama.cpp reproduces id for id (doel-export "
-        "--format gguf needs it)",
+        help="doel (default), or spm / gguf: a tokenizer llama.cpp reproduces id for id "
+        "(doel-export --format gguf needs one; spm is SentencePiece BPE, gguf byte-level BPE)",
     )
     _data_args(t, "TokenizerConfig", "each source's share of the training characters")
     t.set_defaults(func=_cmd_tokenizer)

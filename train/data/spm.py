@@ -56,6 +56,10 @@ def spm_options(vocab_size: int, max_token_length: int, max_doc_chars: int) -> d
         "max_sentence_length": 4 * max_doc_chars + 16,
         "character_coverage": 0.9999,  # rarer characters are spelled with byte tokens
         "unk_id": 0,
+        # The trainer never merges text that spells its unknown piece, "<unk>" by default (and
+        # Wikipedia dumps spell it often); ours is dropped from the vocabulary, so any name
+        # that no text spells will do.
+        "unk_piece": "<|spm_unknown|>",
         "bos_id": -1,
         "eos_id": -1,
         "pad_id": -1,
