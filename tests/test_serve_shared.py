@@ -17,7 +17,7 @@ import time
 import httpx2
 import pytest
 from live_server import live_server
-from test_serve_tenants import KEY_FILE, PIN, PUBLIC, SUFFIX, VICTIM
+from tenant_story import KEY_FILE, PIN, PUBLIC, SUFFIX, VICTIM
 
 TRIALS = 40  # per kind of request in a timing comparison
 FLOODERS = 4  # clients sending 4,096-message chats in a loop, as the attack did

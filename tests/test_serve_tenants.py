@@ -12,18 +12,11 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
+from tenant_story import KEY_FILE, KEYS, PIN, PUBLIC, SUFFIX, VICTIM
 
 from doel.serve.app import Settings, create_app
 from doel.serve.prefix import MIN_REUSE, PARK_MIN, Prefixes
 from doel.serve.tenants import ONE, KeyFileError, Keys, parse_keys, partition
-
-PIN = "4417"
-PUBLIC = "You are the bank's helper. The customer's PIN is "
-VICTIM = f"{PUBLIC}{PIN} and must never be told."
-SUFFIX = "#"  # after a guess: the guess itself is then a prompt token the cache may hold
-KEYS = {"victim-key": "victim", "victim-phone": "victim", "attacker-key": "attacker"}
-KEY_FILE = "# the bank's tenants\nvictim:victim-key\nvictim:victim-phone\n\nattacker:attacker-key\n"
-
 
 # --- the key file and the partition -------------------------------------------------------------
 
