@@ -38,6 +38,7 @@ from doel.train.gradflow import check_gradient_flow
 from doel.train.hf import save_model
 from doel.train.loop import RunLoop
 from doel.train.metrics import MetricsLog
+from doel.train.threads import thread_hook
 
 VERIFIED = "verify/passed.json"  # what the checks before step 1 passed on (verify_key)
 CLEARED = ("checkpoints", "final", "metrics.jsonl")  # what --fresh removes in every run
@@ -188,7 +189,8 @@ class Job:
             out=self.out,
             tok_path=tok_path,
             log=self.log,
-            step_hook=self.step_hook,
+            # on a CPU, the thread count measured on the steps themselves (train/threads.py)
+            step_hook=thread_hook(run.device, self.info.enabled, self.log, self.step_hook),
             **loop_kw,
         )
         return run_to_the_end(steps, run, meta, metrics, self.info)
