@@ -211,11 +211,17 @@ def _cmd_plot(args) -> None:
 
 def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> None:
     p.add_argument("--data", nargs="+", required=True, help=".txt/.jsonl/.parquet, folder, hf:NAME")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="output folder (created; a rerun resumes it)")
     p.add_argument("--weights", nargs="*", default=[], metavar="SOURCE=SHARE", help=weights_help)
     p.add_argument("--config", help=f"TOML file of {config} fields")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"set a {config} field, e.g. min_frequency=2 (repeat it)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars (none unless a terminal)")
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -247,10 +253,19 @@ MOVED = ("demo", "recipe")  # they use every stage: `doel demo`, `doel recipe` (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="doel-train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="doel-train", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("tokenizer", help="train a BPE tokenizer -> DIR/tokenizer.json")
+    t = sub.add_parser(
+        "tokenizer",
+        help="train a BPE tokenizer -> DIR/tokenizer.json",
+        description=(
+            "Train a byte-fallback BPE tokenizer that keeps Bengali words whole, at exactly "
+            "--vocab-size tokens (unused reserved tokens fill what the corpus cannot), with "
+            "the chat markers and the chat template. Writes tokenizer.json and the Hugging "
+            "Face side files into --out."
+        ),
+    )
     t.add_argument("--vocab-size", type=int, default=None, help="default 32768")
     t.add_argument(
         "--style",
@@ -260,32 +275,70 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(t, "TokenizerConfig", "each source's share of the training characters")
     t.set_defaults(func=_cmd_tokenizer)
 
-    f = sub.add_parser("fertility", help="characters/bytes/words per token, per script")
+    f = sub.add_parser(
+        "fertility",
+        help="characters/bytes/words per token, per script",
+        description=(
+            "Measure any tokenizer on text: characters, bytes and words per token, tokens per "
+            "word and byte-fallback share, per script (Bengali, Latin, ...). Prints a table, "
+            "or JSON with --json."
+        ),
+    )
     f.add_argument(
         "--tokenizer",
         required=True,
         help="tokenizer.json, tekken .json, .tiktoken, SentencePiece model, vocab.txt",
     )
-    f.add_argument("--text", nargs="+", required=True)
+    f.add_argument(
+        "--text",
+        nargs="+",
+        required=True,
+        help="text to measure: .txt/.jsonl/.parquet files or folders (held-out text is fairest)",
+    )
     f.add_argument("--pattern", help="split regex for a .tiktoken file (default by its name)")
     f.add_argument("--text-field", default="text", help="JSONL field / Parquet column")
-    f.add_argument("--json", action="store_true")
+    f.add_argument("--json", action="store_true", help="print the report as JSON")
     f.set_defaults(func=_cmd_fertility)
 
-    r = sub.add_parser("prepare", help="corpus -> packed token shards + meta.json")
-    r.add_argument("--tokenizer", required=True)
+    r = sub.add_parser(
+        "prepare",
+        help="corpus -> packed token shards + meta.json",
+        description=(
+            "Tokenize a corpus into packed token shards with a validation split, the sources "
+            "mixed by shares of characters, documents deduplicated and the validation text "
+            "checked for overlap with training. A rerun on the same --out resumes at the last "
+            "finished shard, to the same bytes."
+        ),
+    )
+    r.add_argument("--tokenizer", required=True, help="the tokenizer.json to encode with")
     _data_args(r, "PrepareConfig", "each source's share of characters (others downsampled)")
     g = r.add_mutually_exclusive_group()
-    g.add_argument("--val-fraction", type=float, default=None)
+    g.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="share of the documents held out for validation (instead of --val)",
+    )
     g.add_argument("--val", nargs="+", help="validation files (checked for overlap with train)")
     r.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     r.set_defaults(func=_cmd_prepare)
 
-    fi = sub.add_parser("fit", help="train a model on token shards (resumes RUN_DIR)")
+    fi = sub.add_parser(
+        "fit",
+        help="train a model on token shards (resumes RUN_DIR)",
+        description=(
+            "Train a Llama model on token shards: the verification checks and the gradient- "
+            "flow gate before step 1, then the step loop with logs, validation and "
+            "checkpoints in --out. A rerun on the same --out resumes from the last "
+            "checkpoint, bit for bit; under torchrun it trains on every GPU (DDP or FSDP)."
+        ),
+    )
     _train_args(fi)
     fi.add_argument("--out", required=True, help="run folder (checkpoints/, final/, metrics)")
-    fi.add_argument("--steps", type=int)
-    fi.add_argument("--checkpoint-every", type=int)
+    fi.add_argument("--steps", type=int, help="optimizer steps in all (default: the config's)")
+    fi.add_argument(
+        "--checkpoint-every", type=int, help="steps between checkpoints (default: the config's)"
+    )
     fi.add_argument("--tokenizer", help="default: the one named in the shards' meta.json")
     fi.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     fi.add_argument(
@@ -296,7 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     _no_verify(fi, "the shards and the checkpoint resumed from")
     fi.set_defaults(func=_cmd_fit)
 
-    sf = sub.add_parser("sft", help="chat fine-tuning of a base checkpoint (resumes RUN_DIR)")
+    sf = sub.add_parser(
+        "sft",
+        help="chat fine-tuning of a base checkpoint (resumes RUN_DIR)",
+        description=(
+            "Fine-tune a base model for chat on conversations: the loss on the assistant's "
+            "replies only, the chat checks (the loss mask among them) before step 1, "
+            "checkpoints and exact resume as fit's. The model's shape comes from --from."
+        ),
+    )
     sf.add_argument(
         "--config",
         required=True,
@@ -310,9 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sf.add_argument("--from", dest="base", required=True, help="the base model folder (RUN/final)")
     sf.add_argument("--out", required=True, help="run folder (checkpoints/, final/, metrics)")
-    sf.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    sf.add_argument("--steps", type=int)
-    sf.add_argument("--checkpoint-every", type=int)
+    sf.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override, e.g. lr=1e-4 or overlong=drop (repeat it)",
+    )
+    sf.add_argument("--steps", type=int, help="optimizer steps in all (default: the config's)")
+    sf.add_argument(
+        "--checkpoint-every", type=int, help="steps between checkpoints (default: the config's)"
+    )
     sf.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     sf.add_argument(
         "--skip-verify",
@@ -322,11 +391,28 @@ def build_parser() -> argparse.ArgumentParser:
     _no_verify(sf, "the base model and the checkpoint resumed from")
     sf.set_defaults(func=_cmd_sft)
 
-    cg = sub.add_parser("check-gradients", help="run the gradient-flow gate alone")
+    cg = sub.add_parser(
+        "check-gradients",
+        help="run the gradient-flow gate alone",
+        description=(
+            "One forward and backward pass on the model a run would train: every trainable "
+            "parameter must get a finite, nonzero gradient and tied weights must stay one "
+            "tensor. Names each offender; exits 1 on a failure."
+        ),
+    )
     _train_args(cg)
     cg.set_defaults(func=_cmd_check_gradients)
 
-    v = sub.add_parser("verify", help="the silent-failure checks -> REPORT_DIR/verify.{md,json}")
+    v = sub.add_parser(
+        "verify",
+        help="the silent-failure checks -> REPORT_DIR/verify.{md,json}",
+        description=(
+            "Run the verification suite on the exact model, kernels, dtype and compile "
+            "setting of a run (gradient flow, fast paths against float64, ties, causal leak, "
+            "label shift, accumulation, resume, throughput, data and tokenizer). Writes "
+            "verify.md and verify.json into --out; exits 1 on a failure."
+        ),
+    )
     _train_args(v)
     v.add_argument("--out", required=True, help="report folder")
     v.add_argument("--full", action="store_true", help="all checks (default: fit's fast subset)")
@@ -341,7 +427,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.set_defaults(func=_cmd_verify)
 
-    e = sub.add_parser("eval", help="bits/char per language, zero-shot tasks")
+    e = sub.add_parser(
+        "eval",
+        help="bits/char per language, zero-shot tasks",
+        description=(
+            "Evaluate a model folder: held-out bits per character per language against its "
+            "random twin and xz/bzip2, sample texts, and zero-shot accuracy on task files or "
+            "hub sets. A folder with doel's model card gets the card rewritten with the "
+            "results."
+        ),
+    )
     e.add_argument("checkpoint", help="a model folder in Hugging Face layout")
     e.add_argument("--text", nargs="+", required=True, help="held-out text files")
     e.add_argument("--max-chars", type=int, default=None, help="cap per language")
@@ -366,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a .jsonl/.parquet file of a hub set's rows standing in for it (no hub needed)",
     )
     e.add_argument("--limit", type=int, default=None, help="first N items of each task")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--json", action="store_true", help="print the results as JSON")
     e.add_argument("--quiet", action="store_true", help="no progress bars (none unless a terminal)")
     e.add_argument(
         "--repo-id",
@@ -375,8 +470,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=_cmd_eval)
 
-    pl = sub.add_parser("plot", help="loss and throughput curves of a run -> PNG")
-    pl.add_argument("run_dir")
+    pl = sub.add_parser(
+        "plot",
+        help="loss and throughput curves of a run -> PNG",
+        description=(
+            "Draw a run's loss (train and validation) and throughput curves from its "
+            "metrics.jsonl into a PNG."
+        ),
+    )
+    pl.add_argument("run_dir", help="a run folder of fit or sft (it holds metrics.jsonl)")
     pl.add_argument("--out", help="default RUN_DIR/curves.png")
     pl.set_defaults(func=_cmd_plot)
 
