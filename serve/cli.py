@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("bundle", help="a folder written by doel-export")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: per core)")
     p.add_argument(
         "--api-key-file",
@@ -102,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the bundle without checking its files against the sha256 its manifest "
         "records (checked while the model loads otherwise)",
     )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="the server's log level (default info)",
+    )
     limits = p.add_argument_group("connection limits (see serve/limits.py)")
     limits.add_argument(
         "--timeout-read",
