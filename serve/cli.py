@@ -4,9 +4,11 @@ It binds 127.0.0.1 unless told otherwise; an API key (`--api-key-file`, DOEL_API
 `--api-key`) guards every route but /health and the playground page; binding another address
 without one is warned about. A key file may hold several keys, each a tenant whose cached
 prefixes no other tenant reuses (serve/tenants.py, `--prefix-cache`). The bundle and the keys
-are checked before the port opens, so a wrong folder or an empty key is a one-line error; the
-bundle's files are hashed against its manifest while the model loads (serve/verify.py), a
-damaged one ending the server with one line.
+are checked before the port opens, so a wrong folder or an empty key is a one-line error, and so
+is the port, tried before anything starts (`check_port`: a port in use once printed uvicorn's
+startup lines, "Application startup complete." among them, before its error); the bundle's
+files are hashed against its manifest while the model loads (serve/verify.py), a damaged one
+ending the server with one line.
 Connections get the limits of serve/limits.py (read deadline, keep-alive, a cap, header count),
 served by uvicorn's h11 protocol with those added.
 Heavy imports happen inside `main`, so a missing extra prints the `pip install` line that fixes
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -198,6 +202,35 @@ def base_url(host: str, port: int) -> str:
     return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
 
 
+def check_port(host: str, port: int) -> None:
+    """Exits with one line unless every address `host` names can be bound on `port`, tried as
+    uvicorn's asyncio server binds (getaddrinfo with AI_PASSIVE, SO_REUSEADDR, IPv6 only on an
+    IPv6 socket), then released for it: uvicorn would load the app and print its startup before
+    failing, and exit 3. A host that is not this machine's is one line too."""
+    if not 0 <= port <= 65535:
+        sys.exit(f"error: --port must be between 0 and 65535, not {port}")
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        sys.exit(f"error: cannot bind --host {host}: {e.strerror}")
+    for family, kind, proto, _name, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    sys.exit(
+                        f"error: port {port} on {address[0]} is in use (by another server?); "
+                        f"choose another with --port"
+                    )
+                sys.exit(f"error: cannot listen on {address[0]} port {port}: {e.strerror}")
+
+
 def log_config(level: str, floods) -> dict:
     """uvicorn's logging, plus our `doel` logger on its handler and the flood filter on the
     loggers that write a line (or a traceback) per socket."""
@@ -238,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     key = api_key(args)
     keys = key_file(args.api_key_file) if args.api_key_file else None
+    check_port(args.host, args.port)
     if key is None and keys is None and not is_loopback(args.host):
         print(
             f"warning: serving on {args.host} without an API key: anyone who can reach it can "

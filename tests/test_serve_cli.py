@@ -1,5 +1,6 @@
 """`doel-serve`: refuses a folder that is not a bundle before opening a port, binds loopback by
-default, takes the API key from the environment, and serves a real uvicorn process."""
+default, takes the API key from the environment, says in one line that its port is taken, and
+serves a real uvicorn process."""
 
 from __future__ import annotations
 
@@ -46,7 +47,13 @@ def test_a_gguf_folder_is_one_line_that_says_how_to_run_it(tmp_path):
         main([str(tmp_path)])
 
 
-def test_loopback_by_default_and_the_key_from_the_environment(tiny_bundle, monkeypatch):
+@pytest.fixture
+def any_port(monkeypatch):
+    """No port check: these tests never serve, and 8000 may be another server's here."""
+    monkeypatch.setattr("doel.serve.cli.check_port", lambda host, port: None)
+
+
+def test_loopback_by_default_and_the_key_from_the_environment(tiny_bundle, monkeypatch, any_port):
     import uvicorn
 
     seen = {}
@@ -86,7 +93,9 @@ def test_an_empty_or_unreadable_key_is_a_one_line_error(
         assert "\n" not in str(e.value)
 
 
-def test_a_non_loopback_address_without_a_key_is_warned_about(tiny_bundle, monkeypatch, capsys):
+def test_a_non_loopback_address_without_a_key_is_warned_about(
+    tiny_bundle, monkeypatch, capsys, any_port
+):
     import uvicorn
 
     seen = {}
@@ -125,6 +134,52 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _held(family=socket.AF_INET, host="127.0.0.1", reuse=True) -> socket.socket:
+    """A listening socket on a free port, as another server holds it (uvicorn sets
+    SO_REUSEADDR)."""
+    s = socket.socket(family)
+    if reuse:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    s.listen()
+    return s
+
+
+def test_a_port_in_use_is_one_line_and_exit_1_before_anything_starts(tiny_bundle):
+    """It once printed six uvicorn lines, "Application startup complete." among them, then
+    "[Errno 98] address already in use", and exited 3."""
+    with _held() as held:
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "doel.serve", str(tiny_bundle), "--port", str(port)]
+        env = {k: v for k, v in os.environ.items() if k != "DOEL_API_KEY"}
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    assert done.stderr == (
+        f"error: port {port} on 127.0.0.1 is in use (by another server?); choose another with "
+        f"--port\n"
+    )
+
+
+def test_the_port_check_binds_as_uvicorn_does(tiny_bundle, never_serve):
+    """Held without SO_REUSEADDR, on IPv6, on every address: each is a one-line error."""
+    with _held(reuse=False) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"^error: port {port} on 127.0.0.1 is in use"):
+            main([str(tiny_bundle), "--port", str(port)])
+        with pytest.raises(SystemExit, match=f"^error: port {port} on 0.0.0.0 is in use"):
+            main([str(tiny_bundle), "--port", str(port), "--host", "0.0.0.0", "--api-key", "k"])
+    if socket.has_ipv6:
+        with _held(socket.AF_INET6, "::1") as held:
+            port = held.getsockname()[1]
+            with pytest.raises(SystemExit, match=f"^error: port {port} on ::1 is in use"):
+                main([str(tiny_bundle), "--port", str(port), "--host", "::1"])
+    with pytest.raises(SystemExit, match="^error: --port must be between 0 and 65535, not 70000"):
+        main([str(tiny_bundle), "--port", "70000"])
+    with pytest.raises(SystemExit, match="^error: cannot listen on 192.0.2.1 port 0: "):
+        main([str(tiny_bundle), "--port", "0", "--host", "192.0.2.1", "--api-key", "k"])
 
 
 def test_a_real_server_answers_completions_and_streams(tiny_bundle):
