@@ -36,6 +36,7 @@ from doel.serve import chat
 from doel.serve import completions as completion
 from doel.serve.completions import respond
 from doel.serve.guard import AllowedHosts, Guard
+from doel.serve.jsonbody import decode_error, parse_failure
 from doel.serve.limits import DEFAULT_MAX_MESSAGES
 from doel.serve.metrics import CountRequests, Metrics
 from doel.serve.protocol import (
@@ -114,12 +115,15 @@ def install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        not_json = decode_error(exc.errors(), exc.body)  # where, not a position as its param
+        message, param = (not_json, None) if not_json else _validation_message(exc)
         return error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req, exc: StarletteHTTPException):
-        return error(exc.status_code, str(exc.detail), "invalid_request_error")
+        # FastAPI's "There was an error parsing the body" names no reason; its cause does.
+        why = parse_failure(exc.__cause__) if exc.status_code == 400 else None
+        return error(exc.status_code, why or str(exc.detail), "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def _failed(_req, exc: Exception):

@@ -215,6 +215,55 @@ def test_bad_requests_are_4xx_with_a_message(client, body, status, message):
     assert message in r.json()["error"]["message"]
 
 
+NOT_JSON = "JSON decode error at line"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            b'{"prompt": "x", "max_tokens": 5',
+            " 1, column 32: Expecting ',' delimiter; the body ends",
+        ),
+        (
+            b'{"prompt": "x", "max_tokens": 5,}',
+            " 1, column 33: Expecting property name enclosed in",
+        ),
+        (b'{"prompt": "a\\q"}', " 1, column 14: Invalid \\escape"),
+        (b'{\n  "prompt": "x",\n  "n": 1\n  "seed": 2\n}', " 4, column 3: Expecting ',' delimiter"),
+        (b'{"prompt": "x"} {}', " 1, column 17: Extra data"),
+        (b'{"prompt": "\xff"}', " 1, column 13: the body is not UTF-8 (byte 0xff: invalid start"),
+        # After a Bangla word (3 characters, 9 bytes) and a space, a 3-byte character cut short
+        (
+            '{"prompt": "নদী '.encode() + b"\xe0\xa6",
+            " 1, column 17: the body is not UTF-8 (byte 0xe0",
+        ),
+    ],
+)
+def test_a_body_that_is_not_json_is_400_saying_what_and_where(tmp_path, body, message):
+    """It was {"message": "17: JSON decode error", "param": "17"}. No model is needed: the body
+    is read before the route asks for one."""
+    with TestClient(create_app(Settings(bundle=str(tmp_path)))) as c:
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            r = c.post(route, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.json() == error_dict(
+                400, r.json()["error"]["message"], "invalid_request_error"
+            )
+            assert r.json()["error"]["message"].startswith(NOT_JSON + message), r.text
+
+
+def test_a_body_nested_past_the_parser_is_400_saying_so(tmp_path):
+    with TestClient(create_app(Settings(bundle=str(tmp_path)))) as c:
+        r = c.post(
+            "/tokenize", content=b"[" * 100_000, headers={"content-type": "application/json"}
+        )
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    assert r.json()["error"]["message"] == (
+        "JSON decode error: the body nests arrays or objects deeper than the parser goes"
+    )
+
+
 def test_a_refusal_lists_five_problems_and_counts_the_rest(client):
     # null in a prompt is wrong for each of its 4 forms: text, ids, texts, id lists
     r = client.post("/v1/completions", json={"prompt": [None] * 5})
