@@ -285,11 +285,12 @@ def test_importing_all_of_train_loads_no_other_stage_and_no_bare_name():
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
-def test_the_readme_file_tree_names_every_module_and_only_modules_that_exist():
-    """The README's file tree (## Files) is the map a newcomer walks: every module of train/,
-    export/, serve/ and benchmarks/ is on it, at its folder, and nothing on it is gone."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    tree = readme.split("## Files", 1)[1].split("```")[1]
+def test_the_architecture_file_tree_names_every_module_and_only_modules_that_exist():
+    """The architecture page's file tree (docs/architecture.md, ## Files) is the map a newcomer
+    walks: every module of train/, export/, serve/, pipeline/, doel/ and benchmarks/ is on it,
+    at its folder, and nothing on it is gone."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    tree = page.split("## Files", 1)[1].split("```")[1]
     listed, folders = set(), []
     for line in tree.splitlines():
         entry = line.split("#", 1)[0].rstrip()
@@ -313,5 +314,5 @@ def test_the_readme_file_tree_names_every_module_and_only_modules_that_exist():
         for p in listed
         if p.split("/")[0] in ("train", "export", "serve", "pipeline", "doel", "benchmarks")
     }
-    assert code - listed_code == set(), "modules missing from the README's file tree"
-    assert listed_code - code == set(), "the README's file tree names modules that do not exist"
+    assert code - listed_code == set(), "modules missing from docs/architecture.md's file tree"
+    assert listed_code - code == set(), "docs/architecture.md's file tree names modules that do not exist"
