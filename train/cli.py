@@ -190,11 +190,12 @@ def _cmd_eval(args) -> None:
             limit=args.limit,
             progress=not args.quiet,
             repo_id=args.repo_id,
+            card=not args.no_card,
         )
     except MissingTextField as e:
         fix = "eval reads the 'text' field: pass .txt files, or .jsonl/.parquet with a 'text' field"
         raise MissingTextField(e.where, fix) from None
-    if args.repo_id is not None and not result["model_card"]:
+    if args.repo_id is not None and not args.no_card and not result["model_card"]:
         print(
             f"note: {args.checkpoint} has no doel model card (model_card.json), so --repo-id "
             "was not recorded",
@@ -462,6 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--limit", type=int, default=None, help="first N items of each task")
     e.add_argument("--json", action="store_true", help="print the results as JSON")
+    e.add_argument(
+        "--no-card",
+        action="store_true",
+        help="leave the checkpoint's model card as it is (default: add these figures to it)",
+    )
     e.add_argument("--quiet", action="store_true", help="no progress bars (none unless a terminal)")
     e.add_argument(
         "--repo-id",

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from doel.train.common import DoelError
 from doel.train.data.textio import iter_documents
 from doel.train.data.tokenizer import load_tokenizer
+from doel.train.evals.cardeval import text_source
 from doel.train.evals.generate import continuations
 from doel.train.evals.modelcard import refresh_model_card
 from doel.train.evals.published import BASELINES, comparison_table
@@ -289,6 +290,8 @@ def evaluate_checkpoint(
         )
     seq_len = seq_len or model.config.max_position_embeddings
     groups = text_paths if isinstance(text_paths, dict) else group_by_language(text_paths)
+    for paths in groups.values():
+        check_not_empty(paths)
     twin = random_twin(model, seed)
     raw = {lang: read_texts(paths, max_chars) for lang, paths in groups.items()}
     encoded = {lang: encode_texts(tokenizer, texts) for lang, texts in raw.items()}
@@ -300,6 +303,7 @@ def evaluate_checkpoint(
             texts, docs = encoded[lang]
             languages[lang] = {
                 "files": [str(p) for p in paths],
+                "texts": [text_source(p) for p in paths],  # what the card names each row by
                 "model": doc_figures(model, texts, docs, seq_len, batch_size, progress=held),
                 "twin": doc_figures(twin, texts, docs, seq_len, batch_size, progress=held),
                 "compressors": compressor_bits_per_char(raw[lang]),
@@ -319,6 +323,33 @@ def evaluate_checkpoint(
     }
     path = refresh_model_card(folder, result, repo_id) if card else None
     return result | {"model_card": str(path) if path else None}
+
+
+def check_not_empty(paths: Sequence[str]) -> None:
+    """A text with no characters to score is an error, not a row of zeros and n/a: the figure
+    would replace a real one on the model card (issue 38)."""
+    for path in paths:
+        if not any(doc.strip() for doc in read_texts([path], max_chars=1)):
+            raise DoelError(
+                f"{path}: no text to evaluate on (an empty file, or no documents in it); "
+                "pass a held-out text with some characters"
+            )
+
+
+def twin_warnings(result: dict) -> list[str]:
+    """One line for each text the trained model does not beat its random twin on (bits per
+    character no lower): its figures say it learnt nothing that carries over to that text."""
+    lines = []
+    for lang, r in result["languages"].items():
+        model, twin = r["model"]["bits_per_char"], r["twin"]["bits_per_char"]
+        if not model < twin:  # nan included: no figure is not a win
+            names = ", ".join(t["name"] for t in r.get("texts") or []) or lang
+            lines.append(
+                f"WARNING: on {lang} ({names}) the trained model does not beat its random twin "
+                f"({fmt_num(model, '.3f')} against {fmt_num(twin, '.3f')} bits/char): it has "
+                "not learnt anything that carries over to this text"
+            )
+    return lines
 
 
 def format_eval(result: dict) -> str:
@@ -341,6 +372,8 @@ def format_eval(result: dict) -> str:
             + " | ".join(fmt_num(x, ".3f") for x in figures)
             + " |"
         )
+    if warnings := twin_warnings(result):
+        lines += ["", *warnings]
     if result.get("tasks"):
         lines += [
             "",

@@ -25,6 +25,7 @@ from doel.contracts.card import REPO_ID, front_matter, yaml_str
 from doel.train.common import SAMPLE_DIR, atomic_write_bytes, atomic_write_json
 from doel.train.data.fertility import fertility, load_any
 from doel.train.data.textio import iter_documents
+from doel.train.evals.cardeval import card_eval, merge, texts_cell
 from doel.train.evals.published import BASELINES, comparison_section
 from doel.train.evals.scoring import fmt_num, format_tasks
 from doel.train.evals.usage import check_repo_id, usage_path, usage_section
@@ -223,12 +224,13 @@ def evaluation_section(eval_result: dict | None, where: str = "FOLDER") -> list[
     lines = ["## Evaluation", ""]
     if eval_result.get("languages"):
         rows = [
-            [lang, f"{r['model']['chars']:,}"]
+            [r.get("language", lang), f"{r['model']['chars']:,}"]
             + [fmt_num(x, ".3f") for x in (r["model"]["bits_per_char"], r["twin"]["bits_per_char"])]
             + [fmt_num(r["compressors"][c], ".3f") for c in ("xz -9e", "bzip2 -9")]
+            + [texts_cell(r)]
             for lang, r in eval_result["languages"].items()
         ]
-        head = ["language", "characters", "bits/char", "twin", "xz -9e", "bzip2 -9"]
+        head = ["language", "characters", "bits/char", "twin", "xz -9e", "bzip2 -9", "texts"]
         intro = "Held-out bits per character (lower is better), against a random-initialised "
         lines += [intro + "twin and general-purpose compressors:", "", *_table(head, rows), ""]
     if eval_result.get("tasks"):
@@ -279,21 +281,6 @@ def finetune_section(ft: dict) -> list[str]:
     return lines
 
 
-def _card_eval(result: dict | None) -> dict | None:
-    """What the card shows of an evaluation: the figures, not the paths of the files."""
-    if not result:
-        return None
-    languages = {
-        lang: {k: r[k] for k in ("model", "twin", "compressors")}
-        for lang, r in (result.get("languages") or {}).items()
-    }
-    tasks = {
-        n: {k: v for k, v in r.items() if k != "path"}
-        for n, r in (result.get("tasks") or {}).items()
-    }
-    return {"languages": languages, "tasks": tasks}
-
-
 def write_model_card(
     folder: str | Path,
     *,
@@ -325,7 +312,7 @@ def write_model_card(
     inputs = {
         "meta": {"sources": meta["sources"]} if meta and meta.get("sources") else None,
         "train_state": train_state,
-        "eval_result": _card_eval(eval_result),
+        "eval_result": card_eval(eval_result),
         "hardware": hardware,
         "seconds": seconds,
         "attempts": attempts,
@@ -359,11 +346,13 @@ def refresh_model_card(
     folder: str | Path, eval_result: dict, repo_id: str | None = None
 ) -> Path | None:
     """Write the card of a folder again with an evaluation (and a repository id, if given),
-    everything else as it was written (model_card.json). None, and nothing written, for a folder
-    without doel's card."""
+    everything else as it was written (model_card.json). The evaluation's rows join the card's
+    earlier ones (cardeval.merge: rows for other texts stay). None, and nothing written, for a
+    folder without doel's card."""
     folder = Path(folder)
     inputs = _read_json(folder / CARD_INPUTS)
     if inputs is None:
         return None
-    given = {"eval_result": eval_result} | ({"repo_id": repo_id} if repo_id else {})
+    ev = merge(inputs.get("eval_result"), card_eval(eval_result))
+    given = {"eval_result": ev} | ({"repo_id": repo_id} if repo_id else {})
     return write_model_card(folder, **(inputs | given))
