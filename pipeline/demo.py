@@ -6,8 +6,9 @@ tokenizer → fertility → held-out split → shards → gradient-flow gate →
 against the random twin and xz/bzip2 → samples → chat fine-tuning on the sample's conversations
 (`doel-train sft`) → an int4 export bundle of each model → each served on loopback: one Bangla
 completion from the base model and one chat exchange with the chat model fetched over HTTP and
-printed with the playground's URL. The sample is only ~50 KB, so the model is tiny and the
-numbers show the path working, not a useful model (`configs/small.toml` on real text is that).
+printed, and with --serve the playground's URL (only then: the server stops with the demo). The
+sample is only ~50 KB, so the model is tiny and the numbers show the path working, not a useful
+model (`configs/small.toml` on real text is that).
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def export_demo(final: Path, bundle: Path, heldout: list[str]) -> Path | None:
 
 def serve_demo(bundle: Path, keep: bool = False, port: int = 0, ask=None) -> dict | None:
     """The bundle served on 127.0.0.1 (uvicorn in a thread of this process), one request over
-    HTTP printed (`ask(url)`; default: a Bangla completion) and the playground's URL; then a
-    clean shutdown, or with `keep` serving until Ctrl-C. Returns the answer's JSON body."""
+    HTTP printed (`ask(url)`; default: a Bangla completion); then a clean shutdown, or with
+    `keep` the playground's URL and serving until Ctrl-C. Returns the answer's JSON body."""
     try:
         import uvicorn
 
@@ -195,8 +196,8 @@ def serve_demo(bundle: Path, keep: bool = False, port: int = 0, ask=None) -> dic
             print(f"playground: {url}/ (serving until Ctrl-C)", flush=True)
             while thread.is_alive():
                 thread.join(0.5)
-        else:
-            print(f"playground: {url}/ (it stops with the demo; --serve keeps it up)")
+        else:  # no address: it is dead once the demo ends
+            print(f"playground: `doel-serve {bundle}` serves it (or the demo with --serve)")
     except KeyboardInterrupt:
         print("\nserve: stopped")
     finally:
