@@ -219,3 +219,17 @@ def test_a_real_server_answers_completions_and_streams(tiny_bundle):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)  # reaps it and closes the pipe
+
+
+def test_the_demo_prints_no_playground_address_that_dies_with_it(tiny_bundle, capsys):
+    """Without --serve the demo's server stops as the demo ends: it printed the playground's
+    address all the same, dead by the time it was read."""
+    from doel.pipeline.demo import serve_demo
+
+    body = serve_demo(tiny_bundle, ask=lambda url: {"url": url})
+    out = capsys.readouterr().out
+    playground = [line for line in out.splitlines() if line.startswith("playground:")]
+    assert body["url"].startswith("http://127.0.0.1:")
+    assert playground == [
+        f"playground: `doel-serve {tiny_bundle}` serves it (or the demo with --serve)"
+    ]
