@@ -5,6 +5,9 @@ fails on a subcommand without a description or a flag without help."""
 from __future__ import annotations
 
 import argparse
+import importlib
+
+from mkdocs.structure.files import File
 
 COMMANDS = [  # (command, module whose build_parser() makes its parser)
     ("doel", "doel.pipeline.cli"),
@@ -17,8 +20,6 @@ COMMANDS = [  # (command, module whose build_parser() makes its parser)
 def parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     """Every parser a user meets: each command, then each of its subcommands, as (name, parser).
     A subcommand that only says where it moved (add_help=False) is left out."""
-    import importlib
-
     out = []
     for name, module in COMMANDS:
         parser = importlib.import_module(module).build_parser()
@@ -87,7 +88,5 @@ def _slug(heading: str) -> str:
 
 
 def on_files(files, config):
-    from mkdocs.structure.files import File
-
     files.append(File.generated(config, "cli.md", content=render()))
     return files
