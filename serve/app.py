@@ -23,16 +23,15 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from doel.contracts.errors import error_dict
-from doel.serve import chat
+from doel.serve import chat, playground
 from doel.serve import completions as completion
 from doel.serve.completions import respond
 from doel.serve.guard import AllowedHosts, Guard
@@ -207,13 +206,17 @@ def default_loader(settings: Settings) -> Service:
     return svc
 
 
-def add_routes(app: FastAPI) -> None:
+def add_routes(app: FastAPI, settings: Settings) -> None:
     """Serve's endpoints, the one list of them (the module docstring says what reads it)."""
-    page = (Path(__file__).parent / "playground.html").read_text(encoding="utf-8")
+    page, font = playground.page(settings.bundle), playground.font()
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def playground():
+    async def playground_page():
         return HTMLResponse(page)
+
+    @app.get(playground.FONT_PATH, include_in_schema=False)
+    async def playground_font():
+        return Response(font, media_type="font/woff2", headers={"Cache-Control": "max-age=86400"})
 
     @app.get("/health", responses=ERRORS)
     async def health(request: Request):
@@ -285,7 +288,7 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
     app.state.metrics = Metrics()
     app.state.prefix_cache = settings.prefix_cache  # read by completions.respond
     install_errors(app)
-    add_routes(app)
+    add_routes(app, settings)
     # Innermost: only the routes read it.
     app.add_middleware(ModelContext, state=app.state, max_messages=settings.max_messages)
     # The last added is the outermost: CountRequests → AllowedHosts → CORS → Guard → routes.

@@ -8,11 +8,12 @@ and bodies sent without a Content-Length (chunked), which are read up to the lim
 from __future__ import annotations
 
 from doel.contracts.errors import error_body
+from doel.serve.playground import FONT_PATH
 from doel.serve.tenants import Keys
 
-# Answered without a key: probes, and the playground page (it holds no data; its requests
-# carry the key typed into it).
-OPEN_PATHS = ("/health", "/")
+# Answered without a key: probes, and the playground page and its font (they hold no data; the
+# page's requests carry the key typed into it).
+OPEN_PATHS = ("/health", "/", FONT_PATH)
 # Passed without a key, as vLLM and llama.cpp do: a browser's CORS preflight carries none (the
 # CORS middleware, outside this one, answers it when --cors-origin is set); no route answers
 # OPTIONS otherwise (405).

@@ -374,6 +374,41 @@ def test_the_playground_page_streams_from_the_completions_route(client):
     assert '"/v1/completions"' in page and "stream: true" in page and "getReader" in page
 
 
+def test_the_playground_opens_in_chat_mode_for_a_bundle_with_a_chat_template(tmp_path, client):
+    """It opened in completion mode on the demo's chat model. The mode is the server's to say,
+    from the bundle's files: right while the model loads, and without the API key."""
+    assert '<body data-mode="chat">' in client.get("/").text  # the tiny bundle has a template
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with TestClient(create_app(Settings(bundle=str(tmp_path), api_key="k"))) as c:
+        assert '<body data-mode="completion">' in c.get("/").text
+    config["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with TestClient(create_app(Settings(bundle=str(tmp_path), api_key="k"))) as c:
+        page = c.get("/")
+    assert page.status_code == 200 and '<body data-mode="chat">' in page.text
+    assert 'dataset.mode === "chat"' in page.text and '$("mode-chat").checked = true' in page.text
+
+
+def test_the_playground_serves_its_own_bengali_font(tmp_path):
+    """Bangla was drawn as boxes on a machine without a Bengali font. The page names Noto Sans
+    Bengali (OFL, its license beside it) as a web font from this server, not a CDN, for the
+    Bengali block; it is answered without the API key, as the page is."""
+    from doel.serve.playground import FONT_FILE, FONT_PATH
+
+    with TestClient(create_app(Settings(bundle=str(tmp_path), api_key="k"))) as c:
+        page, font = c.get("/").text, c.get(FONT_PATH)
+        assert c.get("/v1/models").status_code == 401  # the key still guards the API
+    assert font.status_code == 200 and font.headers["content-type"] == "font/woff2"
+    assert font.content[:4] == b"wOF2" and font.content == FONT_FILE.read_bytes()
+    assert 20_000 < len(font.content) < 100_000  # the Bengali subset, one weight
+    assert "SIL OPEN FONT LICENSE Version 1.1" in (FONT_FILE.parent / "OFL.txt").read_text("utf-8")
+    face = page.split("@font-face", 1)[1].split("}", 1)[0]
+    assert f'src: url("{FONT_PATH}") format("woff2")' in face and "U+0980-09FE" in face
+    assert '"doel Bengali", system-ui' in page  # after the installed ones, before any fallback
+    assert "http" not in page  # nothing from elsewhere
+
+
 def test_a_stop_string_over_256_characters_is_refused_by_name(client):
     r = client.post("/v1/completions", json={"prompt": "x", "stop": ["a", "b" * 257]})
     err = r.json()["error"]

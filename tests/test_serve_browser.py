@@ -1,14 +1,16 @@
 """The playground in headless Chromium (Debian's `chromium` and `chromium-driver`, through
 selenium) against a real `doel-serve` process: type a Bangla prompt, press Generate, watch the
 completion grow piece by piece to the server's own text, and take a screenshot that is a real
-PNG with something drawn in it. Skipped only where Chromium is not installed (`.ci/run`
-installs it)."""
+PNG with something drawn in it; the page opens in chat mode on a bundle with a chat template,
+and draws Bangla with the font the server ships. Skipped only where Chromium is not installed
+(`.ci/run` installs it)."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import struct
+import subprocess
 import zlib
 
 import httpx2
@@ -95,6 +97,7 @@ def test_the_playground_streams_a_bangla_completion_and_screenshots(
     browser.get(f"{server.url}/")
     wait = WebDriverWait(browser, 20)
     wait.until(lambda d: d.find_element(By.ID, "model").text == tiny_bundle.name)  # /v1/models ran
+    browser.find_element(By.ID, "mode-completion").click()  # the bundle has a chat template
     prompt = browser.find_element(By.ID, "prompt")
     prompt.send_keys(PROMPT)
     assert prompt.get_property("value") == PROMPT  # typed, key by key, through the keyboard
@@ -163,3 +166,30 @@ def test_the_playgrounds_chat_mode_keeps_the_conversation(server, browser):
     assert cached >= 16, status.text  # turn 2 began where turn 1's cache was
     browser.find_element(By.ID, "reset").click()
     assert browser.find_elements(By.CSS_SELECTOR, "#transcript .turn") == []
+
+
+def test_the_playground_opens_in_chat_mode_with_its_bengali_font(server, browser):
+    """A bundle with a chat template (the tiny one has doel's) opens in chat mode; the page's
+    Bengali web font comes from the server and the browser takes it. On a machine without a
+    Bengali font (this one, if fc-list names none), the page itself has fetched it to draw its
+    Bangla, which was boxes before."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{server.url}/")
+    assert browser.find_element(By.ID, "mode-chat").is_selected()
+    assert browser.find_element(By.ID, "go").text == "Send"
+    assert browser.find_element(By.ID, "chat").is_displayed()
+    assert not browser.find_element(By.ID, "output").is_displayed()
+    faces = "return [...document.fonts].filter((f) => f.family.includes('doel Bengali'))"
+    status = faces + ".map((f) => f.status)"
+    fc_list = shutil.which("fc-list")
+    bengali = fc_list and subprocess.run([fc_list, ":lang=bn"], capture_output=True, text=True)
+    if bengali and not bengali.stdout.strip():
+        WebDriverWait(browser, 20).until(lambda d: d.execute_script(status) == ["loaded"])
+    loaded = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "document.fonts.load(\"16px 'doel Bengali'\", 'নদী').then("
+        "(fs) => done(fs.map((f) => f.status)), (e) => done(String(e)));"
+    )
+    assert loaded == ["loaded"], loaded
