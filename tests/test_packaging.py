@@ -58,6 +58,7 @@ def test_the_wheel_holds_nothing_top_level_but_doel(wheel):
         "doel/train/sample/bn.txt",
         "doel/pipeline/recipes/bangla-0.4b/recipe.toml",
         "doel/serve/playground.html",
+        "doel/serve/fonts/noto-sans-bengali.woff2",
         "doel/export/web/index.html",
     ):
         assert data in names
