@@ -345,3 +345,59 @@ def test_item_by_item_equal_to_lm_eval(tok, tokenizer_path, tmp_path):
             np.testing.assert_allclose(ll, th["lls"], rtol=1e-5, atol=1e-3)
             assert p == int(np.argmax(th["lls"]))
             assert (p == it.gold) == bool(th["acc"]) and (q == it.gold) == bool(th["acc_norm"])
+
+
+def test_one_item_longer_than_the_context_is_cut_from_the_left_and_counted(model, tok):
+    """Issue 38: one item whose continuation outgrew the model's context stopped the whole
+    task. It is scored on the last tokens that fit (the window lm-eval takes) and counted."""
+    limit = model.config.max_position_embeddings
+    rng = random.Random(3)
+    long_cont = " " + sentence(rng, 4 * limit)  # far more tokens than the context
+    long_ctx = sentence(rng, 3 * limit)  # a context alone longer than the window
+    items = [
+        Item.choices("A short question?", [" yes", " no"], 0),
+        Item.choices("Another one?", [long_cont, " no"], 1),
+        Item.choices(long_ctx, [" yes", " no"], 0),
+    ]
+    r = scoring.task_accuracy(model, tok, items)
+    assert r["items"] == 3 and r["truncated"] == 2
+    ctx_ids = tok.encode("Another one?").ids
+    cont_ids = tok.encode("Another one?" + long_cont).ids[len(ctx_ids) :]
+    assert len(cont_ids) > limit
+    (ll,) = scoring.loglikelihoods(model, tok, [("Another one?", long_cont)])
+    window = (ctx_ids + cont_ids)[-(limit + 1) :]  # all continuation: its last `limit` scored
+    with torch.no_grad():
+        logp = F.log_softmax(model(torch.tensor([window[:-1]])).float(), -1)[0]
+    assert ll == pytest.approx(sum(float(logp[k, t]) for k, t in enumerate(window[1:])), abs=1e-3)
+    text = scoring.format_tasks({"piqa": r})
+    assert "piqa: 2 of 3 items were longer than the model's context" in text
+    assert "cut from the left" not in scoring.format_tasks({"piqa": r | {"truncated": 0}})
+
+
+@pytest.mark.slow
+def test_items_longer_than_the_context_equal_lm_evals(tok, tokenizer_path, tmp_path):
+    """Cut from the left, item by item as lm-eval cuts them: the same log-likelihoods within
+    the cross-check's bound (test_item_by_item_equal_to_lm_eval) on items whose context and
+    continuation together outgrow the model's 64 positions."""
+    pytest.importorskip("lm_eval")
+    from doel.train.data.tokenizer import load_tokenizer
+    from doel.train.evals.crosscheck import lm_eval_choices
+    from doel.train.hf import load_model, save_model
+
+    folder = save_model(tiny(tok.get_vocab_size(), scale=2.0), tmp_path / "ckpt", tokenizer_path)
+    rng = random.Random(5)
+    rows = [
+        {"goal": sentence(rng, 80) + "?", "sol1": sentence(rng, 12), "sol2": sentence(rng, 6)}
+        for _ in range(6)
+    ]
+    piqa = tmp_path / "piqa"
+    piqa.mkdir()
+    write_jsonl(piqa / "valid.jsonl", rows)
+    (piqa / "valid-labels.lst").write_text("".join(f"{i % 2}\n" for i in range(6)))
+    items = tasks.load_task("piqa", piqa)
+    cut: list[int] = []
+    lls = scoring.score_items(load_model(folder), load_tokenizer(folder), items, cut=cut)
+    assert cut == list(range(6))  # every item was cut
+    theirs = lm_eval_choices(folder, "piqa", piqa, batch_size=4)
+    for ll, th in zip(lls, theirs, strict=True):
+        np.testing.assert_allclose(ll, th["lls"], rtol=1e-5, atol=1e-3)

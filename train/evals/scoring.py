@@ -94,20 +94,23 @@ def loglikelihoods(
     max_batch_tokens: int = 8192,
     device=None,
     progress: bool = False,
+    cut: list[int] | None = None,
 ) -> list[float]:
-    """log P(continuation | context) in nats for each (context, continuation) request."""
+    """log P(continuation | context) in nats for each (context, continuation) request. A
+    request longer than the model's context is cut from the left, as lm-eval cuts it (the
+    window is the last context + 1 tokens); a continuation longer than the context itself is
+    scored on its last tokens that fit. `cut` gets the indices of the requests cut."""
 
     model = unwrap(model)  # torch.compile / DDP wrappers: score with the eager module inside
     limit = model.config.max_position_embeddings
     seqs = []
     for n, (ctx, cont) in enumerate(encode_requests(tokenizer, requests)):
-        if not 1 <= len(cont) <= limit:
-            raise DoelError(
-                f"request {n}: continuation {requests[n][1]!r} is {len(cont)} tokens; it must "
-                f"be 1 to {limit} (the model's context)"
-            )
+        if not cont:
+            raise DoelError(f"request {n}: continuation {requests[n][1]!r} has no tokens")
         full = (ctx + cont)[-(limit + 1) :]
-        seqs.append((full[:-1], full[-len(cont) :]))
+        seqs.append((full[:-1], full[-min(len(cont), limit) :]))
+        if cut is not None and len(ctx) + len(cont) > limit + 1:
+            cut.append(n)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     pad = model.config.pad_token_id
     out = [0.0] * len(seqs)
@@ -139,8 +142,14 @@ def loglikelihoods(
 
 
 def score_items(model: Llama, tokenizer, items: Sequence[Item], **kw) -> list[list[float]]:
-    """The log-likelihood of every choice of every item (kw: as `loglikelihoods`)."""
-    flat = loglikelihoods(model, tokenizer, [r for it in items for r in it.requests], **kw)
+    """The log-likelihood of every choice of every item (kw: as `loglikelihoods`; its `cut`
+    gets the indices of the items, not requests, cut to fit the context)."""
+    cut, requests = kw.pop("cut", None), [r for it in items for r in it.requests]
+    cut_requests: list[int] = []
+    flat = loglikelihoods(model, tokenizer, requests, cut=cut_requests, **kw)
+    if cut is not None:
+        owner = [i for i, it in enumerate(items) for _ in it.requests]
+        cut += sorted({owner[n] for n in cut_requests})
     out, k = [], 0
     for it in items:
         out.append(flat[k : k + len(it.requests)])
@@ -197,7 +206,9 @@ def task_accuracy(
     progress: bool = False,
 ) -> dict:
     """Zero-shot accuracy of `model` on items (from `train.evals.tasks.load_task`): items, acc,
-    acc_stderr, acc_norm, acc_norm_stderr, chance. Leaves the model's train/eval mode as it was."""
+    acc_stderr, acc_norm, acc_norm_stderr, chance, and `truncated`: the items longer than the
+    model's context, scored cut from the left. Leaves the model's train/eval mode as it was."""
+    cut: list[int] = []
     lls = score_items(
         model,
         tokenizer,
@@ -206,8 +217,9 @@ def task_accuracy(
         max_batch_tokens=max_batch_tokens,
         device=device,
         progress=progress,
+        cut=cut,
     )
-    return summarize(items, lls)
+    return summarize(items, lls) | {"truncated": len(cut)}
 
 
 def run_tasks(
@@ -256,4 +268,10 @@ def format_tasks(results: dict[str, dict]) -> str:
             f"| {name} | {r['items']:,} | {_acc(r, 'acc')} | {_acc(r, 'acc_norm')} "
             f"| {fmt_num(r['chance'], '.3f')} | {fmt_num(r.get('majority'), '.3f')} |"
         )
+    for name, r in results.items():
+        if r.get("truncated"):
+            lines.append(
+                f"\n{name}: {r['truncated']:,} of {r['items']:,} items were longer than the "
+                "model's context and were scored cut from the left, as lm-evaluation-harness does"
+            )
     return "\n".join(lines)
