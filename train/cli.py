@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from doel.train.cliparse import Parser, tokenizer_path
 from doel.train.common import DoelError, Interrupted  # standard library only
 
 EXTRA_HINT = "pip install 'doel[train]'"
@@ -254,7 +255,7 @@ MOVED = ("demo", "recipe")  # they use every stage: `doel demo`, `doel recipe` (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="doel-train", description=__doc__)
+    p = Parser(prog="doel-train", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser(
@@ -287,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f.add_argument(
         "--tokenizer",
+        type=tokenizer_path,
         required=True,
         help="tokenizer.json, tekken .json, .tiktoken, SentencePiece model, vocab.txt",
     )
@@ -311,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
             "finished shard, to the same bytes."
         ),
     )
-    r.add_argument("--tokenizer", required=True, help="the tokenizer.json to encode with")
+    r.add_argument(
+        "--tokenizer", type=tokenizer_path, required=True, help="the tokenizer.json to encode with"
+    )
     _data_args(r, "PrepareConfig", "each source's share of characters (others downsampled)")
     g = r.add_mutually_exclusive_group()
     g.add_argument(
@@ -340,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     fi.add_argument(
         "--checkpoint-every", type=int, help="steps between checkpoints (default: the config's)"
     )
-    fi.add_argument("--tokenizer", help="default: the one named in the shards' meta.json")
+    fi.add_argument(
+        "--tokenizer", type=tokenizer_path, help="default: the one named in the shards' meta.json"
+    )
     fi.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     fi.add_argument(
         "--skip-verify",
@@ -418,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", required=True, help="report folder")
     v.add_argument("--full", action="store_true", help="all checks (default: fit's fast subset)")
     v.add_argument("--only", nargs="+", metavar="CHECK", help="just these checks")
-    v.add_argument("--tokenizer", help="default: the one named in the shards' meta.json")
+    v.add_argument(
+        "--tokenizer", type=tokenizer_path, help="default: the one named in the shards' meta.json"
+    )
     v.add_argument(
         "--check",
         action="append",

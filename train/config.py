@@ -19,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from doel.train.cliparse import did_you_mean
 from doel.train.common import DoelError
 
 T = TypeVar("T")
@@ -62,7 +63,8 @@ def from_values(cls: type[T], values: dict[str, Any], where: str) -> T:
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise DoelError(f"{where}: unknown config keys {unknown}; known: {sorted(fields)}")
+        hint = did_you_mean(unknown[0], sorted(fields))
+        raise DoelError(f"{where}: unknown config keys {unknown}; known: {sorted(fields)}{hint}")
     kwargs = {}
     for key, value in values.items():
         if dataclasses.is_dataclass(hints[key]):
@@ -85,6 +87,8 @@ def apply_override(values: dict[str, Any], cls: type, item: str) -> None:
         hints = typing.get_type_hints(owner) if dataclasses.is_dataclass(owner) else {}
         if not sep or key not in hints:
             known = sorted(hints)
+            if sep and (hint := did_you_mean(key, known)):  # the likely fix before the list
+                raise DoelError(f"--set {item!r}: no key {key!r}{hint} (keys: {known})")
             raise DoelError(f"--set {item!r}: expected KEY=VALUE with KEY one of {known}")
         if i == len(keys) - 1:
             if dataclasses.is_dataclass(hints[key]):

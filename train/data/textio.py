@@ -108,9 +108,24 @@ def _decode(raw: bytes, path: str, offset: int, lineno: int) -> str:
         ) from None
 
 
+def _utf16(head: bytes) -> bool:
+    """UTF-16 (Windows' "Unicode"): a byte-order mark, or NUL bytes all at odd or all at even
+    offsets (the high byte of ASCII characters). Bangla alone has no NUL in UTF-16, but its
+    spaces and newlines do."""
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return True
+    even, odd = head[0::2].count(0), head[1::2].count(0)
+    return (even == 0) != (odd == 0)
+
+
 def _iter_txt(path: str) -> Iterator[str]:
     with open(path, "rb") as f:
         head = f.read(1 << 20)
+    if _utf16(head):
+        raise DoelError(
+            f"{path}: UTF-16 text, not UTF-8; convert it first, e.g. "
+            "`iconv -f UTF-16 -t UTF-8 in.txt > out.txt` (or save it as UTF-8 in your editor)"
+        )
     if b"\0" in head:
         raise DoelError(
             f"{path}: looks binary (NUL bytes), not text; pass .txt, .jsonl or .parquet"
