@@ -106,26 +106,31 @@ def whole_documents(path: Path, val: dict[str, list[str]]) -> dict:
     return out
 
 
-def counts(paths: dict[str, dict[int, Path]], val: dict[str, list[str]]) -> dict:
-    """Per style and size: the per-script and whole-document measures, and each against doel."""
+def counts(paths: dict[str, dict[int, Path]], val: dict[str, list[str]], script: bool) -> dict:
+    """Per style and size: the whole-document measures (and with `script` the per-script ones:
+    minutes more on a loaded 2-core machine), and each against doel."""
     out: dict = {}
+    kinds = ("whole", "script") if script else ("whole",)
     for name, by_size in paths.items():
         for size, path in by_size.items():
-            row = {"script": measure(load_any(path), val), "whole": whole_documents(path, val)}
+            row = {"whole": whole_documents(path, val)}
+            if script:
+                row["script"] = measure(load_any(path), val)
             out.setdefault(str(size), {})[name] = row
     for rows in out.values():
         for row in rows.values():
-            for kind in ("script", "whole"):
+            for kind in kinds:
                 for lang in ("bn", "en"):
                     ref = rows["doel"][kind][lang]["chars_per_token"]
                     row[kind][lang]["vs_doel"] = row[kind][lang]["chars_per_token"] / ref
     return out
 
 
-def model_runs(paths, size, train_docs, val, seeds, steps, work: Path) -> dict:
-    """Bits per character of the small model (bits_per_char) on each style."""
+def model_runs(paths, size, train_docs, val, seeds, steps, styles) -> dict:
+    """Bits per character of the small model (bits_per_char) on each of `styles`."""
     out = {}
-    for name, by_size in paths.items():
+    for name in styles:
+        by_size = paths[name]
         runs = []
         for seed in range(seeds):
             t = time.perf_counter()
@@ -248,7 +253,8 @@ def decide(result: dict) -> dict:
             spread = max(max(a) - min(a), max(b) - min(b))
             diff = sum(a) / len(a) - sum(b) / len(b)
             verdict |= {"bits_per_char_diff": diff, "spread": spread, "bpc_ok": diff <= spread}
-        verdict["passes"] = verdict["counts_ok"] and verdict.get("bpc_ok", False)
+        # None: its bits per character were not measured, so the rule cannot pass it.
+        verdict["passes"] = verdict["counts_ok"] and verdict.get("bpc_ok")
         out[name] = verdict
     return out
 
@@ -256,14 +262,18 @@ def decide(result: dict) -> dict:
 def markdown(r: dict) -> str:
     out = heading("Tokenizer styles for llama.cpp: cost and what a model learns", r)
     out += [
-        f"{r['cpu']['model_name']}, {load_line('at the start')} → {r['load_end']} (shared "
+        f"{r['cpu']['model_name']}, {r['load_start']} → {r['load_end']} (shared "
         f"machine). Tokenizers trained on the first {r['max_chars']:,} characters of the train "
         f"split of `../shared/data/splits.json` (Bangla {r['bangla_share']:.0%}); measured on "
         "its validation split, NFC (as prepare gives text to a model).",
         "",
-        "Characters per token (and tokens per word), whole documents of each language; in "
-        "brackets the per-script count of benchmarks/results/tokenizer.md (runs of one script "
-        "encoded alone: the spm styles pay a '▁' where a run starts with a space):",
+        "Characters per token (and tokens per word), whole documents of each language"
+        + (
+            "; in brackets the per-script count of benchmarks/results/tokenizer.md (runs of one "
+            "script encoded alone: the spm styles pay a '▁' where a run starts with a space):"
+            if "script" in next(iter(next(iter(r["counts"].values())).values()))
+            else ":"
+        ),
         "",
         "| vocab | style | bn chars/token | bn vs doel | bn tokens/word | en chars/token "
         "| en vs doel | en tokens/word |",
@@ -273,10 +283,10 @@ def markdown(r: dict) -> str:
         for name, row in rows.items():
             cells = []
             for lang in ("bn", "en"):
-                w, s = row["whole"][lang], row["script"][lang]
+                w, s = row["whole"][lang], row.get("script", {}).get(lang)
                 cells += [
-                    f"{w['chars_per_token']:.3f} ({s['chars_per_token']:.3f})",
-                    f"{w['vs_doel']:.3f}x ({s['vs_doel']:.3f}x)",
+                    f"{w['chars_per_token']:.3f}" + (f" ({s['chars_per_token']:.3f})" if s else ""),
+                    f"{w['vs_doel']:.3f}x" + (f" ({s['vs_doel']:.3f}x)" if s else ""),
                     f"{w['tokens_per_word']:.3f}",
                 ]
             out.append(f"| {int(size):,} | {name} | " + " | ".join(cells) + " |")
@@ -306,8 +316,8 @@ def markdown(r: dict) -> str:
         c = v["chars_per_token"]
         d = f"{v['bits_per_char_diff']:+.4f}" if "bits_per_char_diff" in v else "not run"
         sp = f"{v['spread']:.4f}" if "spread" in v else ""
-        out.append(f"| {name} | {c['bn']:.3f}x | {c['en']:.3f}x | {d} | {sp} | "
-                   f"{'yes' if v['passes'] else 'no'} |")  # fmt: skip
+        verdict = {True: "yes", False: "no", None: "no (bits/char not measured)"}[v["passes"]]
+        out.append(f"| {name} | {c['bn']:.3f}x | {c['en']:.3f}x | {d} | {sp} | {verdict} |")
     p = r.get("proof")
     if p:
         size = int(max(r["counts"], key=int))
@@ -377,7 +387,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--model-styles", nargs="+", choices=list(STYLES), help="default: all")
+    ap.add_argument("--no-script", action="store_true", help="whole documents only")
+    ap.add_argument("--render", action="store_true", help="rewrite OUT/spm.md from OUT/spm.json")
     args = ap.parse_args()
+    if args.render:
+        r = json.loads((args.out / "spm.json").read_text())
+        r["decision"] = decide(r)
+        publish(args.out, "spm", r, markdown(r))
+        return
     work = Path(args.work or Path(tempfile.gettempdir()) / "bench-spm")
     work.mkdir(parents=True, exist_ok=True)
     sources, weights, val, docs = _data(args)
@@ -386,10 +404,13 @@ def main() -> None:
                                                   "seeds")}  # fmt: skip
     r["load_start"] = load_line("at the start")
     paths = train_all(sources, weights, args.vocab_size, args.max_chars, work)
-    r["counts"] = counts(paths, val)
+    r["counts"] = counts(paths, val, not args.no_script)
     if not args.skip_model:
         mval = {lang: _head(d, args.model_val_chars) for lang, d in val.items()}
-        r["models"] = model_runs(paths, args.model_vocab, docs, mval, args.seeds, args.steps, work)
+        styles = args.model_styles or list(STYLES)
+        r["models"] = model_runs(
+            paths, args.model_vocab, docs, mval, args.seeds, args.steps, styles
+        )
     r["decision"] = decide(r)
     try:
         import llama_cpp  # noqa: F401
