@@ -12,13 +12,17 @@ ARGS ?=
 
 # The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
 # selenium, transformers for the parity tests).
-$(BIN)/.installed-demo: pyproject.toml
+# torch first: the CUDA build with an NVIDIA GPU, a CPU build without one (PyPI's Linux torch
+# is the 6 GB CUDA build); .ci/torch_build.py says which in one line.
+$(BIN)/.installed-demo: pyproject.toml .ci/torch_build.py
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python .ci/torch_build.py
 	$(BIN)/pip install -e '.[train,export,serve]'
 	touch $@
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml .ci/torch_build.py
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python .ci/torch_build.py
 	$(BIN)/pip install -e '.[all]'
 	touch $@ $(BIN)/.installed-demo
 
