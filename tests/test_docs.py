@@ -259,3 +259,15 @@ def test_the_readmes_openai_example_runs_against_the_demos_server(tiny_bundle, t
     with live_server(tiny_bundle, tmp_path, "--model-name", "bundle-chat-int4") as server:
         proc = run_block("python", _pointed_at(code, server.url), tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# -- the front page -------------------------------------------------------------------------------
+
+
+def test_the_readme_is_a_short_front_page_whose_links_resolve():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    links = re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", readme)
+    assert "CHANGELOG.md" in links and "docs/recipe.md" in links
+    assert [link for link in links if not (ROOT / link).exists()] == []
+    assert any(link.startswith("benchmarks/results/") for link in links)
