@@ -315,4 +315,4 @@ def test_the_architecture_file_tree_names_every_module_and_only_modules_that_exi
         if p.split("/")[0] in ("train", "export", "serve", "pipeline", "doel", "benchmarks")
     }
     assert code - listed_code == set(), "modules missing from docs/architecture.md's file tree"
-    assert listed_code - code == set(), "docs/architecture.md's tree names modules that do not exist"
+    assert listed_code - code == set(), "docs/architecture.md's tree names modules that are gone"
