@@ -132,6 +132,7 @@ def run_demo(
     # The chat model gets a bundle of its own: the completion stays the base model's (what the
     # tests check of it), the chat exchange is the chat model's.
     chat_bundle = export_demo(chat, out / "bundle-chat-int4", heldout) if bundle else None
+    gguf_demo(final, out / "gguf")
     if bundle is not None:
         serve_demo(bundle, keep=serve and chat_bundle is None, port=port)
     if chat_bundle is not None:
@@ -170,6 +171,27 @@ def export_demo(final: Path, bundle: Path, heldout: list[str]) -> Path | None:
         return None
     print(summary(bundle, manifest))
     return bundle
+
+
+def gguf_demo(final: Path, out: Path) -> Path | None:
+    """The model as a GGUF beside its int4 bundle (f16: the tiny model's file is small, and its
+    greedy text stays doel-serve's) and the llama.cpp command that runs it. Skipped, in one
+    line, without the export extra or on a tokenizer llama.cpp cannot run (--style doel)."""
+    print(f"export: GGUF for llama.cpp, Ollama and LM Studio -> {out}")
+    try:
+        from doel.export.common import ExportError
+        from doel.export.gguf import export_gguf
+    except ModuleNotFoundError as e:
+        print(f"    skipped: it needs {e.name!r}: pip install 'doel[export]'")
+        return None
+    try:
+        manifest = export_gguf(final, out, "f16", force=True, log=lambda m: print(f"    {m}"))
+    except ExportError as e:
+        print(f"    skipped: {e}")
+        return None
+    path = out / manifest["gguf"]
+    print(f'llama.cpp: llama-cli -m {path} -p "{DEMO_REQUEST["prompt"]}" -n 40')
+    return path
 
 
 def serve_demo(bundle: Path, keep: bool = False, port: int = 0, ask=None) -> dict | None:

@@ -185,7 +185,49 @@ def test_demo_runs_the_main_job(tmp_path):
     reply = chat["choices"][0]["message"]["content"]
     assert f"    assistant: {reply}\n" in proc.stdout and bangla_words(reply)
     url = re.search(r"^serve: .* at (http://127\.0\.0\.1:\d+) ", proc.stdout, re.M)
-    assert url and f"\nplayground: {url.group(1)}/ " in proc.stdout
+    # The address dies with the demo: without --serve it names the command that serves it.
+    assert url and "\nplayground: `doel-serve " in proc.stdout
+    assert f"{url.group(1)}/ " not in proc.stdout
+    # The default tokenizer style runs in llama.cpp: the demo ends with a GGUF and its command.
+    gguf = tmp_path / "gguf" / "model-f16.gguf"
+    assert gguf.is_file() and f"llama.cpp: llama-cli -m {gguf} " in proc.stdout
+    _greedy_in_llama_cpp_is_doel_serves(tmp_path, gguf)
+
+
+def _greedy_in_llama_cpp_is_doel_serves(tmp_path, gguf):
+    """llama.cpp's greedy continuation of a Bangla prompt on the demo's GGUF is doel-serve's on
+    an fp32 bundle of the same model (where llama-cpp-python is installed; CI does not build
+    it)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    from fastapi.testclient import TestClient
+
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.pipeline.demo import DEMO_REQUEST
+    from doel.serve.app import Settings, create_app
+    from doel.train.data.tokenizer import load_tokenizer
+
+    final, bundle = tmp_path / "run" / "final", tmp_path / "bundle-fp32"
+    export_checkpoint(final, bundle, ExportOptions(quant="fp32", force=True, log=lambda *_: None))
+    prompt = load_tokenizer(final).encode(DEMO_REQUEST["prompt"]).ids
+    llm = llama_cpp.Llama(str(gguf), n_ctx=256, verbose=False)
+    theirs = []
+    for i in llm.generate(prompt, temp=0.0, top_k=1):
+        if i == llm.token_eos():  # doel-serve stops there too
+            break
+        theirs.append(i)
+        if len(theirs) == 16:
+            break
+    with TestClient(create_app(Settings(bundle=str(bundle)))) as c:
+        end = time.monotonic() + 60
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < end, c.get("/health").json()
+            time.sleep(0.02)
+        req = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+        ours = c.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    assert llm.detokenize(theirs, prev_tokens=prompt).decode() == ours
 
 
 def test_fit_check_gradients_eval_plot_commands(tmp_path, tokenizer_path, sample_paths):

@@ -210,3 +210,19 @@ def test_text_that_spells_sentencepieces_unknown_piece_still_merges(tmp_path):
     cfg = TokenizerConfig(vocab_size=600, style="spm")
     path = train_tokenizer(resolve_sources([str(text)]), cfg, tmp_path / "t", log=lambda _m: None)
     assert len(load_tokenizer(path).encode("<unk>", add_special_tokens=False).ids) == 1
+
+
+def test_doel_train_tokenizer_without_a_style_trains_spm_and_the_recipe_names_it(
+    tmp_path, sample_paths
+):
+    from doel.export.gguf import llama_cpp_pre_type
+    from doel.pipeline.spec import load_recipe, resolve_recipe
+    from doel.train.cli import main
+
+    main(["tokenizer", "--data", *sample_paths, "--vocab-size", "1024", "--out", str(tmp_path)]
+         + ["--quiet"])  # fmt: skip
+    path = tmp_path / "tokenizer.json"
+    assert llama_cpp_pre_type(json.loads(path.read_text(encoding="utf-8")), path) == "llama"
+    saved = json.loads((tmp_path / "doel_tokenizer.json").read_text())
+    assert saved["config"]["style"] == "spm" == TokenizerConfig().style
+    assert load_recipe(resolve_recipe("bangla-0.4b")).tokenizer.style == "spm"

@@ -260,7 +260,7 @@ def test_a_small_corpus_gets_exactly_the_size_asked_and_encodes_as_unpadded(
 def test_a_size_below_the_smallest_possible_is_refused_naming_it(tmp_path, sample_paths):
     # The doel style keeps the 204 characters of its alphabet whole: 8 + 256 + 204.
     with pytest.raises(ValueError, match="choose at least 468"):
-        TokenizerConfig(vocab_size=300)
+        TokenizerConfig(vocab_size=300, style="doel")
     assert TokenizerConfig(vocab_size=300, style="gpt2").vocab_size == 300
     with pytest.raises(ValueError, match="choose at least 264"):
         TokenizerConfig(vocab_size=263, style="gpt2")
@@ -269,9 +269,13 @@ def test_a_size_below_the_smallest_possible_is_refused_naming_it(tmp_path, sampl
     (tmp_path / "cjk.txt").write_text(f"{cjk}\n{cjk}\nনদী\n", encoding="utf-8")
     sources = resolve_sources([str(tmp_path / "cjk.txt")])
     with pytest.raises(DoelError, match="smallest possible on this corpus: 508 .*at least 508"):
-        train_tokenizer(sources, TokenizerConfig(vocab_size=500), tmp_path / "t", progress=False)
+        train_tokenizer(
+            sources, TokenizerConfig(vocab_size=500, style="doel"), tmp_path / "t", progress=False
+        )
     assert not (tmp_path / "t" / "tokenizer.json").exists()
-    path = train_tokenizer(sources, TokenizerConfig(vocab_size=508), tmp_path / "t", log=print)
+    path = train_tokenizer(
+        sources, TokenizerConfig(vocab_size=508, style="doel"), tmp_path / "t", log=print
+    )
     assert load_tokenizer(path).get_vocab_size() == 508
 
 

@@ -101,7 +101,10 @@ ALPHABET += [chr(c) for c in range(32, 127)] + list("\n\t।॥\u200c\u200d‘�
 class TokenizerConfig:
     vocab_size: int = 32768
     min_frequency: int = 2
-    style: str = "doel"  # spm, gguf (llama.cpp); ablations: doel-bytelevel, marks-bytelevel, gpt2
+    # spm runs unchanged in llama.cpp at no cost to Bangla or English: benchmarks/results/spm.md.
+    # doel: doel's own split (a GGUF cannot carry it); gguf (llama.cpp); ablations:
+    # doel-bytelevel, marks-bytelevel, gpt2
+    style: str = "spm"
     max_token_length: int = 24  # in characters; long tokens are rare and waste vocabulary
     limit_alphabet: int = 1000  # rarer characters are spelled with byte tokens
     max_doc_chars: int = 10_000  # long documents are cut so one book cannot dominate the counts
