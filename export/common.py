@@ -8,7 +8,6 @@ be made from any Hugging Face folder on a machine that has only the export extra
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -18,20 +17,13 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from doel.contracts.checksums import sha256_file
 from doel.contracts.lock import FolderLock
 
 
 class ExportError(Exception):
     """An error caused by the user's input or a failed check; its message says what to do. The
     command line prints it without a traceback."""
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def file_table(folder: Path) -> dict[str, dict]:

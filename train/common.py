@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
 from pathlib import Path
+
+from doel.contracts.checksums import sha256_file  # noqa: F401 (the stage's name for it)
 
 # The built-in sample (Bangla and English text, conversations), shipped inside doel.train: the
 # demo and the recipe's dry run read it from here too.
@@ -26,14 +27,6 @@ class Damaged(DoelError):
 class Interrupted(DoelError):
     """Ctrl-C stopped the work; the message says what was kept and how to go on. The CLI
     prints it without a traceback and exits 130 (128 + SIGINT), as a shell reports it."""
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _create_temp(path: Path) -> tuple[int, str]:
