@@ -232,6 +232,15 @@ def quant_losses(model: Path, texts: list[Path], eval_tokens: int, work: Path) -
     }
 
 
+def parity_table(p: dict) -> list[str]:
+    """The proof's table: each held-out set's texts, how many gave identical ids, tokens."""
+    out = ["| held-out | texts | identical ids | tokens |", "|---|---:|---:|---:|"]
+    for lang in [k for k in p if k not in ("logits", "llama_cpp")]:
+        q = p[lang]
+        out.append(f"| {lang} | {q['lines']:,} | {q['identical']:,} | {q['tokens']:,} |")
+    return out
+
+
 def markdown(r: dict) -> str:
     m = r["machine"]
     out = [
@@ -277,10 +286,7 @@ def markdown(r: dict) -> str:
             "(newlines and blank lines included):",
             "",
         ]
-        out += ["| held-out | texts | identical ids | tokens |", "|---|---:|---:|---:|"]
-        for lang in [k for k in p if k not in ("logits", "llama_cpp")]:
-            q = p[lang]
-            out.append(f"| {lang} | {q['lines']:,} | {q['identical']:,} | {q['tokens']:,} |")
+        out += parity_table(p)
         lg = p["logits"]
         out += [
             "",

@@ -32,6 +32,7 @@ import unicodedata
 from pathlib import Path
 
 import doel.train.data.tokenizer as tokmod
+from benchmarks.bench_gguf import parity_table
 from benchmarks.bench_tokenizer import language_weights, measure
 from benchmarks.report import heading, load_line, parser, publish, stamp
 from doel.train.data.fertility import load_any
@@ -328,10 +329,7 @@ def markdown(r: dict) -> str:
             "`doel-export --format gguf --quant f32`):",
             "",
         ]
-        out += ["| held-out | texts | identical ids | tokens |", "|---|---:|---:|---:|"]
-        for lang in [k for k in p if k not in ("logits", "llama_cpp")]:
-            q = p[lang]
-            out.append(f"| {lang} | {q['lines']:,} | {q['identical']:,} | {q['tokens']:,} |")
+        out += parity_table(p)
         lg = p["logits"]
         out += ["", f"f32 logits on a {lg['positions']}-token held-out prompt: max |llama.cpp - "
                 f"PyTorch| = {lg['relative']:.2e} of the largest logit (bound {lg['bound']:.0e}"
