@@ -63,3 +63,13 @@ def test_a_misspelt_flag_is_not_an_abbreviation_and_gets_a_suggestion(capsys):
     with pytest.raises(SystemExit):  # a prefix of a real flag is not taken for it
         build_parser().parse_args(["eval", "ckpt", "--text", "a.txt", "--max-c", "5"])
     assert "unknown option --max-c; did you mean --max-chars?" in capsys.readouterr().err
+
+
+def test_fertility_on_an_empty_text_is_a_one_line_error(tokenizer_path, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(SystemExit) as e:
+        main(["fertility", "--tokenizer", str(tokenizer_path), "--text", str(empty), "--json"])
+    message = str(e.value.code)
+    assert message.startswith(f"error: {empty}: no text to measure"), message
+    assert "\n" not in message and capsys.readouterr().out == ""  # no table, no JSON

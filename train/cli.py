@@ -46,6 +46,11 @@ def _cmd_fertility(args) -> None:
     texts = (d for src in resolve_sources(args.text) for d in iter_source(src, args.text_field))
     texts = with_field_fix(texts, "name the field with --text-field NAME")
     report = fertility(tok, texts)
+    if not report:  # an empty table that exits 0 reads as a measurement (issue 38)
+        raise DoelError(
+            f"{' '.join(args.text)}: no text to measure (empty, or no documents in it); "
+            "pass a text with some characters"
+        )
     if args.json:
         print(json.dumps(report, indent=2))
     else:
