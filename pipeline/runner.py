@@ -5,7 +5,9 @@ optional chat fine-tuning) → export → summary, all in RUN (default out/NAME)
 RUN/stages/STAGE.json records a stage: the fingerprint of the settings it depends on (chained
 through the stages before it, so a new tokenizer redoes the shards, training and what follows),
 whether it finished, and the seconds spent on it over every attempt (the summary's time and
-cost are what was paid, interruptions included).
+cost are what was paid, interruptions included). The stages that read a model (eval, sft,
+export) also fingerprint its weights by the sha256 its checksums.json records, so a base
+trained further redoes the chat fine-tuning and the bundles made from it.
 
 Training runs in this process on one device. On several GPUs only the training stage goes
 under torchrun, as a child process (`torchrun --no-python ... doel-train fit`): the
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from doel.contracts import checksums
 from doel.pipeline.budget import (
     Need,
     check_stage,
@@ -45,6 +48,15 @@ from doel.train.common import DoelError, atomic_write_json
 
 def _read(path: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _weights_sha256(folder: Path) -> str | None:
+    """The sha256 a model folder's checksums.json records for its weights; None without one."""
+    try:
+        files = checksums.recorded(folder) or {}
+    except ValueError:  # a damaged record: the stage that reads the folder says so
+        return None
+    return (files.get("model.safetensors") or {}).get("sha256")
 
 
 class RecipeRun:
@@ -90,6 +102,9 @@ class RecipeRun:
             whole["tasks"] = self.plan.tasks
             hub = {n: [s, self.plan.local.get(n)] for n, s in self.plan.hub_tasks.items()}
             whole |= {"hub_tasks": hub} if hub else {}
+        if stage in ("eval", "sft", "export"):  # the model it reads, by content (no hashing)
+            model = self.model_folder() if stage == "export" else self.run / "final"
+            whole["model_sha256"] = _weights_sha256(model)
         text = json.dumps([before and self.fingerprint(before), whole], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

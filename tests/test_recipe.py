@@ -498,6 +498,31 @@ def test_a_changed_setting_redoes_its_stage_and_the_ones_after_it(tmp_path, stan
     assert redone(local=stand_ins | {"piqa_bn": stand_ins["arc_easy"]}) == ["eval"]
 
 
+def test_a_model_trained_further_redoes_the_stages_that_read_it(tmp_path, stand_ins):
+    """Issue 38.6: the base's weights (by the sha256 its checksums.json records) enter the
+    fingerprints of eval, sft and export; the chat model's, export's."""
+    recipe = load_recipe(RECIPE, dry_run=True)
+    run = RecipeRun(make_plan(recipe, tmp_path, dry_run=True, local=stand_ins))
+
+    def weights(folder: Path, sha: str) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        files = {"model.safetensors": {"bytes": 1, "sha256": sha}}
+        record = {"format": "doel-checksums", "version": 1, "files": files}
+        (folder / "checksums.json").write_text(json.dumps(record))
+
+    def redone(change) -> list[str]:
+        before = {stage: run.fingerprint(stage) for stage in DEPENDS}
+        change()
+        return [stage for stage in DEPENDS if run.fingerprint(stage) != before[stage]]
+
+    weights(tmp_path / "run" / "final", "a" * 64)
+    weights(tmp_path / "sft" / "final", "c" * 64)
+    base, chat = tmp_path / "run" / "final", tmp_path / "sft" / "final"
+    assert redone(lambda: weights(base, "b" * 64)) == ["eval", "sft", "export"]
+    assert redone(lambda: weights(chat, "d" * 64)) == ["export"]
+    assert redone(lambda: None) == []
+
+
 def test_too_little_disk_stops_before_anything_is_written(tmp_path, stand_ins):
     plan = dry_plan(tmp_path / "run", stand_ins)
     with pytest.raises(DoelError, match=r"needs about .* GB of disk .* 0\.00 GB free"):

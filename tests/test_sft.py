@@ -5,6 +5,7 @@ equal to one process."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -174,3 +175,38 @@ def test_sft_on_two_ranks_equals_one_process_taking_the_same_micro_batches(tmp_p
     one = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
     two = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_a_base_trained_further_is_fine_tuned_again_and_named_by_hash(tmp_path, old_base):
+    """Issue 38.6: sft of a base, then the base trained further (new weights in the same
+    folder), then sft again: it trains from the new base, not "nothing to train" over the old
+    base's chat model; the card names the base's weights by sha256. Unchanged: skipped."""
+    cfg = tiny_sft("steps=2", "checkpoint_every=2", "eval_every=0")
+    base = tmp_path / "run" / "final"
+
+    def train_base(seed: int) -> str:
+        torch.manual_seed(seed)
+        save_model(Llama(cfg.model), base, tokenizer=old_base.parent / "tok")
+        return hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest()
+
+    def fine_tune() -> tuple[list[str], dict, str]:
+        lines = []
+        final = sft(cfg, [CHAT], base, tmp_path / "chat", log=lines.append, skip_verify=True)
+        weights = load_file(str(final / "model.safetensors"))
+        return lines, weights, (final / "README.md").read_text(encoding="utf-8")
+
+    first = train_base(0)
+    _, old_chat, card = fine_tune()
+    assert f"weights sha256 `{first}`" in card
+    lines, same, _ = fine_tune()  # the same base: nothing to do, as before
+    assert any(line.startswith("nothing to train") for line in lines), lines
+    assert all(torch.equal(old_chat[k], same[k]) for k in old_chat)
+
+    second = train_base(1)
+    lines, new_chat, card = fine_tune()
+    assert any("the base model changed" in line and first[:12] in line for line in lines), lines
+    assert not any(line.startswith("nothing to train") for line in lines), lines
+    assert f"weights sha256 `{second}`" in card and first not in card
+    assert not torch.equal(old_chat["model.norm.weight"], new_chat["model.norm.weight"])
+    recorded = json.loads((tmp_path / "chat" / "base.json").read_text(encoding="utf-8"))
+    assert recorded == {"path": str(base), "sha256": second}

@@ -8,7 +8,12 @@ train/data/chat.py) → conversations read and checked (train/data/conversations
 latest checkpoint in RUN_DIR (train/build.py) → the checks before step 1: gradient flow,
 parity, ties, causal, step, accumulation and the loss-mask check (train/checks/chat.py) →
 `RunLoop` steps (train/loop.py), validation on held-out conversations → RUN_DIR/final with a
-model card naming the base model and the data.
+model card naming the base model (its path, and the sha256 of its weights) and the data.
+
+A run folder records the base it fine-tunes (RUN_DIR/base.json, by the sha256 of its weights):
+when the base changed since (trained further, as a time-limited `fit` resumed later is), the
+run starts over from the new base, instead of resuming or saying "nothing to train" over a
+chat model of the old one (issue 38).
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from pathlib import Path
 
 from doel.contracts import checksums
 from doel.train.build import build_run
+from doel.train.checkpoint import latest_checkpoint
 from doel.train.checks.base import Setup, VerifyConfig, fresh_like
 from doel.train.checks.chat import check_loss_mask
 from doel.train.checks.suite import SINGLE_PROCESS_ONLY, Report, require_pass, run_checks
-from doel.train.common import Damaged, DoelError, sha256_file
+from doel.train.common import Damaged, DoelError, atomic_write_json, sha256_file
 from doel.train.data.chat import ChatData, ChatLoader, chat_tokenizer, load_chat_data
 from doel.train.data.chat import special_ids as chat_special_ids
 from doel.train.data.conversations import SFTConfig
@@ -31,11 +37,12 @@ from doel.train.data.tokenizer import load_tokenizer
 from doel.train.dist import DistInfo
 from doel.train.hf import WEIGHTS, load_model, read_config
 from doel.train.loop import RunLoop
-from doel.train.run import Checks, Job, launch
+from doel.train.run import VERIFIED, Checks, Job, launch
 from doel.train.trainer import validation_loss
 
 # The fast subset's checks that run on chat batches; data and tokenizer read token shards.
 CHAT_CHECKS = ("gradient_flow", "parity", "ties", "causal", "step", "accumulation")
+BASE = "base.json"  # in the run folder: the base model it fine-tunes, {"path", "sha256"}
 
 
 def with_base_model(cfg: SFTConfig, base: Path) -> SFTConfig:
@@ -99,14 +106,24 @@ def sft(
 
 def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
     cfg, log, info = with_base_model(cfg, base), job.log, job.info
+    verified = {}
     if not job.no_verify:  # the base as fit wrote it: RUN/final records its files' hashes
-        checksums.verify(base, Damaged, hint="copy it again, or pass --no-verify to use it as is")
+        hint = "copy it again, or pass --no-verify to use it as is"
+        verified = checksums.verify(base, Damaged, hint=hint)
+    base_sha = base_sha256(base, verified)
+    if not job.fresh and (before := base_changed(job.out, base_sha)):
+        log(
+            f"the base model changed since this run fine-tuned it ({base}: weights sha256 "
+            f"{before[:12]} then, {base_sha[:12]} now): fine-tuning again from the new base"
+        )
+        job.fresh = True
+
+    def start(out: Path) -> None:
+        chat_tokenizer(base, out / "tokenizer", log)
+        atomic_write_json(out / BASE, {"path": str(base), "sha256": base_sha})
+
     # --fresh also clears the checks' report and the tokenizer, both made from the base.
-    job.prepare(
-        cfg,
-        clear=("verify", "tokenizer"),
-        then=lambda out: chat_tokenizer(base, out / "tokenizer", log),
-    )
+    job.prepare(cfg, clear=("verify", "tokenizer", BASE), then=start)
     tok_path = job.out / "tokenizer" / "tokenizer.json"
     tok = load_tokenizer(tok_path)
     if tok.get_vocab_size() != cfg.model.vocab_size:
@@ -135,12 +152,12 @@ def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
     checks = Checks(
         run=lambda out: verify_chat(run, cfg, tok_path, info, log, out_dir=out),
         inputs=lambda: {
-            "base_sha256": sha256_file(base / WEIGHTS),
+            "base_sha256": base_sha,
             "data_sha256": train.fingerprint(),
         },
         skipped="the checks before step 1 did not run (the loss mask among them)",
     )
-    card = {"finetune": _card_info(base, data, train.stats)}
+    card = {"finetune": _card_info(base, base_sha, data, train.stats)}
     meta = (_read_json(base / "model_card.json") or {}).get("meta") or {}
     return job.train(
         run,
@@ -161,10 +178,32 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _card_info(base: Path, data: list[str], stats: dict) -> dict:
+def base_sha256(base: Path, verified: dict[str, str]) -> str:
+    """The sha256 of the base's weights: as just verified, else as its checksums.json records
+    it (--no-verify), else hashed here (a base written before doel recorded hashes)."""
+    if WEIGHTS in verified:
+        return verified[WEIGHTS]
+    files = checksums.recorded(base, Damaged) or {}
+    return files.get(WEIGHTS, {}).get("sha256") or sha256_file(base / WEIGHTS)
+
+
+def base_changed(out: Path, sha: str) -> str | None:
+    """The sha256 of the base the run folder `out` fine-tuned, when it has something to resume
+    or keep (a checkpoint, a final model) and that base is not `sha`; None otherwise. A run
+    from before base.json is read from its checks' key, which holds the same hash."""
+    if latest_checkpoint(out) is None and not (out / "final").is_dir():
+        return None
+    before = (_read_json(out / BASE) or {}).get("sha256")
+    if before is None:
+        before = (_read_json(out / VERIFIED) or {}).get("base_sha256")
+    return before if isinstance(before, str) and before != sha else None
+
+
+def _card_info(base: Path, base_sha: str, data: list[str], stats: dict) -> dict:
     repo = (_read_json(base / "model_card.json") or {}).get("repo_id")
     return {
         "base_model": str(base),
+        "base_sha256": base_sha,
         "base_repo": repo if isinstance(repo, str) else None,
         "data": [str(d) for d in data],
         "stats": {k: v for k, v in stats.items() if k != "first_malformed"},

@@ -260,7 +260,8 @@ def finetune_section(ft: dict) -> list[str]:
         "## Chat fine-tuning",
         "",
         f"- Base model: `{ft['base_model']}`"
-        + (f" ({ft['base_repo']})" if ft.get("base_repo") else ""),
+        + (f" ({ft['base_repo']})" if ft.get("base_repo") else "")
+        + (f", weights sha256 `{ft['base_sha256']}`" if ft.get("base_sha256") else ""),
         f"- Data: {', '.join(f'`{d}`' for d in ft.get('data', []))}",
     ]
     if stats:
