@@ -98,6 +98,34 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Request):
+    """response_format.json_schema, as OpenAI's: the schema is enforced whether or not
+    `strict` is set (a small model follows none by itself)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    """OpenAI's response_format: plain text, any JSON object, or a JSON schema's document
+    (enforced by constrained decoding: serve/structured.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError(
+                "json_schema",
+                "type 'json_schema' takes a json_schema object (and the other types none); "
+                "send {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+            )
+        return self
+
+
 class SamplingRequest(Request):
     """The fields completions and chat share, and `to_sampling_params`, the one place where a
     request becomes the engine's parameters. Extensions beyond OpenAI's fields (as vLLM and
@@ -127,7 +155,28 @@ class SamplingRequest(Request):
     # (serve/completions.py `respond`); a request built in a test has the one of no key.
     _cache: Hashable | None = PrivateAttr(ONE)
 
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object or json_schema: the output is a document that parses"
+    )
+
     _unicode_stop = field_validator("stop")(unicode_text)
+
+    @model_validator(mode="after")
+    def _format_without_stops(self):
+        if self.format_spec() is not None and self.stops():
+            raise PydanticCustomError(
+                "stop_with_format",
+                "stop cannot be combined with response_format: a stop string would cut the "
+                "document where it does not parse; unset stop",
+            )
+        return self
+
+    def format_spec(self) -> dict | None:
+        """response_format as the dict serve/structured.py compiles; None: plain text."""
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        return rf.model_dump(by_alias=True, exclude_none=True)
 
     @field_validator("stop")
     @classmethod
@@ -199,6 +248,12 @@ class CompletionRequest(SamplingRequest):
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError(
                 "no_tokens", "max_tokens is 0 without echo, which returns nothing; set echo"
+            )
+        if self.echo and self.format_spec() is not None:
+            raise PydanticCustomError(
+                "echo_with_format",
+                "echo cannot be combined with response_format: the prompt in front would make "
+                "the text no document; unset echo",
             )
         if self.stream and (self.echo or self.logprobs is not None or len(self.prompts()) > 1):
             raise PydanticCustomError(

@@ -30,6 +30,7 @@ from doel.serve.engine import Engine
 from doel.serve.logprobs import Record, score_rows
 from doel.serve.prefix import Hit, Prefixes
 from doel.serve.sampling import SamplingParams, sample
+from doel.serve.structured import Constraint, fill_all
 from doel.serve.tenants import ONE
 
 DONE = -1  # end of a sequence in its queue
@@ -50,6 +51,8 @@ class Seq:
     record: Record | None = None  # log-probabilities asked for, written as the steps go
     hit: Hit = field(default_factory=Hit)  # prompt ids found in the slot's cache
     cache: Hashable | None = ONE  # the prefix cache's partition (serve/tenants.py)
+    constraint: Constraint | None = None  # the output's grammar (serve/structured.py)
+    masked: bool = False  # the constraint's mask for the next token is computed
 
     @property
     def filling(self) -> bool:
@@ -83,18 +86,21 @@ class Scheduler:
         record: Record | None = None,
         hit: Hit | None = None,
         cache: Hashable | None = ONE,
+        constraint: Constraint | None = None,
     ) -> AsyncIterator[int]:
         """Token ids of one request as they come; raises QueueFull when too many wait. With
         `record`, each new id's log-probabilities are in it before the id is yielded (and the
         prompt's once it is in the cache, when the record asks for them); `hit` gets the
         number of prompt ids taken from a slot's cache before the first id comes, only ever
-        from slots its partition `cache` wrote (None: none)."""
+        from slots its partition `cache` wrote (None: none). With `constraint`, each id is one
+        its grammar allows, and the sequence ends where the grammar does."""
         if len(self.waiting) >= self.max_queue and len(self.running) >= self.engine.slots:
             raise QueueFull(len(self.waiting))
         context = np.zeros(self.engine.context_length, np.int64)
         context[: len(prompt)] = prompt
         rng = np.random.default_rng(params.seed)
         seq = Seq(list(prompt), params, context, rng, n=len(prompt), record=record, cache=cache)
+        seq.constraint = constraint
         seq.hit = hit if hit is not None else seq.hit
         self.waiting.append(seq)
         self._start()
@@ -193,7 +199,15 @@ class Scheduler:
                 if lo <= s.slot < top:
                     tokens[s.slot - lo] = int(s.context[s.n - 1]) if not s.filling else 0
                     totals[s.slot - lo] = s.n if not s.filling else s.fed + 1
+            # The grammar rows' masks are computed on a thread of their own while the model
+            # runs (llguidance lets go of the GIL); rows without a format add nothing.
+            constrained = [s for s in decoding if s.constraint is not None]
+            masks = fill_all([s.constraint for s in constrained]) if constrained else None
             logits = self.engine.decode(tokens, totals, lo)
+            if masks is not None:
+                masks.result()
+                for s in constrained:
+                    s.masked = True
             for s in decoding:
                 self.prefixes.wrote(s.slot, s.n - 1, [int(s.context[s.n - 1])])
             events += [self._pick(s, logits[s.slot - lo]) for s in decoding]
@@ -237,10 +251,37 @@ class Scheduler:
 
     def _pick(self, s: Seq, logits: np.ndarray) -> tuple[Seq, int | None, bool]:
         """Sample the next id; (sequence, id or None at a stop id, finished)."""
-        p = s.params
+        p, c = s.params, s.constraint
+        if c is not None:
+            try:
+                return self._pick_constrained(s, c, logits)
+            except RuntimeError as e:  # a matcher in error: this sequence fails, not the step
+                log.error("grammar failed: %s", e)
+                return s, e, True
         token = sample(logits, p, s.rng, s.context[: s.n], s.context[len(s.prompt) : s.n])
         if token in p.stop_token_ids:
             return s, None, True
+        return self._took(s, token, logits)
+
+    def _pick_constrained(self, s: Seq, c: Constraint, logits: np.ndarray):
+        """`_pick` of a row with a grammar: its logits masked to the tokens the grammar
+        allows (the stop ids only where it accepts), and the sequence ended where it ends."""
+        p = s.params
+        if not s.masked:  # the first token, after the prompt's last chunk
+            c.fill()
+        s.masked = False
+        logits = c.mask(logits, p.stop_token_ids)
+        token = sample(logits, p, s.rng, s.context[: s.n], s.context[len(s.prompt) : s.n])
+        if token in p.stop_token_ids:
+            c.advance(None)
+            return s, None, True
+        c.advance(token)
+        s, token, full = self._took(s, token, logits)
+        return s, token, full or c.done
+
+    def _took(self, s: Seq, token: int, logits: np.ndarray) -> tuple[Seq, int, bool]:
+        """Record a picked id; finished when max_tokens or the context is reached."""
+        p = s.params
         if s.record is not None:
             s.record.entries += score_rows(logits, [token], s.record.top)
         s.context[s.n] = token
@@ -249,7 +290,9 @@ class Scheduler:
 
     def _dispatch(self, events) -> None:
         for s, token, finished in events:
-            if token is not None:
+            if isinstance(token, Exception):
+                s.out.put_nowait(RuntimeError(f"structured output failed: {token}"))
+            elif token is not None:
                 s.out.put_nowait(token)
             if finished:
                 s.out.put_nowait(DONE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +23,10 @@ from doel.serve.logprobs import Record, openai_logprobs
 from doel.serve.metrics import Metrics
 from doel.serve.prefix import Hit
 from doel.serve.protocol import CompletionRequest
+from doel.serve.refusal import RequestError
 from doel.serve.sampling import SamplingParams
 from doel.serve.scheduler import QueueFull, Scheduler
+from doel.serve.structured import Format, Grammars
 from doel.serve.template import ChatTemplate
 from doel.serve.tenants import ONE
 from doel.serve.textstream import TextStream
@@ -35,16 +38,10 @@ CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream
 TOKENIZER_THREADS = ThreadPoolExecutor(2, thread_name_prefix="doel-tokenizer")
 # Characters NFC can fold into one: a character's canonical decomposition has at most 4.
 NFC_FOLD = 4
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP status, message, offending parameter."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = ""):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers = {"Retry-After": "1"} if status == 429 else None
+STOP_WITH_FORMAT = (
+    "stop strings cannot be combined with response_format: a stop would cut the document "
+    "where it does not parse; unset stop (the output ends where the schema's document ends)"
+)
 
 
 @dataclass
@@ -68,6 +65,8 @@ class Service:
         # No token covers more characters than the longest vocabulary entry (byte tokens and
         # byte-level entries cover fewer), which bounds a text's token count from below.
         self.max_token_chars = max(map(len, tokenizer.get_vocab()))
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -85,6 +84,23 @@ class Service:
         svc = cls(engine, tok, name or b.folder.resolve().name, max_queue)
         svc.chat = ChatTemplate.load(b.folder)
         return svc
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compilers of this model's tokenizer (serve/structured.py),
+        built on first use (a quarter of a second for 32,768 tokens): call on a tokenizer
+        thread (`in_thread`)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(
+                    self.tokenizer.to_str(), self.vocab_size, self.engine.bundle.eos_id
+                )
+            return self._grammars
+
+    def compile_format(self, rf: dict | None, param: str = "response_format") -> Format | None:
+        """`response_format` as a Format (None: plain text), or a 400 naming what the engine
+        cannot enforce; cached per schema. Call on a tokenizer thread."""
+        return None if rf is None else self.grammars.response_format(rf, param)
 
     @property
     def context_length(self) -> int:
@@ -172,15 +188,19 @@ class Service:
         req: CompletionRequest,
         prompt: str | list[int] | None = None,
         record: Record | None = None,
+        fmt: Format | None = None,
     ) -> AsyncIterator[Piece]:
         """Pieces of text as they become safe to send; the last one carries the finish reason
         and the token counts (and with `record`, which the scheduler fills with
-        log-probabilities, the ids). Raises RequestError before the first piece."""
+        log-probabilities, the ids). `fmt`: the output's grammar (default: the request's
+        response_format's). Raises RequestError before the first piece."""
+        if fmt is None and req.format_spec() is not None:
+            fmt = await self.in_thread(self.compile_format, req.format_spec())
         ids = await self.in_thread(self.prompt_ids, req, prompt)
         eos = self.engine.bundle.eos_id
         params = req.to_sampling_params(req.max_tokens, () if eos is None else (eos,))
         # Closed with this generator (a client gone), not left to the garbage collector.
-        run = self.run(ids, params, req.stops(), record, req.cache)
+        run = self.run(ids, params, req.stops(), record, req.cache, fmt)
         async with contextlib.aclosing(run) as pieces:
             async for piece in pieces:
                 yield piece
@@ -192,13 +212,19 @@ class Service:
         stops: list[str],
         record: Record | None = None,
         cache: Hashable | None = ONE,
+        fmt: Format | None = None,
     ) -> AsyncIterator[Piece]:
         """`complete` from the prompt's ids on (chat comes in here with its rendered ids);
-        `cache`: the prefix cache's partition (serve/tenants.py)."""
+        `cache`: the prefix cache's partition (serve/tenants.py); `fmt`: the grammar the
+        output must follow (serve/structured.py), whose last piece says "stop" only when the
+        grammar accepted the whole text."""
+        if fmt is not None and stops:
+            raise RequestError(400, STOP_WITH_FORMAT, "stop")
         stream = TextStream(self.tokenizer.decode, stops, ids[-CONTEXT_IDS:])
         made, t0, ttft, out, hit = 0, time.perf_counter(), 0.0, list(ids), Hit()
+        constraint = None if fmt is None else fmt.start()
         try:
-            generating = self.scheduler.generate(ids, params, record, hit, cache)
+            generating = self.scheduler.generate(ids, params, record, hit, cache, constraint)
             async with contextlib.aclosing(generating) as tokens:
                 async for token in tokens:
                     out.append(token)
@@ -220,6 +246,8 @@ class Service:
             self.metrics.completion(len(ids), made, ttft, time.perf_counter() - t0, hit.tokens)
         full = made >= params.max_tokens or len(ids) + made >= self.context_length
         reason = "stop" if stream.stopped or not full else "length"
+        if constraint is not None:  # fails closed: only a document the grammar accepted
+            reason = "stop" if constraint.finished else "length"
         ids_out = out if record else None
         yield Piece(stream.finish(), reason, len(ids), made, ids_out, hit.tokens)
 

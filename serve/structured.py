@@ -1,0 +1,212 @@
+"""Structured output: a JSON schema (or a grammar) enforced by constrained decoding, failing closed.
+
+The API, for the routes (response_format, tools, /v1/responses):
+
+- `Grammars(tokenizer_json, vocab_size, eos_id)`: one per served model (a Service has one,
+  `svc.grammars`, built on first use). Its compilers return a `Format`, cached per schema text
+  (the same schema compiles once), or raise `RequestError(400, message naming the unsupported
+  keyword, param)`:
+  - `response_format(rf, param)`: OpenAI's `response_format` dict, `{"type": "text"}` (None:
+    no format), `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}`, or the Responses API's flat `{"type": "json_schema", "name",
+    "schema", "strict"}` (its `text.format`);
+  - `json_schema(schema, param)`: a bare JSON schema (a dict, or true for any JSON value);
+  - `lark(grammar, param)`: a grammar in llguidance's Lark dialect (a JSON schema inside it is
+    `%json { ... }`), for shapes a schema cannot say (a tool call's wrapper).
+  Compiling can take milliseconds (a large schema, a hundred): call them through
+  `svc.in_thread`, off the event loop.
+- `Service.run(ids, params, stops, ..., fmt=format)` and `Service.complete(req, ..., fmt=...)`
+  (serve/service.py) take a Format; `complete` compiles `req.response_format` when none is
+  given. Each request gets its own `Constraint` (`fmt.start()`), which the scheduler
+  (serve/scheduler.py) consults for that row only: the row's logits are masked to the tokens the
+  grammar allows before sampling, and the token picked advances it. A row without a format pays
+  nothing (no mask, no call). The masks of a step's rows are computed on a thread of their own
+  while the model runs (llguidance lets go of the GIL), so they cost the batch little.
+- Fails closed: the end-of-text ids (EOS, chat's end of turn) are allowed only when the grammar
+  accepts, and the sequence ends by itself once the grammar can take nothing more; the piece
+  that ends a formatted request says "stop" only when the grammar accepted its whole text
+  (`Constraint.finished`), "length" otherwise (cut by max_tokens or the context).
+
+The engine is llguidance (benchmarks/results/grammar_engines_cpu-*.md: why). JSON is generated
+without free whitespace (", " and ": " as separators): a model cannot loop on blank lines, and
+the document is short.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+from doel.serve.refusal import RequestError
+
+# JSON as json.dumps writes it: no whitespace but after separators.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CACHE_SIZE = 256  # compiled formats kept, least recently used dropped
+MAX_SCHEMA_CHARS = 1 << 20
+# Masks are computed here while the worker thread runs the model (serve/scheduler.py).
+MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="doel-grammar")
+
+
+class Format:
+    """A compiled grammar: immutable, shared by every request that names the same schema."""
+
+    def __init__(self, grammars: Grammars, matcher: llguidance.LLMatcher, kind: str):
+        self.grammars, self._proto, self.kind = grammars, matcher, kind
+
+    def start(self) -> Constraint:
+        """A fresh state for one request (a copy of the compiled matcher: no compiling)."""
+        return Constraint(self, self._proto.deep_copy())
+
+
+class Constraint:
+    """One sequence's place in its grammar. The scheduler calls `fill` (any thread), `mask`,
+    then `advance` with the token picked; `done` ends the sequence, `finished` says whether the
+    grammar accepted what was generated."""
+
+    def __init__(self, fmt: Format, matcher: llguidance.LLMatcher):
+        self.format, self.matcher = fmt, matcher
+        self.finished = False  # the grammar accepted the text, and it ended there
+        self.bits = llnp.allocate_token_bitmask(1, fmt.grammars.vocab_size)
+
+    @property
+    def done(self) -> bool:
+        """No token can follow (the document is complete), or the matcher failed."""
+        return self.finished or self.matcher.is_stopped()
+
+    def fill(self) -> None:
+        """Compute the next token's mask into `bits` (llguidance lets go of the GIL)."""
+        llnp.fill_next_token_bitmask(self.matcher, self.bits)
+
+    def mask(self, logits: np.ndarray, stop_ids: tuple[int, ...]) -> np.ndarray:
+        """`logits` with every token the grammar forbids at -inf, after `fill`. The stop ids
+        (EOS, end of turn) are allowed exactly when the grammar accepts the text so far."""
+        n = len(logits)
+        allowed = np.unpackbits(self.bits[0].view(np.uint8), count=n, bitorder="little")
+        allowed = allowed.astype(bool)
+        eos = self.format.grammars.eos_id
+        if eos is not None and eos < n:
+            allowed[eos] = False  # llguidance's own end token: only the request's stop ids end
+        accepting = self.matcher.is_accepting()
+        for i in stop_ids:
+            if i < n:
+                allowed[i] = accepting
+        if not allowed.any():
+            raise RuntimeError(f"the grammar allows no token: {self.matcher.get_error()}")
+        return np.where(allowed, logits, -np.inf)
+
+    def advance(self, token: int | None) -> None:
+        """Take the token picked; None: a stop id, which the mask allowed only if accepting."""
+        if token is None:
+            self.finished = self.matcher.is_accepting()
+            return
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        if self.matcher.is_stopped():
+            self.finished = self.matcher.is_accepting() and not self.matcher.is_error()
+
+
+def fill_all(constraints: list[Constraint]) -> Future:
+    """Compute the masks of these constraints on the grammar thread; the caller runs the model
+    meanwhile and waits on the future before sampling."""
+    return MASK_THREAD.submit(lambda: [c.fill() for c in constraints])
+
+
+class Grammars:
+    """The compilers of one tokenizer, with a cache of compiled formats keyed by their text."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int | None = None):
+        # n_vocab: the model's logits may be wider than the tokenizer (padding ids); those
+        # ids decode to nothing and are never allowed.
+        self.vocab_size, self.eos_id = vocab_size, eos_id
+        kwargs = {} if eos_id is None else {"eos_token": eos_id}
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, **kwargs)
+        self._cache: collections.OrderedDict[str, Format] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def response_format(self, rf: dict | None, param: str = "response_format") -> Format | None:
+        """OpenAI's response_format (or the Responses API's text.format) as a Format; None for
+        `{"type": "text"}` or no format."""
+        if rf is None:
+            return None
+        if not isinstance(rf, dict):
+            raise RequestError(400, f"{param} must be an object with a 'type'", param)
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return self.json_schema({"type": "object"}, param)
+        if kind == "json_schema":
+            spec = rf.get("json_schema", rf)  # chat's nested shape, or the Responses API's flat
+            where = f"{param}.json_schema" if "json_schema" in rf else param
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise RequestError(400, f"{where}.schema is missing; give a JSON schema", where)
+            return self.json_schema(spec["schema"], f"{where}.schema")
+        raise RequestError(
+            400,
+            f"{param}.type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'",
+            f"{param}.type",
+        )
+
+    def json_schema(self, schema: dict | bool, param: str = "response_format") -> Format:
+        """A JSON schema as a Format (true or {}: any JSON value)."""
+        if schema is True:
+            schema = {}
+        if schema is False or not isinstance(schema, dict):
+            raise RequestError(
+                400, f"{param} must be a JSON schema object (false allows nothing)", param
+            )
+        text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise RequestError(400, f"{param} is over {MAX_SCHEMA_CHARS:,} characters", param)
+        return self._compiled(
+            "json:" + text,
+            lambda: llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS),
+            "json_schema",
+            param,
+        )
+
+    def lark(self, grammar: str, param: str) -> Format:
+        """A grammar in llguidance's Lark dialect as a Format."""
+        return self._compiled(
+            "lark:" + grammar,
+            lambda: llguidance.LLMatcher.grammar_from_lark(grammar),
+            "lark",
+            param,
+        )
+
+    def _compiled(self, key: str, build, kind: str, param: str) -> Format:
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            grammar = build()
+        except ValueError as e:
+            raise RequestError(400, f"{param}: {e}", param) from None
+        # The matcher's constructor lets go of the GIL as it compiles, and never raises: a
+        # grammar it cannot build leaves it in an error state, which names the keyword.
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(400, unsupported(matcher.get_error(), param), param)
+        fmt = Format(self, matcher, kind)
+        with self._lock:
+            self._cache[key] = fmt
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return fmt
+
+
+def unsupported(engine_message: str, param: str) -> str:
+    """The one-line refusal of a schema the engine cannot enforce; the engine's own words name
+    the keyword (`Unimplemented keys: ["not"]`, `Unknown format: ...`, a regex feature)."""
+    why = " ".join(engine_message.split())[:300]
+    return (
+        f"{param} cannot be enforced by this server's grammar engine (llguidance): {why}; "
+        "remove or rewrite that part of the schema"
+    )
