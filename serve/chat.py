@@ -63,7 +63,11 @@ async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piec
     limit = ctx - n if limit is None else limit
     svc.check_fits(n, limit, "conversation", "messages")
     params = req.to_sampling_params(limit, svc.chat.stop_ids)
-    async with contextlib.aclosing(svc.run(ids, params, req.stops(), cache=req.cache)) as run:
+    # response_format: the reply is a document of its schema (serve/structured.py)
+    spec = req.format_spec()
+    fmt = None if spec is None else await svc.in_thread(svc.compile_format, spec)
+    run = svc.run(ids, params, req.stops(), cache=req.cache, fmt=fmt)
+    async with contextlib.aclosing(run) as run:
         async for p in run:
             yield p
 

@@ -161,16 +161,6 @@ class SamplingRequest(Request):
 
     _unicode_stop = field_validator("stop")(unicode_text)
 
-    @model_validator(mode="after")
-    def _format_without_stops(self):
-        if self.format_spec() is not None and self.stops():
-            raise PydanticCustomError(
-                "stop_with_format",
-                "stop cannot be combined with response_format: a stop string would cut the "
-                "document where it does not parse; unset stop",
-            )
-        return self
-
     def format_spec(self) -> dict | None:
         """response_format as the dict serve/structured.py compiles; None: plain text."""
         rf = self.response_format
@@ -248,12 +238,6 @@ class CompletionRequest(SamplingRequest):
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError(
                 "no_tokens", "max_tokens is 0 without echo, which returns nothing; set echo"
-            )
-        if self.echo and self.format_spec() is not None:
-            raise PydanticCustomError(
-                "echo_with_format",
-                "echo cannot be combined with response_format: the prompt in front would make "
-                "the text no document; unset echo",
             )
         if self.stream and (self.echo or self.logprobs is not None or len(self.prompts()) > 1):
             raise PydanticCustomError(

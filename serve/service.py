@@ -38,6 +38,10 @@ CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream
 TOKENIZER_THREADS = ThreadPoolExecutor(2, thread_name_prefix="doel-tokenizer")
 # Characters NFC can fold into one: a character's canonical decomposition has at most 4.
 NFC_FOLD = 4
+ECHO_WITH_FORMAT = (
+    "echo cannot be combined with response_format: the prompt in front would make the text "
+    "no document of the schema; unset echo"
+)
 STOP_WITH_FORMAT = (
     "stop strings cannot be combined with response_format: a stop would cut the document "
     "where it does not parse; unset stop (the output ends where the schema's document ends)"
@@ -196,6 +200,8 @@ class Service:
         response_format's). Raises RequestError before the first piece."""
         if fmt is None and req.format_spec() is not None:
             fmt = await self.in_thread(self.compile_format, req.format_spec())
+        if fmt is not None and req.echo:
+            raise RequestError(400, ECHO_WITH_FORMAT, "echo")
         ids = await self.in_thread(self.prompt_ids, req, prompt)
         eos = self.engine.bundle.eos_id
         params = req.to_sampling_params(req.max_tokens, () if eos is None else (eos,))
