@@ -119,7 +119,8 @@ def engine_ids(bundle: Path, prompt: list[int]) -> tuple[list[int], list[float]]
     return ids, gaps
 
 
-def browser():
+def browser(*extra: str):
+    """Headless Chromium through chromedriver; `extra`: more switches (--enable-unsafe-webgpu)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -133,6 +134,7 @@ def browser():
         "--disable-background-networking",
         "--disable-component-update",
         "--no-first-run",
+        *extra,
     ):
         opts.add_argument(arg)
     driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
@@ -140,10 +142,10 @@ def browser():
     return driver
 
 
-def settled(driver, promise: str, *args) -> dict:
+def settled(driver, promise: str, *args, fail: bool = True) -> dict:
     """The value of a JS promise expression in the page, polled: one WebDriver command may not
     last past its client's timeout (120 s), which a 0.4B prefill on one WebAssembly thread can
-    outlast."""
+    outlast. An error ends the run, or (fail=False) comes back as {"error": ...}."""
     driver.execute_script(
         f"window.__done = null; ({promise}).then("
         "(r) => (window.__done = r), (e) => (window.__done = {error: String(e)}));",
@@ -151,7 +153,7 @@ def settled(driver, promise: str, *args) -> dict:
     )
     while not (out := driver.execute_script("return window.__done")):
         time.sleep(0.5)
-    if "error" in out:
+    if "error" in out and fail:
         raise SystemExit(f"the page failed: {out['error']}")
     return out
 

@@ -1,17 +1,33 @@
-"""Probe: one linear layer in onnxruntime-web's WebAssembly build (Node.js, one thread), three ways.
+"""Probe: one linear layer of the 0.4B model, every way onnxruntime-web can hold it, in Node.js
+and in headless Chromium, per WebAssembly build and thread count: the map of what the browser
+page (`doel-export --web`) can run small and fast.
 
-Why the --web page decodes the int4 0.4B model ~37x slower than doel-serve
-(benchmarks/results/web_cpu-*.md): this times a [1, K] x [K, N] product (the 0.4B model's
-gate/up projection, K 1024, N 2816) as fp32 MatMul, as int8 DynamicQuantizeMatMul (one scale a
-column) and as int4 MatMulNBits (block 128, symmetric, what doel's int4 bundles hold), each after
-warm-up, the mean of 40 runs. The runtime is the one `doel-export --web` installs (export/web.py).
+Each graph computes Y = A W for A [rows, K] fp32 (rows 1: a decode step; PREFILL: a prefill
+chunk, as the page's) and W the 0.4B model's gate/up ([1024, 2816]) or down ([2816, 1024])
+projection, held as
+- fp32 MatMul (what the page's default mode folds its weights to at load),
+- fp16 weights with a Cast (ONNX Runtime folds the Cast at load: fp32 in memory again),
+- MatMulInteger u8 x s8 and u8 x u8 behind DynamicQuantizeLinear, constant weights (prepacked),
+- DynamicQuantizeMatMul (s8, one scale a column),
+- QDQ: DequantizeLinear (int8 a column; int4 blocked along K) -> MatMul, with ONNX Runtime's QDQ
+  rules on (they keep the weights quantized: constant folding skips DequantizeLinear; the int4
+  pair is fused into MatMulNBits), and int8 with a static QuantizeLinear on A as well,
+- MatMulNBits, 4 bits (block 256, doel's int4) and 8 bits (block 128, doel's int8), at accuracy
+  levels 0/1/4 (4: int8 activations).
+Timings: ONNX Runtime's own session.run in a Web Worker (Chromium, the page's setting) or Node's
+main thread, after two warm-up runs, the median of up to RUNS runs within BUDGET_MS. Beside each:
+its relative error against the fp32 graph's output (a kernel that computes something else would
+show) and the bytes its weights take in memory after ONNX Runtime's load-time rewrites.
 
-Run: `python -m benchmarks.probe_web_matmul` (needs Node.js and npm); prints a Markdown table.
+Run (it times; hold the benchmark lock): `flock /tmp/doel-bench.lock python -m
+benchmarks.probe_web_matmul` (Node.js and npm; Chromium and chromedriver for its browser rows).
+Results: benchmarks/results/web_probe_cpu-<class>.{json,md} (benchmarks/probe_web_table.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -20,99 +36,313 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from doel.export.web import runtime_modules
+from benchmarks import probe_web_table
+from benchmarks.bench_export import machine_busy_s
+from benchmarks.bench_web import CHROMIUM, browser, settled, tree_cpu_s
+from benchmarks.report import parser, publish, stamp
+from doel.export.web import runtime_modules, static_server
 
-K, N, RUNS = 1024, 2816, 40
-
-TIMER = """
-const ort = await import(process.argv[2]);
-ort.env.wasm.numThreads = 1;
-const fs = await import("node:fs");
-const out = {};
-for (const name of process.argv.slice(3)) {
-  const opts = {executionProviders: ["wasm"]};
-  const s = await ort.InferenceSession.create(fs.readFileSync(name), opts);
-  const a = Float32Array.from({length: %K%}, (_, i) => Math.sin(i));
-  const A = new ort.Tensor("float32", a, [1, %K%]);
-  for (let i = 0; i < 3; i++) await s.run({A});
-  const t = performance.now();
-  for (let i = 0; i < %RUNS%; i++) await s.run({A});
-  out[name] = (performance.now() - t) / %RUNS%;
+SHAPES = {"gate/up": (1024, 2816), "down": (2816, 1024)}
+PREFILL, RUNS, BUDGET_MS = 128, 30, 300
+THREADS = (1, 2)
+# Chromium's rows: each UMD build of the package with the wasm binary it loads (grep its
+# `ort-wasm-simd-threaded*.mjs`); Node.js runs ort.node.min.mjs (the plain binary).
+BUILDS = {
+    "plain": "ort.wasm.min.js",  # ort-wasm-simd-threaded.wasm, what the page's wasm mode loads
+    "jsep": "ort.min.js",  # ort-wasm-simd-threaded.jsep.wasm (the JS WebGPU/WebNN EPs' build)
+    "webgpu": "ort.webgpu.min.js",  # ...asyncify.wasm (the native WebGPU EP's build)
 }
-console.log(JSON.stringify(out));
+
+# One JS function for both hosts: `models` [{name, k, bytes}], returns {name: {rows: ms}, err}.
+CORE = """
+async function probe(ort, models, rowsList, runs, budget) {
+  const out = {};
+  let ref = {};
+  for (const m of models) {
+    const s = await ort.InferenceSession.create(m.bytes,
+      {executionProviders: ["wasm"], graphOptimizationLevel: "all"});
+    const r = {ms: {}};
+    for (const rows of rowsList) {
+      const a = Float32Array.from({length: rows * m.k}, (_, i) => Math.sin(i * 0.37));
+      const A = new ort.Tensor("float32", a, [rows, m.k]);
+      let y;
+      for (let i = 0; i < 2; i++) y = (await s.run({A})).Y.data;
+      const times = [];
+      const t0 = performance.now();
+      while (times.length < runs && (times.length < 3 || performance.now() - t0 < budget)) {
+        const t = performance.now();
+        await s.run({A});
+        times.push(performance.now() - t);
+      }
+      times.sort((x, z) => x - z);
+      r.ms[rows] = times[times.length >> 1];
+      const key = `${m.k}:${rows}`;
+      if (!(key in ref)) ref[key] = y;  // the first model of a shape is fp32
+      let num = 0, den = 0;
+      for (let i = 0; i < y.length; i++) {
+        num += (y[i] - ref[key][i]) ** 2;
+        den += ref[key][i] ** 2;
+      }
+      r[`err${rows}`] = Math.sqrt(num / den);
+    }
+    await s.release();
+    out[m.name] = r;
+  }
+  return out;
+}
 """
 
+NODE = (
+    CORE
+    + """
+const ort = await import(process.argv[2]);
+const fs = await import("node:fs");
+ort.env.wasm.numThreads = Number(process.argv[3]);
+const models = JSON.parse(fs.readFileSync(process.argv[4], "utf8"))
+  .map((m) => ({...m, bytes: fs.readFileSync(m.file)}));
+console.log(JSON.stringify(await probe(ort, models, %ROWS%, %RUNS%, %BUDGET%)));
+"""
+)
 
-def graph(nodes, inits, path: Path, contrib: bool = True) -> Path:
+WORKER = (
+    CORE
+    + """
+self.onmessage = async (e) => {
+  const {build, threads, list} = e.data;
+  try {
+    importScripts(build);
+    ort.env.wasm.numThreads = threads;
+    ort.env.wasm.wasmPaths = new URL("./", self.location.href).href;
+    const models = [];
+    for (const m of list)
+      models.push({...m, bytes: new Uint8Array(await (await fetch(m.file)).arrayBuffer())});
+    const r = await probe(ort, models, %ROWS%, %RUNS%, %BUDGET%);
+    self.postMessage({result: r, isolated: self.crossOriginIsolated});
+  } catch (err) {
+    self.postMessage({error: String(err && err.message ? err.message : err)});
+  }
+};
+"""
+)
+
+PAGE = """<!doctype html><meta charset="utf-8"><title>probe</title><script>
+window.runProbe = (msg) => new Promise((resolve) => {
+  const w = new Worker("probe-worker.js");
+  w.onmessage = (e) => { w.terminate(); resolve(e.data); };
+  w.onerror = (e) => { w.terminate(); resolve({error: e.message || "worker error"}); };
+  w.postMessage(msg);
+});
+</script>"""
+
+
+def save(nodes, inits, path: Path, k: int, n: int) -> Path:
     g = helper.make_graph(
         nodes,
         path.stem,
-        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, K])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, N])],
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["rows", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["rows", n])],
         inits,
     )
-    ops = [helper.make_opsetid("", 21)] + ([helper.make_opsetid("com.microsoft", 1)] * contrib)
+    ops = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
     m = helper.make_model(g, opset_imports=ops)
     m.ir_version = 10  # what onnxruntime-web 1.30 reads
     onnx.save(m, str(path))
     return path
 
 
-def models(work: Path) -> dict[str, Path]:
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    w = np.random.default_rng(0).standard_normal((K, N)).astype(np.float32)
-    fp32 = graph(
-        [helper.make_node("MatMul", ["A", "W"], ["Y"])],
-        [numpy_helper.from_array(w, "W")],
-        work / "fp32.onnx",
-        contrib=False,
+def nbits_weight(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits' B [N, blocks, block*bits/8] (zero point 2^(bits-1), symmetric) and scales."""
+    k, n = w.shape
+    blocks = w.T.reshape(n, k // block, block)
+    top = (1 << (bits - 1)) - 1
+    scale = np.abs(blocks).max(-1) / top
+    q = (np.clip(np.round(blocks / scale[..., None]), -top, top) + (1 << (bits - 1))).astype(
+        np.uint8
     )
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return q, scale.astype(np.float32)
+
+
+def per_column(w: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int8 weights a column: (integers, scales [N], zero points [N])."""
     scale = (np.abs(w).max(0) / 127).astype(np.float32)
-    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
-    int8 = graph(
-        [
-            helper.make_node(
-                "DynamicQuantizeMatMul", ["A", "B", "s", "z"], ["Y"], domain="com.microsoft"
-            )
-        ],
-        [
-            numpy_helper.from_array(q, "B"),
-            numpy_helper.from_array(scale, "s"),
-            numpy_helper.from_array(np.zeros(N, np.int8), "z"),
-        ],
-        work / "int8.onnx",
-    )
-    nbits = MatMulNBitsQuantizer(
-        onnx.load(str(fp32)), bits=4, block_size=128, is_symmetric=True, accuracy_level=4
-    )
-    nbits.process()
-    m = nbits.model.model
-    m.ir_version = 10
-    onnx.save(m, str(work / "int4.onnx"))
-    return {
-        "fp32 MatMul": fp32,
-        "int8 DynamicQuantizeMatMul": int8,
-        "int4 MatMulNBits (block 128)": work / "int4.onnx",
-    }
+    q = np.clip(np.round(w / scale), -127, 127)
+    if signed:
+        return q.astype(np.int8), scale, np.zeros(w.shape[1], np.int8)
+    return (q + 128).astype(np.uint8), scale, np.full(w.shape[1], 128, np.uint8)
 
 
-def main() -> None:
-    ort = runtime_modules() / "onnxruntime-web" / "dist" / "ort.node.min.mjs"
+def graphs(work: Path, k: int, n: int) -> dict[str, tuple[Path, float]]:
+    """The graphs of one shape: name -> (file, bytes its weights take in memory at run time)."""
+    w = (np.random.default_rng(k).standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    t = numpy_helper.from_array
+    mk = helper.make_node
+    out: dict[str, tuple[Path, float]] = {}
+
+    def add(name, nodes, inits, mem_bytes):
+        out[name] = (save(nodes, inits, work / f"{k}x{n}-{len(out)}.onnx", k, n), mem_bytes)
+
+    add("fp32 MatMul", [mk("MatMul", ["A", "W"], ["Y"])], [t(w, "W")], 4 * k * n)
+    add(
+        "fp16 weights + Cast (folded to fp32)",
+        [mk("Cast", ["W16"], ["W"], to=TensorProto.FLOAT), mk("MatMul", ["A", "W"], ["Y"])],
+        [t(w.astype(np.float16), "W16")],
+        4 * k * n,
+    )
+    for signed in (True, False):
+        q, s, z = per_column(w, signed)
+        name = f"MatMulInteger u8 x {'s8' if signed else 'u8'} (DynamicQuantizeLinear)"
+        nodes = [
+            mk("DynamicQuantizeLinear", ["A"], ["Aq", "As", "Az"]),
+            mk("MatMulInteger", ["Aq", "Wq", "Az", "Wz"], ["I"]),
+            mk("Cast", ["I"], ["F"], to=TensorProto.FLOAT),
+            mk("Mul", ["As", "Ws"], ["S"]),
+            mk("Mul", ["F", "S"], ["Y"]),
+        ]
+        add(name, nodes, [t(q, "Wq"), t(s, "Ws"), t(z, "Wz")], k * n)
+    q, s, z = per_column(w, True)
+    node = mk("DynamicQuantizeMatMul", ["A", "B", "s", "z"], ["Y"], domain="com.microsoft")
+    add("DynamicQuantizeMatMul s8", [node], [t(q, "B"), t(s, "s"), t(z, "z")], k * n)
+    dq = mk("DequantizeLinear", ["Wq", "Ws"], ["W"], axis=1)
+    add(
+        "QDQ int8 a column: DequantizeLinear -> MatMul",
+        [dq, mk("MatMul", ["A", "W"], ["Y"])],
+        [t(q, "Wq"), t(s, "Ws")],
+        k * n,
+    )
+    a_scale = np.float32(1.0 / 127)  # |A| <= 1 (the probe's sin input)
+    add(
+        "QDQ int8, A too (static QuantizeLinear)",
+        [
+            mk("QuantizeLinear", ["A", "as", "az"], ["Aq"]),
+            mk("DequantizeLinear", ["Aq", "as", "az"], ["Ad"]),
+            dq,
+            mk("MatMul", ["Ad", "W"], ["Y"]),
+        ],
+        [t(q, "Wq"), t(s, "Ws"), t(np.array(a_scale), "as"), t(np.array(128, np.uint8), "az")],
+        k * n,
+    )
+    blocks = w.reshape(k // 256, 256, n)
+    s4 = (np.abs(blocks).max(1) / 7).astype(np.float32)  # [K/256, N]
+    q4 = np.clip(np.round(blocks / s4[:, None]), -7, 7).reshape(k, n)
+    q4t = helper.make_tensor("Wq", TensorProto.INT4, [k, n], _pack4(q4.astype(np.int8)), raw=True)
+    add(
+        "QDQ int4 block 256: DequantizeLinear -> MatMul (fused: MatMulNBits)",
+        [mk("DequantizeLinear", ["Wq", "Ws"], ["W"], axis=0, block_size=256), dq_mm()],
+        [q4t, t(s4, "Ws")],
+        k * n / 2 + 4 * s4.size,
+    )
+    for bits, block in ((4, 256), (8, 128)):
+        b, sc = nbits_weight(w, bits, block)
+        for level in (0, 1, 4):
+            attrs = dict(K=k, N=n, bits=bits, block_size=block, accuracy_level=level)
+            node = mk("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", **attrs)
+            name = f"MatMulNBits {bits}-bit block {block}, accuracy level {level}"
+            add(name, [node], [t(b, "B"), t(sc.reshape(-1), "S")], b.size + 4 * sc.size)
+    return out
+
+
+def dq_mm():
+    return helper.make_node("MatMul", ["A", "W"], ["Y"])
+
+
+def _pack4(q: np.ndarray) -> bytes:
+    u = (q.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
+    return (u[0::2] | (u[1::2] << 4)).tobytes()
+
+
+def run_node(mods: Path, listing: Path, threads: int, work: Path) -> dict:
+    script = work / "probe.mjs"
+    script.write_text(fill(NODE))
+    ort = (mods / "onnxruntime-web" / "dist" / "ort.node.min.mjs").as_uri()
+    cmd = ["node", str(script), ort, str(threads), str(listing)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1][:300]}
+    return {"result": json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def fill(js: str) -> str:
+    rows = json.dumps([1, PREFILL])
+    return (
+        js.replace("%ROWS%", rows).replace("%RUNS%", str(RUNS)).replace("%BUDGET%", str(BUDGET_MS))
+    )
+
+
+def run_chromium(mods: Path, models: list[dict], work: Path) -> dict:
+    """{build: {threads: result}} from one headless Chromium, a fresh worker per row."""
+    dist = mods / "onnxruntime-web" / "dist"
+    for f in dist.iterdir():
+        if f.name.startswith("ort") and f.suffix in (".js", ".mjs", ".wasm"):
+            os.symlink(f, work / f.name)
+    (work / "probe-worker.js").write_text(fill(WORKER))
+    (work / "index.html").write_text(PAGE)
+    server = static_server(work)
+    import threading
+
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    driver = browser()
+    out: dict = {}
+    try:
+        driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
+        listing = [{"name": m["name"], "k": m["k"], "file": m["file"].name} for m in models]
+        for label, build in BUILDS.items():
+            for threads in THREADS:
+                print(f"chromium {label}, {threads} thread(s) ...", flush=True)
+                msg = {"build": build, "threads": threads, "list": listing}
+                out.setdefault(label, {})[threads] = settled(
+                    driver, "runProbe(arguments[0])", msg, fail=False
+                )
+    finally:
+        driver.quit()
+        server.shutdown()
+        server.server_close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--no-browser", action="store_true", help="Node.js rows only")
+    args = ap.parse_args(argv)
+    import onnxruntime
+
+    mods = runtime_modules()
+    load_before = os.getloadavg()
+    busy0, own0 = machine_busy_s(), tree_cpu_s()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        paths = models(work)
-        script = work / "time.mjs"
-        script.write_text(TIMER.replace("%K%", str(K)).replace("%RUNS%", str(RUNS)))
-        cmd = ["node", str(script), ort.as_uri(), *map(str, paths.values())]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        times = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"| [1, {K}] x [{K}, {N}], onnxruntime-web wasm, 1 thread | ms a run | vs fp32 |")
-    print("|---|---:|---:|")
-    base = times[str(paths["fp32 MatMul"])]
-    for name, path in paths.items():
-        t = times[str(path)]
-        print(f"| {name} | {t:.3f} | {t / base:.1f}x |")
+        models, memory = [], {}
+        for shape, (k, n) in SHAPES.items():
+            for name, (path, mem) in graphs(work, k, n).items():
+                models.append({"name": f"{shape}|{name}", "k": k, "file": path})
+                memory[f"{shape}|{name}"] = mem
+        listing = work / "models.json"
+        listing.write_text(json.dumps([m | {"file": str(m["file"])} for m in models]))
+        hosts: dict = {"node": {}}
+        for threads in THREADS:
+            print(f"node, {threads} thread(s) ...", flush=True)
+            hosts["node"][threads] = run_node(mods, listing, threads, work)
+        if not args.no_browser:
+            hosts |= {f"chromium {b}": r for b, r in run_chromium(mods, models, work).items()}
+    chromium = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True).stdout
+    node = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
+    result = stamp(python=True) | {
+        "chromium": chromium.split()[1] if chromium else None,
+        "node": node,
+        "onnxruntime_native": onnxruntime.__version__,
+        "runtime": json.loads((Path(mods) / "onnxruntime-web" / "package.json").read_text())[
+            "version"
+        ],
+        "settings": {"shapes": SHAPES, "rows": [1, PREFILL], "runs": RUNS, "budget_ms": BUDGET_MS},
+        "weights_in_memory_bytes": memory,
+        "hosts": hosts,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "foreign_cpu_s": max(0.0, machine_busy_s() - busy0 - (tree_cpu_s() - own0)),
+    }
+    text = probe_web_table.markdown(result)
+    publish(args.out, f"web_probe_cpu-{result['cpu']['class']}", result, text)
 
 
 if __name__ == "__main__":
