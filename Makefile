@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-quant-quality check-arm64 check-avx2 clean
+.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-load bench-quant-quality check-arm64 check-avx2 clean
 
 # The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
 # selenium, transformers for the parity tests).
@@ -67,6 +67,11 @@ bench-export: $(BIN)/.installed
 # llama-cpp-python is benchmark-only: `$(BIN)/python -m benchmarks.bench_serve --install-llama-cpp`
 bench-serve: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.bench_serve
+
+# doel-serve vs llama-server under 1-16 clients, and vs onnxruntime-genai in-process; builds
+# llama-server and the onnxruntime-genai venv once (cached in ~/.cache/doel), holds the bench lock
+bench-load: $(BIN)/.installed
+	flock /tmp/doel-bench.lock $(BIN)/python -m benchmarks.bench_load --install-llama-server --install-ortgenai --chat --inproc
 
 # Held-out loss of doel's int4/int8 bundles against llama.cpp's q4_0/q8_0 on a trained checkpoint
 bench-quant-quality: $(BIN)/.installed
