@@ -84,7 +84,7 @@ def genai_folder(bundle: Path, spec: dict, into: Path) -> Path:
     opts |= {"intra_op_num_threads": spec["threads"], "inter_op_num_threads": 1}
     cfg["search"] |= {"do_sample": False, "max_length": cfg["model"]["context_length"]}
     cfg["engine"] = {"static_batching": {"max_batch_size": spec["slots"]}}
-    (into / "genai_config.json").write_text(json.dumps(cfg, indent=1))
+    (into / "genai_config.json").write_text(json.dumps(cfg))
     return into
 
 

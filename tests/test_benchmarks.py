@@ -605,6 +605,11 @@ NOT_RESULTS = {
     "bench_serve_engines": "one engine's figures, a file for bench_serve's own process",
     "bench_serve_llama": "builds llama-cpp-python and GGUF files",
     "bench_serve_report": "bench_serve's Markdown and PNG",
+    "bench_load_inproc": "one in-process engine's levels, a file for bench_load's own process",
+    "bench_load_report": "bench_load's targets, Markdown and PNG",
+    "load_client": "bench_load's HTTP client",
+    "load_model": "bench_load's model files and prompts",
+    "load_servers": "builds llama-server; starts bench_load's servers",
     "probe_web_matmul": "prints a table",
 }
 
