@@ -3,7 +3,9 @@
 disconnect watch and answer skeleton, serve/completions.py) until the end-of-turn token or EOS,
 and answered in OpenAI's chat shapes: one `chat.completion`, or `chat.completion.chunk` events
 whose first delta names the role and whose last carries the finish reason (then, with
-`stream_options.include_usage`, a chunk with the usage and no choices).
+`stream_options.include_usage`, a chunk with the usage and no choices). Tools (serve/tools.py)
+decide what the prompt shows, what the reply is constrained to and how its text is read: as
+content, or as tool calls (deltas in a stream, assembled in a whole answer).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 
+from doel.serve import tools
 from doel.serve.completions import envelope, events, joined, usage_of
 from doel.serve.protocol_chat import (
     AssistantMessage,
@@ -22,7 +25,7 @@ from doel.serve.service import Piece, RequestError, Service
 from doel.serve.template import ChatError
 
 
-def prompt_ids(svc: Service, req: ChatCompletionRequest) -> list[int]:
+def prompt_ids(svc: Service, req: ChatCompletionRequest, plan: tools.ToolPlan) -> list[int]:
     """The conversation's ids, refused with a 400 when it cannot be rendered or cannot fit
     (a text too long for the context is refused before it is encoded, as completions do)."""
     if svc.chat is None:
@@ -32,7 +35,10 @@ def prompt_ids(svc: Service, req: ChatCompletionRequest) -> list[int]:
             "none), so it cannot answer chat requests; use /v1/completions",
             "messages",
         )
-    turns = req.turns()
+    try:
+        turns = req.turns()
+    except ValueError as e:
+        raise RequestError(400, str(e), "messages") from None
     least = svc.least_tokens("".join(t["content"] for t in turns))
     if least >= svc.context_length:
         raise RequestError(
@@ -42,7 +48,7 @@ def prompt_ids(svc: Service, req: ChatCompletionRequest) -> list[int]:
             "messages",
         )
     try:
-        return svc.chat.ids(turns)
+        return svc.chat.ids(turns, plan.tools, plan.prefix)
     except ChatError as e:
         raise RequestError(400, str(e), "messages") from None
 
@@ -50,7 +56,8 @@ def prompt_ids(svc: Service, req: ChatCompletionRequest) -> list[int]:
 async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piece]:
     """The reply's pieces, as Service.complete gives a completion's; RequestError before the
     first one."""
-    ids = await svc.in_thread(prompt_ids, svc, req)
+    plan = tools.plan(req)
+    ids = await svc.in_thread(prompt_ids, svc, req, plan)
     n, ctx = len(ids), svc.context_length
     limit = req.limit()
     if limit is None and n >= ctx:
@@ -63,9 +70,15 @@ async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piec
     limit = ctx - n if limit is None else limit
     svc.check_fits(n, limit, "conversation", "messages")
     params = req.to_sampling_params(limit, svc.chat.stop_ids)
-    # response_format: the reply is a document of its schema (serve/structured.py)
+    # response_format, or a required tool call: the reply is a document of its schema
+    # (serve/structured.py)
     spec = req.format_spec()
-    fmt = None if spec is None else await svc.in_thread(svc.compile_format, spec)
+    if plan.grammar is not None:
+        fmt = await svc.in_thread(svc.grammars.lark, plan.grammar, plan.param)
+    elif plan.schema is not None:
+        fmt = await svc.in_thread(svc.grammars.json_schema, plan.schema, plan.param)
+    else:
+        fmt = None if spec is None else await svc.in_thread(svc.compile_format, spec)
     run = svc.run(ids, params, req.stops(), cache=req.cache, fmt=fmt)
     async with contextlib.aclosing(run) as run:
         async for p in run:
@@ -77,16 +90,19 @@ def stream(
 ) -> AsyncIterator[str]:
     # As OpenAI: with include_usage every chunk has a null usage, and one more carries it.
     empty = {"usage": None} if req.include_usage() else {}
+    deltas = tools.Deltas(tools.plan(req))
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"choices": [choice]} | empty
 
     def chunks(p: Piece) -> Iterator[dict]:
-        if p.text:
-            yield chunk({"content": p.text})
+        for delta in deltas.push(p.text):
+            yield chunk(delta)
         if p.finish_reason:
-            yield chunk({}, p.finish_reason)
+            held, reason = deltas.end(p.finish_reason)
+            yield from map(chunk, held)
+            yield chunk({}, reason)
 
     head = envelope("chatcmpl", "chat.completion.chunk", svc.name)
     role = chunk({"role": "assistant", "content": ""})  # the first delta names the role
@@ -95,7 +111,12 @@ def stream(
 
 async def whole(svc: Service, req: ChatCompletionRequest) -> ChatCompletion:
     text, last = await joined(pieces(svc, req))
-    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
+    deltas = tools.Deltas(tools.plan(req))
+    said = deltas.push(text)
+    held, reason = deltas.end(last.finish_reason)
+    content, calls = tools.assemble(said + held)
+    message = AssistantMessage(content=content, tool_calls=calls or None)
+    choice = ChatChoice(message=message, finish_reason=reason)
     return ChatCompletion(
         **envelope("chatcmpl", "chat.completion", svc.name), choices=[choice], usage=usage_of(last)
     )

@@ -13,6 +13,12 @@ renders from it), which for content without such spellings gives transformers' i
 exactly (tests/test_serve_chat.py). A template that does not place content verbatim (it trims
 or edits it) is rendered with the content itself, and content that spells a special token is
 then refused.
+
+Tools and tool calls (`tools=`, an assistant's `tool_calls`) are rendered as transformers
+renders them, with its `tojson` filter (no HTML escaping, keys in their order); they are not
+content, so a name, description, schema or argument that spells a special token is refused
+(one pass over their JSON). `prefix` is text the reply is made to start with (a forced
+`<tool_call>`), encoded with the text after the assistant's marker as a reply would be.
 """
 
 from __future__ import annotations
@@ -35,6 +41,13 @@ class ChatError(Exception):
 
 def _raise(message: str):
     raise TemplateError(message)  # templates call raise_exception(...) to refuse a conversation
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson filter (Jinja's own escapes HTML characters and sorts keys)."""
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _token_text(value) -> str | None:
@@ -63,6 +76,7 @@ class ChatTemplate:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         self.template = env.from_string(source)
         # Its own instance: encode_special_tokens is the tokenizer's state, and the service's
         # tokenizer encodes completions' prompts, where a spelled token is the token.
@@ -87,34 +101,37 @@ class ChatTemplate:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         return cls(source, folder / "tokenizer.json", config)
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         try:
             shown = self.template.render(
-                messages=messages, add_generation_prompt=True, **self.tokens
+                messages=messages, tools=tools, add_generation_prompt=True, **self.tokens
             )
         except TemplateError as e:
             raise ChatError(f"the model's chat template refused the conversation: {e}") from e
         return shown
 
-    def ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt's ids, ending with the assistant's turn marker. Linear in the
-        conversation: one pattern, whatever the number of messages, and one pass over the
+    def ids(
+        self, messages: list[dict], tools: list[dict] | None = None, prefix: str = ""
+    ) -> list[int]:
+        """The prompt's ids, ending with the assistant's turn marker (and `prefix`). Linear in
+        the conversation: one pattern, whatever the number of messages, and one pass over the
         rendered text (a pattern with an alternative per message, and index/count calls per
         placeholder, cost 811 ms for 4,096 one-character messages)."""
+        self._check_structured(messages, tools)
         nonce = secrets.token_hex(8)
         marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
-        shown = self.render([m | {"content": k} for m, k in zip(messages, marks)])
+        shown = self.render([m | {"content": k} for m, k in zip(messages, marks)], tools)
         cuts = re.split(f"\x00{nonce}:(\\d+)\x00", shown)
         # Text, then (message index, text) pairs. Verbatim: each placeholder once, in order,
         # and the content itself in their places gives what the template renders from it (a
         # template may trim or edit content).
         order = [int(i) for i in cuts[1::2]]
         if order != list(range(len(messages))):
-            return self._ids_verbatim(messages)
+            return self._ids_verbatim(messages, tools, prefix)
         contents = [m["content"] for m in messages]
         placed = "".join(c if j % 2 == 0 else contents[int(c)] for j, c in enumerate(cuts))
-        if placed != self.render(messages):
-            return self._ids_verbatim(messages)
+        if placed != self.render(messages, tools):
+            return self._ids_verbatim(messages, tools, prefix)
         # The template's text between the placeholders, split at its special tokens; the
         # content joins the text around it (which a tokenizer would not split from it either).
         pieces = _Pieces()
@@ -123,9 +140,25 @@ class ChatTemplate:
                 pieces.text(contents[int(part)])
             else:
                 self._split(part, pieces)
+        pieces.text(prefix)
         return self._encode(pieces.done())
 
-    def _ids_verbatim(self, messages: list[dict[str, str]]) -> list[int]:
+    def _check_structured(self, messages: list[dict], tools: list[dict] | None) -> None:
+        """Tools and tool calls are printed as the template likes (JSON, or raw): none of
+        their strings may spell a special token."""
+        calls = [m.get("tool_calls") for m in messages if m.get("tool_calls")]
+        if not (tools or calls) or self.split is None:
+            return
+        found = self.split.search(_tojson([tools, calls]))
+        if found:
+            raise ChatError(
+                f"a tool definition or tool call spells the special token {found.group()!r}, "
+                "which this model's chat template cannot keep as text; remove it"
+            )
+
+    def _ids_verbatim(
+        self, messages: list[dict], tools: list[dict] | None = None, prefix: str = ""
+    ) -> list[int]:
         for i, m in enumerate(messages):
             found = self.split.search(m["content"]) if self.split else None
             if found:
@@ -134,7 +167,8 @@ class ChatTemplate:
                     "model's chat template cannot keep as text; remove it"
                 )
         pieces = _Pieces()
-        self._split(self.render(messages), pieces)
+        self._split(self.render(messages, tools), pieces)
+        pieces.text(prefix)
         return self._encode(pieces.done())
 
     def _split(self, text: str, pieces: _Pieces) -> None:

@@ -25,6 +25,7 @@ from doel.train.data.chat import (
     render,
     render_many,
     special_ids,
+    turn_texts,
 )
 from doel.train.data.tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, END, load_tokenizer
 
@@ -42,7 +43,9 @@ def sample() -> list[list[dict]]:
 
 def test_the_sample_reads_whole_with_every_conversation_counted(tok):
     lines = []
-    train, held = load_chat_data([str(CHAT)], tok, cfg(), log=lines.append)
+    # The tool-use conversations are the longest: 640 tokens hold them all.
+    long = cfg("seq_len=640", "model.max_position_embeddings=1024")
+    train, held = load_chat_data([str(CHAT)], tok, long, log=lines.append)
     s = train.stats
     assert s["conversations"] == len(sample()) == len(train.ids) + len(held.ids)
     assert len(held.ids) == len(sample()) // 20  # every 20th held out
@@ -50,7 +53,7 @@ def test_the_sample_reads_whole_with_every_conversation_counted(tok):
     roles = [m["role"] for conv in sample() for m in conv]
     assert {"system", "user", "assistant"} <= set(roles)
     assert any(len(c) > 3 for c in sample())  # multi-turn conversations are there
-    assert "44 conversations" in lines[0] and "0 truncated" in lines[0]
+    assert f"{len(sample())} conversations" in lines[0] and "0 truncated" in lines[0]
 
 
 @pytest.mark.parametrize(
@@ -157,8 +160,8 @@ def _assert_renders_as_transformers(tok, folder: Path, conversations):
         assert seq.tolist() == auto.apply_chat_template(conv, tokenize=True)
         prompt = auto.apply_chat_template(conv[:-1], tokenize=True, add_generation_prompt=True)
         assert seq[: len(prompt)].tolist() == prompt  # a reply is asked for with these ids
-        # The loss mask: exactly each assistant message's content and its <|end|>.
-        replies = [m["content"] for m in conv if m["role"] == "assistant"]
+        # The loss mask: exactly each assistant turn's text (content, tool calls) and its <|end|>.
+        replies = [text for role, text in turn_texts(conv) if role == "assistant"]
         want = [
             t for r in replies for t in (*tok.encode(r, add_special_tokens=False).ids, ids["end"])
         ]

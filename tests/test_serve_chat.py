@@ -321,7 +321,7 @@ def test_chat_answers_in_openais_shape_and_the_second_turn_is_cached(client, tin
     [
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], {},
          "content part 0 is of type 'image_url'; this model reads text only"),
-        ([{"role": "tool", "content": "x"}], {}, "'system', 'user' or 'assistant'"),
+        ([{"role": "tool", "content": "x"}], {}, "names the call it answers in tool_call_id"),
         ([], {}, "at least 1 item"),
         ([{"role": "user", "content": "x"}], {"max_completion_tokens": 3},
          "max_tokens (8) and max_completion_tokens (3) differ"),

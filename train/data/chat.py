@@ -3,10 +3,13 @@ train/data/conversations.py) rendered to token ids with the mask of the tokens t
 taken on, and served in padded batches; the run's tokenizer with the turn markers.
 
 Rendering is the template in tokenizer_config.json (train/data/tokenizer.py's CHAT_TEMPLATE)
-written out in ids, with no Jinja: <|bos|>, then <|role|> content <|end|> a message. The loss
-is taken on each assistant message's content and its closing <|end|> (the model learns to
-answer and to stop), never on system or user text or the role markers. Content that spells a
-marker ("<|end|>") is plain text here, as everywhere in doel, so no message can inject a turn.
+written out in ids, with no Jinja: <|bos|>, then <|role|> text <|end|> a turn (`turn_texts`:
+a message's content; the tools block in the system turn, an assistant's <tool_call>s after its
+content, a tool's result as a user turn in <tool_response>). The loss is taken on each
+assistant turn's text (content and tool calls) and its closing <|end|> (the model learns to
+answer, to call, and to stop), never on system, user or tool text or the role markers.
+Content that spells a marker ("<|end|>") is plain text here, as everywhere in doel, so no
+message can inject a turn.
 
 Why padded batches, one conversation a row: the model (train/model.py) has no attention mask or
 position ids, so two conversations packed in a row would attend to each other. Padding after
@@ -26,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from doel.train.common import DoelError, atomic_write_bytes
+from doel.train.data.conversations import Conversation as Conversation  # a tools holder
 from doel.train.data.conversations import SFTConfig, iter_conversations
 from doel.train.data.conversations import check_messages as check_messages  # tests read it here
 from doel.train.data.textio import SUFFIXES, resolve_sources
@@ -33,6 +37,11 @@ from doel.train.data.tokenizer import (
     BOS,
     CHAT_TOKENS,
     PAD,
+    TOOL_CALL,
+    TOOL_CALL_END,
+    TOOL_RESPONSE,
+    TOOL_RESPONSE_END,
+    TOOLS_HEADER,
     load_tokenizer,
     tokenizer_file,
     write_hf_side_files,
@@ -70,20 +79,57 @@ def render(tok, messages: list[dict], ids: dict | None = None) -> tuple[np.ndarr
 
 
 def render_many(tok, conversations: list[list[dict]], ids: dict | None = None):
-    """`render` for many conversations, their contents encoded in one batch."""
+    """`render` for many conversations, their turns' texts encoded in one batch."""
     ids = ids or special_ids(tok)
-    contents = [m["content"] for conv in conversations for m in conv]
-    encoded = iter(tok.encode_batch(contents, add_special_tokens=False))
+    turns = [turn_texts(conv) for conv in conversations]
+    texts = [text for conv in turns for _, text in conv]
+    encoded = iter(tok.encode_batch(texts, add_special_tokens=False))
     out = []
-    for conv in conversations:
+    for conv in turns:
         seq, mask = [ids["bos"]], [False]
-        for m in conv:
+        for role, _ in conv:
             body = next(encoded).ids
-            learn = m["role"] == "assistant"
-            seq += [ids[m["role"]], *body, ids["end"]]
+            learn = role == "assistant"
+            seq += [ids[role], *body, ids["end"]]
             mask += [False] + [learn] * (len(body) + 1)
         out.append((np.asarray(seq, dtype=np.int32), np.asarray(mask, dtype=bool)))
     return out
+
+
+def turn_texts(conv: list[dict]) -> list[tuple[str, str]]:
+    """(role marker, text) of each turn, as CHAT_TEMPLATE prints them: a conversation with
+    tools (a Conversation's `tools`) opens with a system turn of its system content, then the
+    tools block; a tool's result is a user turn."""
+    tools = getattr(conv, "tools", None)
+    messages = list(conv)
+    turns = []
+    if tools:
+        system = ""
+        if messages[0]["role"] == "system":
+            system = messages.pop(0)["content"] + "\n\n"
+        lines = "".join(_json(t.get("function", t)) + "\n" for t in tools)
+        turns.append(("system", system + TOOLS_HEADER + lines))
+    for m in messages:
+        if m["role"] == "tool":
+            turns.append(("user", TOOL_RESPONSE + m["content"] + TOOL_RESPONSE_END))
+        elif m.get("tool_calls"):
+            calls = "".join(TOOL_CALL + call_text(c) + TOOL_CALL_END for c in m["tool_calls"])
+            turns.append(("assistant", (m.get("content") or "") + calls))
+        else:
+            turns.append((m["role"], m["content"]))
+    return turns
+
+
+def call_text(call: dict) -> str:
+    """A tool call as the template writes it: {"name": ..., "arguments": ...}."""
+    f = call.get("function", call)
+    if isinstance(f["arguments"], str):
+        return '{"name": ' + _json(f["name"]) + ', "arguments": ' + f["arguments"] + "}"
+    return _json({"name": f["name"], "arguments": f["arguments"]})
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)  # transformers' tojson filter
 
 
 # ------------------------------------------------------------------ the data of a run

@@ -7,7 +7,12 @@ files, folders and `hf:NAME[:CONFIG]` sources as every other input (train/data/t
 of prompt-response sets (`inputs`/`targets`, `instruction`/`output`) become one exchange with
 `prompt_field`/`response_field`. Order: an optional system message first, then user and
 assistant in turn, starting with user and ending with assistant; no empty content.
-Rendering them to ids and batches is train/data/chat.py's.
+
+Tool use: a row may carry `"tools"` (OpenAI's function definitions, or a JSON string of
+them); an assistant message may carry `"tool_calls"` ([{"type": "function", "function":
+{"name", "arguments"}}], arguments an object or a JSON string of one; its content may then be
+empty), and each is answered by one or more `{"role": "tool", "content": "..."}` messages before
+the assistant speaks again. Rendering them to ids and batches is train/data/chat.py's.
 """
 
 from __future__ import annotations
@@ -20,12 +25,25 @@ from doel.train.common import DoelError
 from doel.train.data.textio import Source
 from doel.train.settings import TrainConfig
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 OVERLONG = ("truncate", "drop")
 ORDER = (
     "an optional system message first, then user and assistant in turn, starting with user "
-    "and ending with assistant"
+    "and ending with assistant; tool messages only right after an assistant's tool_calls"
 )
+
+
+class Conversation(list):
+    """A conversation's checked messages, and the tools its system turn offers (None: none).
+    A list, so that code that reads messages needs nothing else."""
+
+    tools: list | None = None
+
+    @classmethod
+    def of(cls, messages: list[dict], tools: list | None) -> Conversation:
+        conv = cls(messages)
+        conv.tools = tools or None
+        return conv
 
 
 @dataclass(frozen=True)
@@ -58,38 +76,99 @@ class SFTConfig(TrainConfig):
 # ------------------------------------------------------------------ checking
 
 
-def check_messages(messages, where: str) -> list[dict]:
-    """The conversation's messages, or a DoelError naming `where` and what is wrong."""
+def check_messages(messages, where: str, tools=None) -> Conversation:
+    """The conversation's messages (role and content; an assistant's tool_calls, arguments as
+    objects), or a DoelError naming `where` and what is wrong."""
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if messages == [] else type(messages).__name__
         raise DoelError(f"{where}: messages must be a non-empty list of messages, got {got}")
     out = []
     for i, m in enumerate(messages, 1):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and not _calls(m)):
             raise DoelError(
                 f'{where}: message {i} must be {{"role": ..., "content": ...}}, got {str(m)[:80]}'
             )
-        role, content = m["role"], m["content"]
+        role, content = m["role"], m.get("content") or ""
         if role not in ROLES:
             raise DoelError(f"{where}: message {i} has unknown role {role!r}; roles: {ROLES}")
-        if not isinstance(content, str) or not content.strip():
+        calls = _tool_calls(m, f"{where}: message {i}") if role == "assistant" else []
+        if not isinstance(content, str) or not (content.strip() or calls):
             raise DoelError(f"{where}: message {i} ({role}) has empty content")
-        if role == "system":
-            expected = "system" if i == 1 else None
-        else:
-            first = 2 if out and out[0]["role"] == "system" else 1
-            expected = "user" if (i - first) % 2 == 0 else "assistant"
-        if role != expected:
+        expected = _expected(out, i)
+        if role not in expected:
             raise DoelError(
-                f"{where}: message {i} is {role!r} where {expected or 'user or assistant'!r} "
+                f"{where}: message {i} is {role!r} where {' or '.join(map(repr, expected))} "
                 f"is expected ({ORDER})"
             )
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content} | ({"tool_calls": calls} if calls else {}))
     if out[-1]["role"] != "assistant":
         raise DoelError(
             f"{where}: the last message is {out[-1]['role']!r}, not 'assistant' ({ORDER})"
         )
+    return Conversation.of(out, _tools(tools, where))
+
+
+def _expected(before: list[dict], i: int) -> tuple[str, ...]:
+    """The roles message `i` (1-based) may have after the messages `before` it."""
+    if not before:
+        return ("system", "user")
+    last = before[-1]
+    if last["role"] == "assistant":
+        return ("tool",) if last.get("tool_calls") else ("user",)
+    if last["role"] == "tool":
+        return ("tool", "assistant")
+    return ("user",) if last["role"] == "system" else ("assistant",)
+
+
+def _calls(m) -> list:
+    return m.get("tool_calls") or [] if isinstance(m, dict) else []
+
+
+def _tool_calls(m: dict, where: str) -> list[dict]:
+    """An assistant's tool calls as {"type": "function", "function": {"name", "arguments"}},
+    arguments a JSON object (a JSON string of one is parsed)."""
+    calls = _calls(m)
+    if not isinstance(calls, list):
+        raise DoelError(f"{where}: tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls, 1):
+        f = call.get("function", call) if isinstance(call, dict) else None
+        name = f.get("name") if isinstance(f, dict) else None
+        args = f.get("arguments", {}) if isinstance(f, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(name, str) or not name or not isinstance(args, dict):
+            raise DoelError(
+                f'{where}: tool call {j} must be {{"function": {{"name": "...", "arguments": '
+                f"{{...}}}}}} (arguments a JSON object), got {str(call)[:80]}"
+            )
+        out.append({"type": "function", "function": {"name": name, "arguments": args}})
     return out
+
+
+def _tools(tools, where: str) -> list | None:
+    """A row's tools: a list of function definitions (or a JSON string of one), each with a
+    name; None for none."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as e:
+            raise DoelError(f"{where}: tools is a string but not JSON ({e.msg})") from None
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise DoelError(f"{where}: tools must be a list of function definitions")
+    for j, t in enumerate(tools, 1):
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise DoelError(
+                f'{where}: tool {j} must be {{"type": "function", "function": {{"name": ..., '
+                f'"parameters": {{...}}}}}}, got {str(t)[:80]}'
+            )
+    return tools
 
 
 # ------------------------------------------------------------------ reading
@@ -169,7 +248,10 @@ def iter_conversations(
                     stats["filtered"] = stats.get("filtered", 0) + 1
                     continue
                 try:
-                    messages = check_messages(_messages_of(row, cfg, where), where)
+                    tools = (
+                        None if cfg.prompt_field or not isinstance(row, dict) else row.get("tools")
+                    )
+                    messages = check_messages(_messages_of(row, cfg, where), where, tools)
                 except DoelError as e:
                     if not cfg.skip_malformed:
                         raise

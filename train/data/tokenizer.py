@@ -50,11 +50,43 @@ N_RESERVED = 5
 SPECIAL_TOKENS = [BOS, EOS, PAD, *CHAT_TOKENS, f"<|reserved_{N_RESERVED - 1}|>"]
 # The one chat template (a Jinja string, as transformers' apply_chat_template and llama.cpp
 # read it): <|bos|>, then <|role|>content<|end|> a message, then <|assistant|> when a reply is
-# wanted. The model stops a reply by writing <|end|>.
+# wanted. The model stops a reply by writing <|end|>. Tools (transformers' `tools=`, OpenAI's
+# function definitions) go in the system turn after its content: TOOLS_HEADER, then each
+# function's definition as one JSON line. An assistant's calls follow its content, each
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>; a tool's result is a user turn
+# <tool_response>result</tool_response>. All of it is text: the vocabulary is every doel
+# vocabulary's (no new special token), and train/data/chat.py renders the same text in ids.
+# Every message's content is printed exactly once, in order (serve/template.py relies on it).
+TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
+TOOLS_HEADER = (
+    'Functions you may call, as <tool_call>{"name": ..., "arguments": {...}}</tool_call>:\n'
+)
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    "{{ bos_token }}{% if tools %}{{ '<|system|>' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ " + repr(TOOLS_HEADER) + " }}"
+    "{% for tool in tools %}"
+    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\\n' }}"
+    "{% endfor %}{{ '<|end|>' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|user|>"
+    + TOOL_RESPONSE
+    + "' + message['content'] + '"
+    + TOOL_RESPONSE_END
+    + "<|end|>' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|assistant|>' }}{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '" + TOOL_CALL + "' }}{% if f['arguments'] is string %}"
+    "{{ '{\"name\": ' + f['name'] | tojson + ', \"arguments\": ' + f['arguments'] + '}' }}"
+    "{% else %}{{ {'name': f['name'], 'arguments': f['arguments']} | tojson }}{% endif %}"
+    "{{ '" + TOOL_CALL_END + "' }}{% endfor %}{{ '<|end|>' }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 N_BYTES = 256
