@@ -1,33 +1,34 @@
 """`doel-export --web`: BUNDLE/web/, a static page that runs the bundle inside a browser.
 
 Any phone or laptop with a current browser opens it, offline once loaded, with no app store and
-no server beyond static files: the model runs in a Web Worker on onnxruntime-web's WebAssembly
-build (SIMD; threads where the page is cross-origin isolated), the text is tokenized by
-tokenizers.js reading the bundle's tokenizer.json, and whole Bengali clusters stream into the
-page (export/web/worker.js ports serve/textstream.py's rule).
+no server beyond static files: the model runs in a Web Worker on onnxruntime-web, WebGPU where
+the browser gives an adapter, else WebAssembly (SIMD; threads where the page is cross-origin
+isolated); the text is tokenized by tokenizers.js reading the bundle's tokenizer.json, and
+whole Bengali clusters stream into the page (export/web/worker.js ports serve/textstream.py's
+rule).
 
     web/index.html, worker.js, sw.js    doel's page, its worker, its service worker (export/web/)
-    web/web.json                        what the worker loads (below)
-    web/model.onnx                      the bundle's graph, rewritten for WebAssembly (below)
-    web/model-<sha256[:16]>.bin ...     its weights cut into pieces of at most CHUNK_BYTES
+    web/web.json                        what the worker loads: its graphs and their pieces
+    web/model.onnx, model.int8.onnx     the page's graphs (export/web_graph.py: bundle, int8)
+    web/model-<sha256[:16]>.bin ...     each graph's weights cut into pieces of at most CHUNK_BYTES
     web/tokenizer.json, tokenizer_config.json
     web/ort.wasm.min.js, ort-wasm-simd-threaded.{mjs,wasm}   onnxruntime-web (npm, MIT)
+    web/ort.webgpu.min.js, ort-wasm-simd-threaded.asyncify.{mjs,wasm}   its WebGPU build
     web/tokenizers.min.js               @huggingface/tokenizers (npm, Apache-2.0; CommonJS build)
 
 Why so:
-- onnxruntime-web's wasm build carries ONNX Runtime's CPU contrib operators, so the bundle's
-  graph runs there (GroupQueryAttention, MatMulNBits, GatherBlockQuantized, SkipSimplifiedLayer-
-  Normalization), but its MatMulNBits kernel has no fast WebAssembly path: the 0.4B int4 model
-  decoded ~37x slower than doel-serve. The page's graph therefore holds the same integers and
-  scales as DequantizeLinear + MatMul, which ONNX Runtime folds into fp32 matrices once, at load
-  (~5x faster decode, ~3x the memory: 2.7 GB at 0.4B; benchmarks/results/web_cpu-*.md); the
-  page's ?memory=low (or a browser reporting under 8 GB) lets it fuse them back into
-  MatMulNBits instead: int4 in memory, slow. `logits_to_keep` (an overridable initializer,
-  export/graph.py) becomes a plain input: the page lists only inputs without an initializer and
-  refuses other feeds. And the cache grows one position a step (GroupQueryAttention's
-  concatenating mode, present = past + new) instead of serve's buffer at the full context
-  written in place: wasm copies every input and output across the JavaScript boundary on each
-  run, and a full-context buffer would copy the whole context's cache twice a token.
+- WebGPU: ONNX Runtime's WebGPU EP runs the bundle's own graph, MatMulNBits on its int4 kernels
+  (the `bundle` graph). WebAssembly: onnxruntime-web's MatMulNBits has no fast WebAssembly path (the
+  0.4B int4 model decoded ~37x slower than doel-serve), while its int8 DynamicQuantizeMatMul is
+  about as fast as an fp32 MatMul a decode step and faster a prefill chunk
+  (benchmarks/results/web_probe_cpu-*.md): the int8 graph, 8 bits in memory, is the default
+  there; a browser reporting under 2 GB (or ?weights=bundle) gets the bundle's graph instead.
+- `logits_to_keep` (an overridable initializer, export/graph.py) becomes a plain input: the page
+  lists only inputs without an initializer and refuses other feeds. And the cache grows one
+  position a step (GroupQueryAttention's concatenating mode, present = past + new) instead of
+  serve's buffer at the full context written in place: wasm copies every input and output
+  across the JavaScript boundary on each run, and a full-context buffer would copy the whole
+  context's cache twice a token.
 - The weights are pieces named by their hash, so the page keeps each in Cache Storage and a new
   export never reads a stale one; the worker checks each fresh piece's sha256.
 - Threads: a browser gives WebAssembly threads only to a cross-origin isolated page (two response
@@ -50,23 +51,36 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import onnx
-from onnx import numpy_helper
-
 from doel.contracts.manifest import Manifest, ManifestError, read_manifest
 from doel.export.common import ExportError, fresh_dir, sha256_file, write_json
+from doel.export.web_graph import web_graph
 
 PAGE = Path(__file__).with_name("web")  # index.html, worker.js, package.json, package-lock.json
 PAGE_FILES = ("index.html", "worker.js", "sw.js")
 CHUNK_BYTES = 32 << 20  # a piece of the weights: small enough for any cache and a phone's fetch
-LOGITS_TO_KEEP = "logits_to_keep"
 WEB_DATA = "model.web.data"  # the page's weights, joined from the pieces in the browser
+# The page's graphs (export/web_graph.py): name -> (graph file, weights file); the page ships
+# `bundle` (the bundle's own: WebGPU's, and the smallest on WebAssembly) and int8 (WebAssembly's
+# default); fp32 is written only when asked for (bench_web measures it beside int8).
+GRAPHS = {
+    "bundle": ("model.onnx", WEB_DATA),
+    "int8": ("model.int8.onnx", "model.int8.data"),
+    "fp32": ("model.fp32.onnx", "model.fp32.data"),
+}
+PAGE_GRAPHS = ("bundle", "int8")
 # node_modules path -> name in the web folder
 RUNTIME_FILES = {
     "onnxruntime-web/dist/ort.wasm.min.js": "ort.wasm.min.js",
     "onnxruntime-web/dist/ort-wasm-simd-threaded.mjs": "ort-wasm-simd-threaded.mjs",
     "onnxruntime-web/dist/ort-wasm-simd-threaded.wasm": "ort-wasm-simd-threaded.wasm",
+    # the WebGPU build (its own WebAssembly binary: ONNX Runtime's WebGPU EP, asyncify)
+    "onnxruntime-web/dist/ort.webgpu.min.js": "ort.webgpu.min.js",
+    **{
+        f"onnxruntime-web/dist/ort-wasm-simd-threaded.asyncify.{x}": (
+            f"ort-wasm-simd-threaded.asyncify.{x}"
+        )
+        for x in ("mjs", "wasm")
+    },
     "@huggingface/tokenizers/dist/tokenizers.min.cjs": "tokenizers.min.js",
     "@huggingface/tokenizers/LICENSE": "LICENSE.tokenizers-js.txt",
 }
@@ -120,81 +134,19 @@ def runtime_modules(log=print) -> Path:
     return mods
 
 
-def unpack_nbits(b: np.ndarray, bits: int, k: int) -> np.ndarray:
-    """MatMulNBits' weight [N, blocks, bytes] (uint8, zero point 2^(bits-1), the builder's
-    symmetric form) as signed integers [N, K]."""
-    flat = b.reshape(b.shape[0], -1).astype(np.int16)
-    if bits == 4:
-        flat = np.stack([flat & 0xF, flat >> 4], axis=-1).reshape(b.shape[0], -1)
-    return (flat[:, :k] - (1 << (bits - 1))).astype(np.int8)
-
-
-def _int4_tensor(name: str, q: np.ndarray) -> onnx.TensorProto:
-    """ONNX INT4 [K, N]: two values a byte, the first in the low nibble."""
-    u = (q.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
-    if u.size % 2:
-        u = np.append(u, np.uint8(0))
-    raw = (u[0::2] | (u[1::2] << 4)).tobytes()
-    return onnx.helper.make_tensor(name, onnx.TensorProto.INT4, list(q.shape), raw, raw=True)
-
-
-def dequantize_nodes(g: onnx.GraphProto) -> int:
-    """Each MatMulNBits without zero points becomes DequantizeLinear (the same integers and
-    scales, blocked along K) + MatMul; returns how many. In WebAssembly MatMulNBits has no fast
-    kernel (one [1, 1024] x [1024, 2816] product: 14-17 ms, an fp32 MatMul 0.3-0.7 ms;
-    benchmarks/probe_web_matmul.py). The page then either lets ONNX Runtime fold each pair into
-    an fp32 matrix at load (fast, large) or fuse it back into MatMulNBits (small, slow)."""
-    inits = {t.name: t for t in g.initializer}
-    nodes = [n for n in g.node if n.op_type == "MatMulNBits" and len(n.input) == 3]
-    for node in nodes:
-        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-        k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
-        q = unpack_nbits(numpy_helper.to_array(inits[node.input[1]]), bits, k).T.copy()
-        scales = numpy_helper.to_array(inits[node.input[2]]).reshape(n, -1).T.astype(np.float32)
-        names = [f"{node.name}/{x}" for x in ("q", "scales", "weight")]
-        qt = _int4_tensor(names[0], q) if bits == 4 else numpy_helper.from_array(q, names[0])
-        g.initializer.extend([qt, numpy_helper.from_array(np.ascontiguousarray(scales), names[1])])
-        for name in node.input[1:]:
-            g.initializer.remove(inits[name])
-        at = list(g.node).index(node)
-        dq = onnx.helper.make_node(
-            "DequantizeLinear",
-            names[:2],
-            names[2:],
-            name=f"{node.name}/DQ",
-            axis=0,
-            block_size=block,
-        )
-        mm = onnx.helper.make_node(
-            "MatMul", [node.input[0], names[2]], list(node.output), name=f"{node.name}/MatMul"
-        )
-        g.node.remove(node)
-        g.node.insert(at, mm)
-        g.node.insert(at, dq)
-    return len(nodes)
-
-
-def web_graph(src: Path, out: Path) -> dict:
-    """The page's graph of `src` in out/model.onnx, its weights in out/WEB_DATA: logits_to_keep a
-    plain input, MatMulNBits as DequantizeLinear + MatMul where the opset has blocked
-    DequantizeLinear (21)."""
-    m = onnx.load(str(src))  # the weights too: the quantized ones are rewritten
-    g = m.graph
-    inputs = {i.name for i in g.input}
-    found = [t for t in g.initializer if t.name == LOGITS_TO_KEEP and t.name in inputs]
-    for t in found:
-        g.initializer.remove(t)
-    opset = max((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), default=0)
-    rewritten = dequantize_nodes(g) if opset >= 21 else 0
-    onnx.save(
-        m,
-        str(out / "model.onnx"),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=WEB_DATA,
-        size_threshold=1024,
-    )
-    return {"logits_to_keep": bool(found), "dequantized_matmuls": rewritten}
+def page_graph(model: Path, out: Path, weights: str, chunk: int) -> dict:
+    """The `weights` graph (GRAPHS) of `model` in `out`, its weights cut into pieces."""
+    name, data = GRAPHS[weights]
+    facts = web_graph(model, out, name, data, weights)
+    pieces = split_data(out / data, out, chunk) if (out / data).is_file() else []
+    if pieces:
+        (out / data).unlink()  # the page joins the pieces
+    return facts | {
+        "model": name,
+        "data_path": data if pieces else None,
+        "data": pieces,
+        "data_bytes": sum(p["bytes"] for p in pieces),
+    }
 
 
 def split_data(data: Path, out: Path, chunk: int = CHUNK_BYTES) -> list[dict]:
@@ -223,10 +175,11 @@ def write_web(
     chunk: int = CHUNK_BYTES,
     manifest: dict | None = None,
     name: str | None = None,
+    graphs: tuple[str, ...] = PAGE_GRAPHS,
 ) -> dict:
     """Write the web folder of `bundle` (default BUNDLE/web); return its web.json and size.
     `manifest` and `name` stand in for the bundle's manifest.json and folder name while
-    doel-export is still writing it."""
+    doel-export is still writing it. `graphs`: which of GRAPHS (bundle always)."""
     bundle = Path(bundle)
     out = Path(out) if out is not None else bundle / "web"
     try:
@@ -238,11 +191,11 @@ def write_web(
     model = bundle / m.model
     mods = runtime_modules(log)
     out.mkdir(parents=True, exist_ok=True)
-    graph_facts = web_graph(model, out)
-    data_path = WEB_DATA if (out / WEB_DATA).is_file() else None
-    pieces = split_data(out / data_path, out, chunk) if data_path else []
-    if data_path:
-        (out / data_path).unlink()  # the page joins the pieces
+    made = {w: page_graph(model, out, w, chunk) for w in ("bundle", *graphs) if w in GRAPHS}
+    for w in [w for w in made if w != "bundle" and not made[w]["rewritten_matmuls"]]:
+        for p in made.pop(w)["data"]:  # no quantized matmuls: the bundle's graph is the same
+            (out / p["file"]).unlink(missing_ok=True)
+        (out / GRAPHS[w][0]).unlink()
     for file in ("tokenizer.json", "tokenizer_config.json"):
         if (bundle / file).is_file():
             shutil.copyfile(bundle / file, out / file)
@@ -262,16 +215,15 @@ def write_web(
         "format": "doel-web",
         "format_version": 1,
         "bundle": name or bundle.resolve().name,
-        "model": "model.onnx",
-        "data_path": data_path,
-        "data": pieces,
-        "data_bytes": sum(p["bytes"] for p in pieces),
+        # the bundle graph's, as format 1 had them (graphs lists each)
+        **{k: made["bundle"][k] for k in ("model", "data_path", "data", "data_bytes")},
+        "graphs": made,
         "past_names": [i["name"] for i in m.extra["inputs"] if i["name"].startswith("past_")],
         "kv_heads": kv.kv_heads,
         "head_dim": kv.head_dim,
         "kv_dtype": kv.dtype,
         "position_ids": bool(kv.position_ids_input),
-        **graph_facts,
+        "logits_to_keep": made["bundle"]["logits_to_keep"],
         "vocab_size": m.vocab_size,
         "context_length": m.context_length,
         "stop_ids": stop_ids(m.special_tokens),

@@ -57,10 +57,46 @@ def web_bundle(tiny_bundle, tmp_path_factory):
     return out
 
 
-def test_web_folder_holds_the_bundles_weights_in_hashed_pieces(web_bundle, tmp_path):
-    """Each piece is named by its hash; joined, they hold the page's graph's weights, in which
-    every MatMulNBits became DequantizeLinear + MatMul over exactly the bundle's integers and
-    scales; the rest of the graph is the bundle's; the manifest records the page."""
+def _joined(page, spec: dict, graph: str, into):
+    """The page's `graph` with its pieces joined back into its weights file, loaded."""
+    import onnx
+
+    g = spec["graphs"][graph]
+    for p in g["data"]:
+        digest = hashlib.sha256((page / p["file"]).read_bytes()).hexdigest()
+        assert p["file"] == f"model-{digest[:16]}.bin"
+    joined = b"".join((page / p["file"]).read_bytes() for p in g["data"])
+    (into / g["data_path"]).write_bytes(joined)
+    shutil.copyfile(page / g["model"], into / g["model"])
+    return onnx.load(str(into / g["model"])).graph
+
+
+def _nbits_weights(bundle_graph):
+    """Each MatMulNBits of the bundle: name -> (attributes, float weights [N, K])."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from doel.export.web_graph import unpack_nbits
+
+    inits = {t.name: t for t in bundle_graph.initializer}
+    out = {}
+    for node in (n for n in bundle_graph.node if n.op_type == "MatMulNBits"):
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        q = unpack_nbits(numpy_helper.to_array(inits[node.input[1]]), a["bits"], a["K"])
+        scales = numpy_helper.to_array(inits[node.input[2]]).reshape(a["N"], -1)
+        out[node.name] = a, q * np.repeat(scales, a["block_size"], axis=1)[:, : a["K"]]
+    return out
+
+
+def test_web_folder_holds_the_bundles_graph_and_its_int8_form_in_hashed_pieces(
+    web_bundle, tmp_path
+):
+    """The bundle's own graph (WebGPU's) with its weights as they are; the int8 graph
+    (WebAssembly's default), in which every MatMulNBits became DynamicQuantizeMatMul over int8
+    weights a column within half a step of the bundle's; the fp32 graph (on request), whose
+    DequantizeLinear + MatMul hold exactly the bundle's integers and scales; the rest of each
+    graph is the bundle's; the manifest records the page."""
     import numpy as np
     import onnx
     from onnx import numpy_helper
@@ -69,37 +105,51 @@ def test_web_folder_holds_the_bundles_weights_in_hashed_pieces(web_bundle, tmp_p
 
     page = web_bundle / "web"
     spec = json.loads((page / "web.json").read_text())
-    for p in spec["data"]:
-        digest = hashlib.sha256((page / p["file"]).read_bytes()).hexdigest()
-        assert p["file"] == f"model-{digest[:16]}.bin"
-    joined = b"".join((page / p["file"]).read_bytes() for p in spec["data"])
-    (tmp_path / spec["data_path"]).write_bytes(joined)
-    shutil.copyfile(page / "model.onnx", tmp_path / "model.onnx")
-    ours = onnx.load(str(tmp_path / "model.onnx")).graph
+    assert sorted(spec["graphs"]) == ["bundle", "int8"]
     theirs = onnx.load(str(web_bundle / "model.onnx")).graph
-    mine = {t.name: t for t in ours.initializer}
-    bundle = {t.name: t for t in theirs.initializer}
-    nbits = [n for n in theirs.node if n.op_type == "MatMulNBits"]
-    assert nbits and spec["dequantized_matmuls"] == len(nbits)
-    assert not [n for n in ours.node if n.op_type == "MatMulNBits"]
-    for node in nbits:
-        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-        q = web.unpack_nbits(numpy_helper.to_array(bundle[node.input[1]]), a["bits"], a["K"])
-        scales = numpy_helper.to_array(bundle[node.input[2]]).reshape(a["N"], -1)
-        want = q * np.repeat(scales, a["block_size"], axis=1)[:, : a["K"]]  # [N, K]
-        got_q = numpy_helper.to_array(mine[f"{node.name}/q"]).astype(np.float32)
-        got_s = numpy_helper.to_array(mine[f"{node.name}/scales"])
-        got = got_q * np.repeat(got_s, a["block_size"], axis=0)[: a["K"]]  # [K, N]
-        assert np.array_equal(got.T, want), node.name
-    rest = [n for n in theirs.node if n.op_type != "MatMulNBits"]
-    assert [n for n in ours.node if n.op_type not in ("DequantizeLinear", "MatMul")] == [
-        n for n in rest if n.op_type != "MatMul"
+    nbits = _nbits_weights(theirs)
+    assert nbits
+    (tmp_path / "b").mkdir()
+    same = _joined(page, spec, "bundle", tmp_path / "b")
+    bundle_inits = {t.name: t for t in theirs.initializer}
+    for t in same.initializer:
+        assert (
+            numpy_helper.to_array(t).tobytes()
+            == numpy_helper.to_array(bundle_inits[t.name]).tobytes()
+        ), t.name
+    assert [n.op_type for n in same.node] == [n.op_type for n in theirs.node]
+    assert "logits_to_keep" in bundle_inits and spec["logits_to_keep"]
+    assert "logits_to_keep" not in {t.name for t in same.initializer}
+    (tmp_path / "i8").mkdir()
+    int8 = _joined(page, spec, "int8", tmp_path / "i8")
+    mine = {t.name: numpy_helper.to_array(t) for t in int8.initializer}
+    assert spec["graphs"]["int8"]["rewritten_matmuls"] == len(nbits)
+    for name, (_a, want) in nbits.items():
+        w8, scale = mine[f"{name}/w8"], mine[f"{name}/w8_scale"]
+        assert w8.dtype == np.int8 and scale.shape == (want.shape[0],)
+        err = np.abs(w8.astype(np.float32) * scale - want.T)
+        assert (err <= scale / 2 + 1e-6).all(), name
+    assert [n.op_type for n in int8.node if n.op_type != "DynamicQuantizeMatMul"] == [
+        n.op_type for n in theirs.node if n.op_type != "MatMulNBits"
     ]
-    assert [i.name for i in ours.input] == [i.name for i in theirs.input]
-    assert "logits_to_keep" in bundle and "logits_to_keep" not in mine and spec["logits_to_keep"]
+    # The fp32 graph, which bench_web asks for: the same integers and scales, dequantized.
+    fp32 = tmp_path / "fp32"
+    spec32 = web.write_web(web_bundle, fp32, log=lambda _m: None, graphs=("fp32",))
+    assert sorted(spec32["graphs"]) == ["bundle", "fp32"]
+    (tmp_path / "f").mkdir()
+    dq = {
+        t.name: numpy_helper.to_array(t)
+        for t in _joined(fp32, spec32, "fp32", tmp_path / "f").initializer
+    }
+    for name, (a, want) in nbits.items():
+        got = dq[f"{name}/q"].astype(np.float32)
+        got = got * np.repeat(dq[f"{name}/scales"], a["block_size"], axis=0)[: a["K"]]
+        assert np.array_equal(got.T, want), name
     # Small pieces: the same bytes, more files.
-    small = web.split_data(tmp_path / spec["data_path"], tmp_path, chunk=100_000)
-    assert len(small) > 1 and b"".join((tmp_path / p["file"]).read_bytes() for p in small) == joined
+    data = tmp_path / "i8" / spec["graphs"]["int8"]["data_path"]
+    small = web.split_data(data, tmp_path, chunk=100_000)
+    joined = b"".join((tmp_path / p["file"]).read_bytes() for p in small)
+    assert len(small) > 1 and joined == data.read_bytes()
     manifest = json.loads((web_bundle / "manifest.json").read_text())
     assert manifest["web"]["pieces"] == len(spec["data"])
     for name in (
@@ -108,9 +158,11 @@ def test_web_folder_holds_the_bundles_weights_in_hashed_pieces(web_bundle, tmp_p
         "sw.js",
         "ort.wasm.min.js",
         "ort-wasm-simd-threaded.wasm",
+        "ort.webgpu.min.js",
+        "ort-wasm-simd-threaded.asyncify.wasm",
     ):
         assert (page / name).is_file(), name
-    assert not (page / spec["data_path"]).exists()  # only the pieces are served
+    assert not [p for p in page.iterdir() if p.suffix == ".data"]  # only the pieces are served
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +193,8 @@ def page(web_bundle):
     driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
     driver.set_script_timeout(60)
     try:
-        # fp32 weights in memory whatever the machine reports (the page picks by memory)
-        driver.get(f"http://127.0.0.1:{server.server_address[1]}/?memory=fp32")
+        # the page's default: no WebGPU without --enable-unsafe-webgpu, int8 on WebAssembly
+        driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
         facts = _script(driver, "return await doel.ready;")
         yield driver, facts
     finally:
@@ -155,7 +207,8 @@ def test_page_tokenizes_as_tokenizers_does(page, web_bundle, sample_paths):
     from tokenizers import Tokenizer
 
     driver, facts = page
-    assert facts["isolated"] and facts["threads"] >= 1 and facts["weights_in_memory"] == "fp32"
+    assert facts["isolated"] and facts["threads"] >= 1
+    assert facts["backend"] == "wasm" and facts["weights_in_memory"] == "int8", facts
     tok = Tokenizer.from_file(str(web_bundle / "tokenizer.json"))
     texts = PROMPTS + EDGE
     for path in sample_paths:
@@ -257,8 +310,8 @@ def test_page_isolates_itself_where_the_host_sends_no_headers(page, web_bundle):
         driver.get(url + "?no-sw&memory=low")
         plain = _script(driver, "return await doel.ready;")
         assert not plain["isolated"] and plain["threads"] == 1
-        # Weights int4 in memory (MatMulNBits again): slower, the same greedy ids.
-        assert plain["weights_in_memory"] == "int4"
+        # The bundle's own graph (int4 MatMulNBits): smaller, slower, the same greedy ids.
+        assert plain["weights_in_memory"] == "int4" and plain["graph"] == "bundle"
         req = {"prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0}
         got = _script(driver, "return await doel.generate(arguments[0]);", req)
         assert got["ids"] == _engine_ids(web_bundle, PROMPTS[0])
@@ -273,5 +326,54 @@ def test_page_isolates_itself_where_the_host_sends_no_headers(page, web_bundle):
         assert facts["isolated"] and facts["threads"] == min(cores, 4)
         assert driver.execute_script("return !!navigator.serviceWorker.controller")
     finally:
+        server.shutdown()
+        server.server_close()
+
+
+# How the WebGPU test asks Chromium for an adapter: headless Chromium on Linux offers WebGPU only
+# with this switch, and then (no GPU here) SwiftShader's software adapter.
+WEBGPU_SWITCHES = ("--enable-unsafe-webgpu",)
+
+
+def test_page_runs_on_webgpu_where_the_browser_gives_an_adapter(page, web_bundle):
+    """With an adapter the page picks WebGPU by itself (the bundle's int4 graph, MatMulNBits on
+    the WebGPU EP), says which adapter and why, and continues both prompts with doel-serve's
+    engine's greedy ids. A software adapter proves the ids, never a speed."""
+    from selenium.webdriver.chrome.service import Service
+
+    from doel.export.web import static_server
+
+    server = static_server(web_bundle / "web")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", *WEBGPU_SWITCHES):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
+    driver.set_script_timeout(60)
+    try:
+        driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
+        facts = _script(driver, "return await doel.ready;")
+        if facts["backend"] != "webgpu":
+            pytest.skip(
+                f"Chromium {' '.join(WEBGPU_SWITCHES)} gave no WebGPU adapter: the page says "
+                f"{facts['why']!r} (WebGPU needs a GPU driver or SwiftShader's Vulkan in Chromium)"
+            )
+        assert facts["adapter"] and facts["weights_in_memory"] == "int4"
+        assert facts["graph"] == "bundle" and "adapter" in facts["why"]
+        shown = driver.find_element("id", "facts").get_property("textContent")
+        assert "WebGPU" in shown and facts["adapter"] in shown
+        if facts["software_adapter"]:
+            assert "software adapter" in shown  # the page never passes its speed off as a GPU's
+        for prompt in PROMPTS:
+            req = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+            got = _script(driver, "return await doel.generate(arguments[0]);", req)
+            assert got["ids"] == _engine_ids(web_bundle, prompt), prompt
+        # Forced back to WebAssembly, the page says so.
+        driver.get(f"http://127.0.0.1:{server.server_address[1]}/?backend=wasm")
+        forced = _script(driver, "return await doel.ready;")
+        assert forced["backend"] == "wasm" and "backend=wasm" in forced["why"]
+    finally:
+        driver.quit()
         server.shutdown()
         server.server_close()

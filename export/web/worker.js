@@ -1,4 +1,4 @@
-// doel's Web Worker: the bundle's graph on onnxruntime-web (WebAssembly), its tokenizer.json in
+// doel's Web Worker: the bundle's graph on onnxruntime-web (WebGPU or WebAssembly), its tokenizer.json in
 // tokenizers.js, a prefill and one run a token through the KV cache, sampling, and text streamed
 // to the page in whole characters and whole Bengali clusters. Written by doel-export --web
 // (export/web.py says why the page works as it does); no server beyond static files.
@@ -9,7 +9,6 @@ self.module = { exports: {} };
 self.exports = self.module.exports;
 importScripts("tokenizers.min.js"); // the .cjs file renamed: static hosts serve .js as script
 const { Tokenizer } = self.module.exports;
-importScripts("ort.wasm.min.js"); // the global `ort`
 
 const PREFILL_CHUNK = 128; // prompt tokens a run, as doel-serve (serve/engine.py)
 const CACHE = "doel-web-v1";
@@ -36,23 +35,55 @@ async function piece(p, cache) {
   return buf;
 }
 
-// lowMemory: keep the weights int4 in memory (ONNX Runtime fuses DequantizeLinear + MatMul back
-// into MatMulNBits: ~0.8 GB at 0.4B, but ~5x slower); else they are dequantized to fp32 once, at
-// load (~2.7 GB at 0.4B). benchmarks/results/web_cpu-*.md has both.
-async function load(threads, lowMemory) {
-  const t0 = performance.now();
-  spec = await (await fetch("web.json")).json();
+// Which backend: WebGPU where the browser gives an adapter (ONNX Runtime's WebGPU EP, the int4
+// graph's MatMulNBits kernels there), else WebAssembly; `want` ("webgpu"/"wasm") forces one.
+// Returns {backend, why, adapter}.
+async function pickBackend(want) {
+  if (want === "wasm") return { backend: "wasm", why: "asked for (?backend=wasm)" };
+  if (!self.navigator || !navigator.gpu)
+    return { backend: "wasm", why: "this browser has no WebGPU (navigator.gpu is missing)" };
+  let adapter = null;
+  try {
+    adapter = await navigator.gpu.requestAdapter();
+  } catch (err) {
+    return { backend: "wasm", why: `navigator.gpu.requestAdapter() failed: ${err.message || err}` };
+  }
+  if (!adapter) return { backend: "wasm", why: "navigator.gpu.requestAdapter() gave no adapter" };
+  const info = adapter.info || {};
+  const name = [info.vendor, info.architecture, info.description].filter(Boolean).join(" ");
+  return { backend: "webgpu", why: want === "webgpu" ? "asked for (?backend=webgpu)" :
+    "the browser gives a WebGPU adapter", adapter: name || "unnamed",
+    software: info.architecture === "swiftshader" || !!adapter.isFallbackAdapter };
+}
+
+// The graph's weights, from its pieces: straight into one buffer, held once plus one piece.
+async function weights(graph) {
   const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
-  // Pieces go straight into one buffer: the weights are held once, plus one piece.
-  const data = new Uint8Array(spec.data_bytes);
+  const data = new Uint8Array(graph.data_bytes);
   let at = 0;
-  for (const p of spec.data) {
+  for (const p of graph.data) {
     data.set(new Uint8Array(await piece(p, cache)), at);
     at += p.bytes;
-    post({ type: "progress", loaded: at, total: spec.data_bytes });
+    post({ type: "progress", loaded: at, total: graph.data_bytes });
   }
-  const [graph, tokJson, tokConfig] = await Promise.all([
-    fetch(spec.model).then((r) => r.arrayBuffer()),
+  return data;
+}
+
+// weightsIn (WebAssembly only): "int8" (DynamicQuantizeMatMul, the default: 8 bits in memory and
+// about fp32's speed), "bundle" (the bundle's MatMulNBits: smallest, several times slower) or
+// "fp32" (where the folder has that graph: folded to fp32 at load, 4x int8's memory). export/
+// web_graph.py and benchmarks/results/web_probe_cpu-*.md say why.
+async function load(threads, want, weightsIn) {
+  const t0 = performance.now();
+  spec = await (await fetch("web.json")).json();
+  const graphs = spec.graphs || { bundle: spec };
+  const pick = await pickBackend(want);
+  let mode = pick.backend === "webgpu" ? "bundle" : weightsIn || "int8";
+  if (!(mode in graphs)) mode = "int8" in graphs && mode !== "bundle" ? "int8" : "bundle";
+  const graph = graphs[mode];
+  const data = await weights(graph);
+  const [model, tokJson, tokConfig] = await Promise.all([
+    fetch(graph.model).then((r) => r.arrayBuffer()),
     fetch("tokenizer.json").then((r) => r.json()),
     fetch("tokenizer_config.json").then((r) => (r.ok ? r.json() : {})),
   ]);
@@ -61,29 +92,34 @@ async function load(threads, lowMemory) {
   // as in tokenizers.
   const ids = [...Object.values(tokJson.model.vocab), ...tokJson.added_tokens.map((t) => t.id)];
   vocabSize = Math.max(...ids) + 1;
+  importScripts(pick.backend === "webgpu" ? "ort.webgpu.min.js" : "ort.wasm.min.js"); // `ort`
   // Threads need SharedArrayBuffer, which a browser gives only a cross-origin isolated page.
   const most = self.crossOriginIsolated ? navigator.hardwareConcurrency || 1 : 1;
   ort.env.wasm.numThreads = Math.max(1, Math.min(threads || Math.min(most, 4), most));
   ort.env.wasm.wasmPaths = new URL("./", self.location.href).href;
-  const external = spec.data_path ? [{ path: spec.data_path, data }] : [];
-  session = await ort.InferenceSession.create(new Uint8Array(graph), {
-    executionProviders: ["wasm"],
+  const external = graph.data_path ? [{ path: graph.data_path, data }] : [];
+  session = await ort.InferenceSession.create(new Uint8Array(model), {
+    executionProviders: [pick.backend],
     graphOptimizationLevel: "all",
     externalData: external,
     // Without its QDQ rules ONNX Runtime folds each DequantizeLinear of constant weights into an
-    // fp32 matrix at load, instead of fusing it with its MatMul back into MatMulNBits, which has
-    // no fast WebAssembly kernel (export/web.py, dequantize_nodes).
-    extra: lowMemory ? {} : { session: { disable_quant_qdq: "1" } },
+    // fp32 matrix at load, instead of fusing it with its MatMul back into MatMulNBits.
+    extra: mode === "fp32" ? { session: { disable_quant_qdq: "1" } } : {},
   });
   post({
     type: "ready",
+    backend: pick.backend,
+    why: pick.why,
+    adapter: pick.adapter || null,
+    software_adapter: !!pick.software,
     threads: ort.env.wasm.numThreads,
-    weights_in_memory: lowMemory ? "int4" : "fp32",
+    weights_in_memory: mode === "bundle" ? spec.quant : mode,
+    graph: mode,
     isolated: !!self.crossOriginIsolated,
     load_ms: performance.now() - t0,
     bundle: spec.bundle,
     quantization: spec.quantization,
-    data_bytes: spec.data_bytes,
+    data_bytes: graph.data_bytes,
     runtime: spec.runtime,
   });
 }
@@ -290,7 +326,7 @@ async function generate(req) {
 self.onmessage = async (e) => {
   const msg = e.data;
   try {
-    if (msg.type === "load") await load(msg.threads, msg.lowMemory);
+    if (msg.type === "load") await load(msg.threads, msg.backend, msg.weights);
     else if (msg.type === "encode")
       post({ type: "ids", ids: msg.texts.map((t) => tokenizer.encode(t).ids) });
     else if (msg.type === "generate") await generate(msg);

@@ -1,0 +1,150 @@
+"""The browser page's graphs of a bundle's ONNX model (`doel-export --web`, export/web.py).
+
+One bundle, several graphs, each with its own weights (the page fetches one set):
+- `bundle` (model.onnx): the bundle's own graph, MatMulNBits and all (int4 in an int4
+  bundle). WebGPU runs it on its int4 kernels; on WebAssembly it is the smallest and slowest
+  mode (MatMulNBits there takes 10-130x the fp32 MatMul's time a decode step:
+  benchmarks/results/web_probe_cpu-*.md).
+- `int8` (model.int8.onnx): each MatMulNBits as DynamicQuantizeMatMul over int8 weights with
+  one scale a column: 8 bits in memory, and in onnxruntime-web's WebAssembly build 1.0-1.3x the
+  fp32 MatMul's time a decode step and 0.3-0.7x a prefill chunk (the probe's table): the page's
+  default on WebAssembly. The int8 values are the bundle's int4 (or int8) weights, dequantized
+  and requantized a column: one more rounding, half a 127th of the column's largest weight.
+- `fp32` (model.fp32.onnx, for benchmarks: bench_web's "today's fp32 mode"): each MatMulNBits as
+  DequantizeLinear (the bundle's integers and scales, blocked along K) + MatMul, which ONNX
+  Runtime folds into fp32 matrices at load when its QDQ rules are off (4x the int8 memory). On
+  WebGPU, ONNX Runtime 1.30 does not fuse this pair back into MatMulNBits (it dequantizes every
+  run), which is why WebGPU gets the bundle's own graph.
+- `logits_to_keep` (an overridable initializer, export/graph.py) becomes a plain input in each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+LOGITS_TO_KEEP = "logits_to_keep"
+
+
+def unpack_nbits(b: np.ndarray, bits: int, k: int) -> np.ndarray:
+    """MatMulNBits' weight [N, blocks, bytes] (uint8, zero point 2^(bits-1), the builder's
+    symmetric form) as signed integers [N, K]."""
+    flat = b.reshape(b.shape[0], -1).astype(np.int16)
+    if bits == 4:
+        flat = np.stack([flat & 0xF, flat >> 4], axis=-1).reshape(b.shape[0], -1)
+    return (flat[:, :k] - (1 << (bits - 1))).astype(np.int8)
+
+
+def _int4_tensor(name: str, q: np.ndarray) -> onnx.TensorProto:
+    """ONNX INT4 [K, N]: two values a byte, the first in the low nibble."""
+    u = (q.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(0))
+    raw = (u[0::2] | (u[1::2] << 4)).tobytes()
+    return onnx.helper.make_tensor(name, onnx.TensorProto.INT4, list(q.shape), raw, raw=True)
+
+
+def _nbits(g: onnx.GraphProto):
+    """Each MatMulNBits without zero points: (node, attributes, integers [K, N], scales
+    [blocks, N]); the node's weight initializers are removed from the graph."""
+    inits = {t.name: t for t in g.initializer}
+    for node in [n for n in g.node if n.op_type == "MatMulNBits" and len(n.input) == 3]:
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        k, n = a["K"], a["N"]
+        q = unpack_nbits(numpy_helper.to_array(inits[node.input[1]]), a["bits"], k).T.copy()
+        scales = numpy_helper.to_array(inits[node.input[2]]).reshape(n, -1).T.astype(np.float32)
+        for name in node.input[1:]:
+            g.initializer.remove(inits[name])
+        yield node, a, q, np.ascontiguousarray(scales)
+
+
+def _replace(g: onnx.GraphProto, node: onnx.NodeProto, new: list[onnx.NodeProto]) -> None:
+    at = list(g.node).index(node)
+    g.node.remove(node)
+    for n in reversed(new):
+        g.node.insert(at, n)
+
+
+def dequantize_nodes(g: onnx.GraphProto) -> int:
+    """Each MatMulNBits without zero points becomes DequantizeLinear (the same integers and
+    scales, blocked along K) + MatMul; returns how many."""
+    count = 0
+    for node, a, q, scales in list(_nbits(g)):
+        names = [f"{node.name}/{x}" for x in ("q", "scales", "weight")]
+        qt = _int4_tensor(names[0], q) if a["bits"] == 4 else numpy_helper.from_array(q, names[0])
+        g.initializer.extend([qt, numpy_helper.from_array(scales, names[1])])
+        dq = onnx.helper.make_node(
+            "DequantizeLinear",
+            names[:2],
+            names[2:],
+            name=f"{node.name}/DQ",
+            axis=0,
+            block_size=a["block_size"],
+        )
+        mm = onnx.helper.make_node(
+            "MatMul", [node.input[0], names[2]], list(node.output), name=f"{node.name}/MatMul"
+        )
+        _replace(g, node, [dq, mm])
+        count += 1
+    return count
+
+
+def column_int8(q: np.ndarray, scales: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocked integers [K, N] and scales [blocks, N] as int8 with one scale a column:
+    (int8 [K, N], scales [N])."""
+    w = q.astype(np.float32) * np.repeat(scales, block, axis=0)[: q.shape[0]]
+    col = np.abs(w).max(0) / 127
+    col[col == 0] = 1.0
+    return np.clip(np.round(w / col), -127, 127).astype(np.int8), col.astype(np.float32)
+
+
+def int8_nodes(g: onnx.GraphProto) -> int:
+    """Each MatMulNBits without zero points becomes DynamicQuantizeMatMul over int8 weights with
+    one scale a column (symmetric: no zero points); returns how many."""
+    count = 0
+    for node, a, q, scales in list(_nbits(g)):
+        w8, col = column_int8(q, scales, a["block_size"])
+        names = [f"{node.name}/w8", f"{node.name}/w8_scale"]
+        g.initializer.extend(
+            [numpy_helper.from_array(w8, names[0]), numpy_helper.from_array(col, names[1])]
+        )
+        dqmm = onnx.helper.make_node(
+            "DynamicQuantizeMatMul",
+            [node.input[0], *names],
+            list(node.output),
+            name=f"{node.name}/DQMatMul",
+            domain="com.microsoft",
+        )
+        _replace(g, node, [dqmm])
+        count += 1
+    return count
+
+
+def web_graph(src: Path, out: Path, model: str, data: str, weights: str = "bundle") -> dict:
+    """The page's `weights` graph of `src` in out/`model`, its weights in out/`data`:
+    logits_to_keep a plain input; MatMulNBits kept (`bundle`), as DynamicQuantizeMatMul (`int8`)
+    or as DequantizeLinear + MatMul (`fp32`, where the opset has blocked DequantizeLinear: 21)."""
+    m = onnx.load(str(src))  # the weights too: the quantized ones are rewritten
+    g = m.graph
+    inputs = {i.name for i in g.input}
+    found = [t for t in g.initializer if t.name == LOGITS_TO_KEEP and t.name in inputs]
+    for t in found:
+        g.initializer.remove(t)
+    rewritten = 0
+    if weights == "int8":
+        rewritten = int8_nodes(g)
+    elif weights == "fp32":
+        opset = max((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), default=0)
+        rewritten = dequantize_nodes(g) if opset >= 21 else 0
+    onnx.save(
+        m,
+        str(out / model),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data,
+        size_threshold=1024,
+    )
+    return {"logits_to_keep": bool(found), "rewritten_matmuls": rewritten}
