@@ -31,7 +31,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from doel.contracts.errors import error_dict
-from doel.serve import chat, playground
+from doel.serve import chat, playground, responses
 from doel.serve import completions as completion
 from doel.serve.completions import respond
 from doel.serve.guard import AllowedHosts, Guard
@@ -52,6 +52,7 @@ from doel.serve.protocol import (
     TokenizeResponse,
 )
 from doel.serve.protocol_chat import MESSAGE_LIMIT, ChatCompletion, ChatCompletionRequest
+from doel.serve.protocol_responses import ResponsesRequest
 from doel.serve.service import RequestError, Service
 from doel.serve.tenants import DEFAULT_MODE
 from doel.serve.verify import Damaged, Verification
@@ -244,6 +245,10 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await respond(request, chat, service(request, req.model), req)
+
+    @app.post("/v1/responses", responses=ERRORS)
+    async def create_response(req: ResponsesRequest, request: Request):
+        return await respond(request, responses, service(request, req.model), req)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):

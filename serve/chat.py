@@ -22,6 +22,7 @@ from doel.serve.protocol_chat import (
     ChatCompletionRequest,
 )
 from doel.serve.service import Piece, RequestError, Service
+from doel.serve.structured import Format
 from doel.serve.template import ChatError
 
 
@@ -53,9 +54,12 @@ def prompt_ids(svc: Service, req: ChatCompletionRequest, plan: tools.ToolPlan) -
         raise RequestError(400, str(e), "messages") from None
 
 
-async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piece]:
+async def pieces(
+    svc: Service, req: ChatCompletionRequest, fmt: Format | None = None
+) -> AsyncIterator[Piece]:
     """The reply's pieces, as Service.complete gives a completion's; RequestError before the
-    first one."""
+    first one. `fmt`: the reply's grammar, compiled by the caller (/v1/responses' text.format);
+    by default the request's response_format, or its tools'."""
     plan = tools.plan(req)
     ids = await svc.in_thread(prompt_ids, svc, req, plan)
     n, ctx = len(ids), svc.context_length
@@ -73,12 +77,14 @@ async def pieces(svc: Service, req: ChatCompletionRequest) -> AsyncIterator[Piec
     # response_format, or a required tool call: the reply is a document of its schema
     # (serve/structured.py)
     spec = req.format_spec()
-    if plan.grammar is not None:
+    if fmt is not None:
+        pass
+    elif plan.grammar is not None:
         fmt = await svc.in_thread(svc.grammars.lark, plan.grammar, plan.param)
     elif plan.schema is not None:
         fmt = await svc.in_thread(svc.grammars.json_schema, plan.schema, plan.param)
-    else:
-        fmt = None if spec is None else await svc.in_thread(svc.compile_format, spec)
+    elif spec is not None:
+        fmt = await svc.in_thread(svc.compile_format, spec)
     run = svc.run(ids, params, req.stops(), cache=req.cache, fmt=fmt)
     async with contextlib.aclosing(run) as run:
         async for p in run:
