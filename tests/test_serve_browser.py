@@ -2,11 +2,13 @@
 selenium) against a real `doel-serve` process: type a Bangla prompt, press Generate, watch the
 completion grow piece by piece to the server's own text, and take a screenshot that is a real
 PNG with something drawn in it; the page opens in chat mode on a bundle with a chat template,
-and draws Bangla with the font the server ships. Skipped only where Chromium is not installed
+and draws Bangla with the font the server ships; its JSON-schema box sends response_format
+and says so, sending nothing, when the box is not JSON. Skipped only where Chromium is not installed
 (`.ci/run` installs it)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import struct
@@ -193,3 +195,43 @@ def test_the_playground_opens_in_chat_mode_with_its_bengali_font(server, browser
         "(fs) => done(fs.map((f) => f.status)), (e) => done(String(e)));"
     )
     assert loaded == ["loaded"], loaded
+
+
+def test_the_playgrounds_schema_box_sends_response_format_and_refuses_what_is_not_json(
+    server, browser
+):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{server.url}/")
+    wait = WebDriverWait(browser, 20)
+    browser.find_element(By.ID, "mode-chat").click()
+    # Every request body the page sends, as it sends it.
+    browser.execute_script(
+        "window.bodies = []; const f = window.fetch; window.fetch = (u, o) => {"
+        " if (o && o.body) window.bodies.push(JSON.parse(o.body)); return f(u, o); };"
+    )
+    box, status = browser.find_element(By.ID, "schema"), browser.find_element(By.ID, "status")
+    box.send_keys('{"type": "object",')
+    browser.find_element(By.ID, "prompt").send_keys("হ্যাঁ না?")
+    browser.find_element(By.ID, "go").click()
+    wait.until(lambda _d: status.text.startswith("error"))
+    assert "the JSON schema box is not valid JSON" in status.text
+    assert box.get_attribute("aria-invalid") == "true"
+    assert browser.execute_script("return window.bodies") == []  # nothing sent
+    assert browser.find_elements(By.CSS_SELECTOR, "#transcript .turn") == []
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    schema["additionalProperties"] = False  # the document ends after "ok": the reply stops
+    _set(box, json.dumps(schema))
+    _set(browser.find_element(By.ID, "max_tokens"), "40")
+    browser.find_element(By.ID, "go").click()
+    wait.until(lambda _d: re.match(r"\d+ tokens, \w+;|error: ", status.text))
+    assert re.match(r"\d+ tokens, stop;", status.text), status.text
+    (sent,) = browser.execute_script("return window.bodies")
+    assert sent["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "playground", "schema": schema, "strict": True},
+    }
+    reply = browser.find_element(By.ID, "reply").get_property("textContent")
+    assert isinstance(json.loads(reply)["ok"], bool) and box.get_attribute("aria-invalid") is None
