@@ -36,7 +36,7 @@ from doel.serve import completions as completion
 from doel.serve.completions import respond
 from doel.serve.guard import AllowedHosts, Guard
 from doel.serve.jsonbody import decode_error, parse_failure
-from doel.serve.limits import DEFAULT_MAX_MESSAGES
+from doel.serve.limits import DEFAULT_BODY_RATE, DEFAULT_MAX_MESSAGES
 from doel.serve.metrics import CountRequests, Metrics
 from doel.serve.protocol import (
     CONTEXT_LENGTH,
@@ -82,6 +82,7 @@ class Settings:
     api_keys: dict[str, str] | None = None  # {key: tenant} (serve/tenants.py); with api_key: both
     prefix_cache: str = DEFAULT_MODE  # per-tenant, shared or off (serve/tenants.py)
     max_messages: int = DEFAULT_MAX_MESSAGES  # in one chat request; more is a 400
+    client_body_rate: int = DEFAULT_BODY_RATE  # body bytes a second a client sends; 0: any
     verify: Verification | None = None  # the bundle's hashes being checked (serve/verify.py)
     exit_on_damage: bool = False  # doel-serve: a damaged bundle stops the server (cli.py)
 
@@ -306,6 +307,7 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
         max_body_bytes=settings.max_body_bytes,
         max_headers=settings.max_headers,
         keys=settings.api_keys,
+        body_rate=settings.client_body_rate,
     )
     if settings.cors_origins:
         app.add_middleware(

@@ -26,7 +26,7 @@ import socket
 import sys
 from pathlib import Path
 
-from doel.serve.limits import DEFAULT_MAX_MESSAGES  # stdlib only, as tenants.py is
+from doel.serve.limits import DEFAULT_BODY_RATE, DEFAULT_MAX_MESSAGES  # stdlib only
 from doel.serve.tenants import DEFAULT_MODE, MODES, KeyFileError, parse_keys
 
 EXTRA_HINT = "pip install 'doel[serve]'"
@@ -67,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1 << 20,
         help="request body size; more is 413 (default 1 MiB)",
+    )
+    p.add_argument(
+        "--client-body-rate",
+        type=int,
+        default=DEFAULT_BODY_RATE,
+        metavar="BYTES",
+        help="bytes of request bodies one client (API key's tenant, else address) may send a "
+        "second; a large body past it waits its turn, one that would wait over 10 s is 429 "
+        "(default 1 MiB; 0: no limit)",
     )
     p.add_argument(
         "--cors-origin", action="append", default=[], help="allow this browser origin (repeat)"
@@ -247,7 +256,7 @@ def log_config(level: str, floods) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    for name in ("threads", "max_queue", "max_body_bytes"):
+    for name in ("threads", "max_queue", "max_body_bytes", "client_body_rate"):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
     for name in ("slots", "max_connections", "max_headers", "max_messages"):
@@ -294,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         api_keys=keys,
         prefix_cache=args.prefix_cache,
         max_messages=args.max_messages,
+        client_body_rate=args.client_body_rate,
         # Started now: the files are hashed while the port opens and the model loads.
         verify=None if args.no_verify else Verification(bundle),
         exit_on_damage=True,

@@ -1,5 +1,6 @@
 """ASGI middleware in front of every route: the Host name (`AllowedHosts`); the header count, the
-API key and so the tenant (serve/tenants.py), the body-size limit (`Guard`).
+API key and so the tenant (serve/tenants.py), the body-size limit and each client's body rate
+(`Guard`, with serve/limits.py's BodyBudget: a large body waits, unread, for its client's turn).
 
 It is plain ASGI rather than FastAPI dependencies so that it also covers 404s, the OpenAPI page
 and bodies sent without a Content-Length (chunked), which are read up to the limit and replayed.
@@ -7,7 +8,10 @@ and bodies sent without a Content-Length (chunked), which are read up to the lim
 
 from __future__ import annotations
 
+import asyncio
+
 from doel.contracts.errors import error_body
+from doel.serve.limits import DEFAULT_BODY_RATE, BodyBudget
 from doel.serve.playground import FONT_PATH
 from doel.serve.tenants import Keys
 
@@ -84,12 +88,16 @@ class Guard:
         max_body_bytes: int = 1 << 20,
         max_headers: int = 256,
         keys: dict[str, str] | None = None,
+        body_rate: int = DEFAULT_BODY_RATE,
     ):
-        """`api_key`: one key (one tenant); `keys`: {key: tenant} (serve/tenants.py)."""
+        """`api_key`: one key (one tenant); `keys`: {key: tenant} (serve/tenants.py);
+        `body_rate`: bytes of bodies a client may send a second, 0 for any."""
         self.app, self.api_key, self.limit = app, api_key, max_body_bytes
         self.max_headers = max_headers
         table = keys or ({api_key: "#1"} if api_key else {})
         self.key = Keys(table) if table else None
+        # A burst of the largest body accepted: one such body passes at once.
+        self.budget = BodyBudget(body_rate, max(max_body_bytes, 1)) if body_rate > 0 else None
 
     def _refusal(self, scope) -> tuple[int, str, str, list] | None:
         """Why the request does not pass the key check (status, message, type, headers); None
@@ -133,7 +141,29 @@ class Guard:
                 if len(body) > self.limit:
                     return await _reply(send, 413, self._too_big(), "invalid_request_error")
             receive = _replay(body, receive)
+            length = b"%d" % len(body)
+        if self.budget is not None and length is not None and guarded:
+            if not await self._paced(scope, int(length), send):
+                return  # refused: a 429 was sent
         return await self.app(scope, receive, send)
+
+    async def _paced(self, scope, size: int, send) -> bool:
+        """Wait for the client's body rate (serve/limits.py's BodyBudget): True once the body
+        may be read, False when a 429 was sent for a body that would wait too long."""
+        client = scope.get(TENANT) or ("address", (scope.get("client") or ("?",))[0])
+        wait = self.budget.charge(client, size)
+        if wait is None:
+            after = self.budget.retry_after(client, size)
+            why = (
+                f"this client's request bodies are over {self.budget.rate:,.0f} bytes a second "
+                f"(--client-body-rate); retry after {after} s"
+            )
+            headers = [(b"retry-after", str(after).encode())]
+            await _reply(send, 429, why, "rate_limit_exceeded", headers)
+            return False
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return True
 
     def _too_big(self) -> str:
         return f"the request body is over the limit of {self.limit} bytes"
