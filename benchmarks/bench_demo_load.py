@@ -12,8 +12,15 @@ the others stop at --budget seconds of training and their time for all steps is 
 from their tokens a second. The machine's load before each run is recorded: other work on
 it shows there, and counts towards neither policy.
 
+The report also computes the fair-share bound: the demo's quiet one-thread speed (from the
+thread measure's own step times) times the share of the cores a fair scheduler gives one thread
+among the neighbour's (cores / (neighbours + 1), at most one core). No thread policy of the
+demo's gets a one-thread run past it, so it says how far the target is from what the machine
+allows, and how close the policy comes.
+
 Writes benchmarks/results/demo_load_<cpu class>.{json,md}. Run: `python -m
-benchmarks.bench_demo_load` (--budget SECONDS, default 40; --neighbours N, default 4).
+benchmarks.bench_demo_load` (--budget SECONDS, default 40; --neighbours N, default 4; --render
+rewrites the Markdown from the JSON).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +37,8 @@ from pathlib import Path
 from benchmarks.report import ROOT, cpu_line, heading, parser, publish, stamp
 
 STEPS = 400  # configs/demo.toml
+TOKENS_PER_STEP = 1024  # configs/demo.toml: batch 8 x 128
+CHOICE = re.compile(r"threads: (\d+) \(([\d.]+) s a step; ([^)]*)\)")  # train/threads.py's line
 TARGET = 120.0  # seconds for all the demo's steps beside the neighbour (issue 38)
 
 
@@ -101,6 +111,36 @@ def run_case(shards, work, name, threads, neighbours, limit) -> dict:
     return row
 
 
+def step_seconds(choices: list[str]) -> dict[int, float]:
+    """{threads: seconds a step} from the thread measure's lines (the last one's figures)."""
+    found: dict[int, float] = {}
+    for line in choices:
+        if m := CHOICE.match(line):
+            found = {int(m[1]): float(m[2])}
+            for part in m[3].split(", "):
+                n, _, sec = part.partition(": ")
+                found[int(n)] = float(sec.removesuffix(" s"))
+    return found
+
+
+def fair_share(result: dict) -> dict | None:
+    """The demo's tokens a second and all steps' time if it got a fair share of the cores as
+    one thread beside the neighbour, from its quiet one-thread step time; None without one."""
+    quiet = next((r for r in result["cases"] if r["case"] == "new-quiet"), None)
+    one = step_seconds(quiet["choices"]).get(1) if quiet else None
+    if one is None:
+        return None
+    cores = int(result["machine"].split(", ")[1].split()[0])
+    share = min(1.0, cores / (result["neighbours"] + 1))
+    rate = TOKENS_PER_STEP / one * share
+    return {
+        "quiet_one_thread_tok_s": TOKENS_PER_STEP / one,
+        "share": share,
+        "tok_s": rate,
+        "all_steps_s": STEPS * TOKENS_PER_STEP / rate,
+    }
+
+
 def report(result: dict) -> str:
     rows = {r["case"]: r for r in result["cases"]}
     lines = heading("The demo's training on a busy CPU", result)
@@ -135,6 +175,16 @@ def report(result: dict) -> str:
         "- The new policy's choices: "
         + "; ".join(f"{r['case']}: {' / '.join(r['choices']) or '-'}" for r in result["cases"]),
     ]
+    bound = fair_share(result)
+    if bound is not None:
+        lines.append(
+            f"- Fair-share bound beside the neighbour: the quiet one-thread speed "
+            f"({bound['quiet_one_thread_tok_s']:,.0f} tok/s) x {bound['share']:.2f} of a core "
+            f"(cores / (neighbours + 1)) = {bound['tok_s']:,.0f} tok/s, all {STEPS} steps in "
+            f"{bound['all_steps_s']:.0f} s; the new policy reached "
+            f"{loaded['tokens_per_s'] / bound['tok_s']:.0%} of it. The {TARGET:.0f} s target "
+            f"{'is within' if bound['all_steps_s'] <= TARGET else 'is past'} the bound."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -142,7 +192,15 @@ def main() -> None:
     ap = parser(__doc__, work="scratch folder (default out/bench-demo-load)")
     ap.add_argument("--budget", type=float, default=40.0, help="training seconds a stopped run")
     ap.add_argument("--neighbours", type=int, default=4, help="spinning processes beside it")
+    ap.add_argument("--render", action="store_true", help="rewrite the Markdown from the JSON")
     args = ap.parse_args()
+    if args.render:
+        from benchmarks.cpu_class import this_cpu
+
+        name = f"demo_load_{this_cpu()['class']}"
+        result = json.loads((args.out / f"{name}.json").read_text(encoding="utf-8"))
+        publish(args.out, name, result, report(result))
+        return
     import torch  # the default count, as a fresh process would start with it
 
     default = torch.get_num_threads()
