@@ -66,6 +66,15 @@ def plan(req) -> ToolPlan:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise RequestError(400, f"tools name the function {twice[0]!r} twice; rename one", "tools")
+    for i, f in enumerate(defs):
+        kind = (f.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise RequestError(
+                400,
+                f"tools[{i}].function.parameters is a schema of type {str(kind)[:40]!r}; a "
+                "function's arguments are an object: give a schema of type 'object'",
+                f"tools[{i}].function.parameters",
+            )
     if choice == "none":
         return ToolPlan()
     if req.format_spec() is not None:

@@ -191,6 +191,8 @@ def test_bad_tool_requests_are_refused_naming_the_parameter():
     assert param == "tool_choice" and "'nope'" in why and "'get_weather'" in why
     assert refused(tool_choice="required")[0] == "tool_choice"
     assert refused(tools=[ADD, ADD])[0] == "tools"
+    scalar = {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}
+    assert refused(tools=[ADD, scalar])[0] == "tools[1].function.parameters"
     fmt = {"type": "json_object"}
     assert refused(tools=[ADD], tool_choice="required", response_format=fmt)[0] == (
         "response_format"
