@@ -198,8 +198,9 @@ class Service:
         and the token counts (and with `record`, which the scheduler fills with
         log-probabilities, the ids). `fmt`: the output's grammar (default: the request's
         response_format's). Raises RequestError before the first piece."""
-        if fmt is None and req.format_spec() is not None:
-            fmt = await self.in_thread(self.compile_format, req.format_spec())
+        spec = req.format_spec()
+        if fmt is None and spec is not None:
+            fmt = await self.in_thread(self.compile_format, spec)
         if fmt is not None and req.echo:
             raise RequestError(400, ECHO_WITH_FORMAT, "echo")
         ids = await self.in_thread(self.prompt_ids, req, prompt)

@@ -87,8 +87,8 @@ class Constraint:
         """`logits` with every token the grammar forbids at -inf, after `fill`. The stop ids
         (EOS, end of turn) are allowed exactly when the grammar accepts the text so far."""
         n = len(logits)
-        allowed = np.unpackbits(self.bits[0].view(np.uint8), count=n, bitorder="little")
-        allowed = allowed.astype(bool)
+        bits = self.bits[0].view(np.uint8)
+        allowed = np.unpackbits(bits, count=n, bitorder="little").view(bool)  # 0/1: no copy
         eos = self.format.grammars.eos_id
         if eos is not None and eos < n:
             allowed[eos] = False  # llguidance's own end token: only the request's stop ids end

@@ -121,3 +121,25 @@ def test_unsupported_features_anywhere_in_a_schema_are_a_400_naming_them(svc, ba
         asyncio.run(run())
     assert e.value.status == 400 and named in e.value.message
     assert e.value.param == "response_format.json_schema.schema"
+
+
+def test_a_row_without_a_format_pays_nothing_and_gets_what_it_gets_alone(svc, monkeypatch):
+    from doel.serve import scheduler
+
+    calls = []
+    fill_all = scheduler.fill_all
+    monkeypatch.setattr(scheduler, "fill_all", lambda cs: calls.append(len(cs)) or fill_all(cs))
+    plain = CompletionRequest(prompt="নদীর ধারে", temperature=0, max_tokens=20)
+
+    async def alone():
+        return [p async for p in svc.complete(plain)]
+
+    async def beside_three():
+        texts = [one(svc, {"type": "array", "items": {"type": "integer"}}, i) for i in range(3)]
+        return await asyncio.gather(alone(), *texts)
+
+    first = asyncio.run(alone())
+    assert calls == []  # no mask, no grammar thread, for a request without a format
+    together = asyncio.run(beside_three())
+    assert [p.text for p in together[0]] == [p.text for p in first]
+    assert calls and max(calls) == 3  # the three formatted rows' masks, in one call a step
