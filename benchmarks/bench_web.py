@@ -1,11 +1,15 @@
 """The browser page (`doel-export --web`) beside doel-serve's engine on the same bundles, one run.
 
-For each bundle (`--bundle NAME=DIR`, exported with --web, or its web folder is written first):
+For each bundle (`--bundle NAME=DIR`; its web folder, with the fp32 graph beside the page's own,
+is written into the scratch folder):
 - `engine`: serve/engine.py in its own process (benchmarks/bench_serve_engines.py, `doel`),
-  at 1 and 2 threads;
+  at each of --threads;
 - `page`: the web folder on a loopback static server that sends the cross-origin isolation
   headers, in Debian's headless Chromium (selenium), onnxruntime-web's WebAssembly build in the
-  page's Web Worker, `?threads=1` and `?threads=2`.
+  page's Web Worker, `?backend=wasm&threads=T&weights=W` for each of --weights (int8: the page's
+  default; fp32: its former default; bundle: the bundle's MatMulNBits graph);
+- `webgpu` (--webgpu NAME): the page on WebGPU (`--enable-unsafe-webgpu`): its adapter and
+  greedy ids only; a software adapter's speed is never reported.
 Both decode greedily from the same token ids (a SHORT- and a LONG-token prompt of random ids,
 NEW new tokens, no stop ids), the best of REPEATS after a warm-up: time to first token (the
 prefill and the first pick) and decode tokens/s (the ids after the first over their time). The
@@ -13,18 +17,22 @@ page's figures are its own performance.now() timings inside the worker; they inc
 sampling and the streamed text, as the engine's include its sampling. Beside them: the page's
 load time (cold: pieces fetched from the server; warm: from Cache Storage after a reload), the
 largest peak resident memory of Chromium's processes (the renderer that holds the wasm heap),
-whether the page's greedy ids equal the engine's (and where they first differ), the CPU class
-and the CPU seconds other processes used meanwhile.
+whether the page's greedy ids equal the engine's (and where they first differ), the CPU class,
+the CPU seconds other processes used meanwhile, and (--checkpoint NAME=DIR) the held-out loss
+of each page graph against PyTorch fp32. bench_web_report.py writes the tables and the verdicts
+on issue 34's targets.
 
-Results: benchmarks/results/web_cpu-<class>.{json,md}. Run: `python -m benchmarks.bench_web
---bundle demo=out/demo/bundle-int4 --bundle 0.4b=DIR` (a 0.4B random-weight int4 bundle:
-`--make-0.4b WORK` builds one with bench_export's checkpoint and `doel-export --web`).
+Results: benchmarks/results/web_<bundles>_t<threads>_cpu-<class>.{json,md}. Run (it times:
+hold the benchmark lock): `python -m benchmarks.bench_web --bundle demo=out/demo/bundle-int4
+--checkpoint demo=DIR --bundle 0.4b=DIR --threads 1 --webgpu demo` (a 0.4B random-weight int4
+bundle: `--make-0.4b WORK` builds one with bench_export's checkpoint).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,13 +40,19 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import bench_web_report
 from benchmarks.bench_export import machine_busy_s, make_checkpoint, own_cpu_s
-from benchmarks.cpu_class import isa_summary
-from benchmarks.report import command, heading, parser, publish, stamp
+from benchmarks.report import command, parser, publish, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SHORT, LONG, NEW, REPEATS = 128, 512, 64, 2
+# held-out text for the page graphs' loss (../shared/data, as bench_quant_quality reads it)
+LOSS_TEXTS = (
+    "../shared/data/bn/bnlp_resources_news_punct/news_test_news.txt",
+    "../shared/data/en/gutenberg/pg1342_pride_and_prejudice_austen.txt",
+)
+LOSS_TOKENS = 4096
 THREADS = (1, 2)
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
@@ -102,6 +116,14 @@ def engine_row(bundle: Path, spec: dict, threads: int, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def engine_part(bundle: Path, spec: dict, threads: int, work: Path) -> dict:
+    r = engine_row(bundle, spec, threads, work)
+    out = {k: r[k] for k in ("short", "long", "load_s", "peak_rss_mb")}
+    for part in ("short", "long"):
+        out[part].pop("runs", None)
+    return out
+
+
 def engine_ids(bundle: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     """The engine's greedy ids and, at each, the gap between its two largest logits (where the
     gap is small, the page's WebAssembly kernels may round to the other token)."""
@@ -158,17 +180,21 @@ def settled(driver, promise: str, *args, fail: bool = True) -> dict:
     return out
 
 
-def page_row(url: str, spec: dict, threads: int) -> dict:
-    """One fresh browser: a cold load, a warm reload, the warm-up, the timed runs."""
+def page_row(url: str, spec: dict, threads: int, weights: str) -> dict:
+    """One fresh browser: a cold load, a warm reload, the warm-up, the timed runs (WebAssembly,
+    the page's `weights` graph)."""
     driver = browser()
     try:
-        driver.get(f"{url}?threads={threads}&memory=fp32")
+        query = f"?backend=wasm&threads={threads}&weights={weights}"
+        driver.get(url + query)
         cold = settled(driver, "doel.ready")
-        driver.get(f"{url}?threads={threads}&memory=fp32")
+        driver.get(url + query)
         warm = settled(driver, "doel.ready")
+        if warm["weights_in_memory"] != weights:
+            raise SystemExit(f"the page ran {warm['weights_in_memory']}, not {weights}")
         warm_up = {"prompt_ids": spec["prompts"]["short"][:8], "max_tokens": 2}
         settled(driver, "doel.generate(arguments[0])", warm_up)
-        row = {"threads": warm["threads"], "isolated": warm["isolated"]}
+        row = {"threads": warm["threads"], "isolated": warm["isolated"], "weights": weights}
         row |= {"load_cold_s": cold["load_ms"] / 1000, "load_warm_s": warm["load_ms"] / 1000}
         for name in ("short", "long"):
             runs = []
@@ -196,15 +222,41 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def measure_bundle(name: str, bundle: Path, work: Path) -> dict:
+def webgpu_row(url: str, prompt: list[int]) -> dict:
+    """The page on WebGPU (Chromium --enable-unsafe-webgpu): its adapter and its greedy ids for
+    `prompt`; no timing (a software adapter's speed is no GPU's)."""
+    driver = browser("--enable-unsafe-webgpu")
+    try:
+        driver.get(f"{url}?backend=webgpu")
+        facts = settled(driver, "doel.ready", fail=False)
+        if "error" in facts or facts["backend"] != "webgpu":
+            return {"kind": "webgpu", "error": facts.get("error") or facts.get("why")}
+        req = {"prompt_ids": prompt, "max_tokens": NEW, "temperature": 0, "stop_ids": []}
+        r = settled(driver, "doel.generate(arguments[0])", req)
+        keep = ("adapter", "software_adapter", "why", "weights_in_memory")
+        return {"kind": "webgpu", **{k: facts[k] for k in keep}, "short": {"ids": r["ids"]}}
+    finally:
+        driver.quit()
+
+
+def timed(kind: str, threads: int, run) -> dict:
+    """`run()`'s row with its wall time, the load and the CPU seconds other processes took."""
+    print(f"{kind}, {threads} thread(s) ...", flush=True)
+    busy, own, t0 = machine_busy_s(), tree_cpu_s(), time.perf_counter()
+    r = run()
+    wall = time.perf_counter() - t0
+    foreign = max(0.0, (machine_busy_s() - busy) - (tree_cpu_s() - own))
+    return {"kind": kind, "threads": threads, **r, "foreign_cpu_s": foreign, "wall_s": wall}
+
+
+def measure_bundle(name: str, bundle: Path, work: Path, opts) -> dict:
     import numpy as np
 
     from doel.export.web import static_server, write_web
 
     manifest = json.loads((bundle / "manifest.json").read_text())
-    if not (bundle / "web" / "web.json").is_file():
-        write_web(bundle)
-    web = json.loads((bundle / "web" / "web.json").read_text())
+    web_dir = work / f"web-{name}"  # the page's graphs and the fp32 one beside them
+    web = write_web(bundle, web_dir, log=lambda _m: None, graphs=("int8", "fp32"))
     rng = np.random.default_rng(0)
     vocab = min(manifest["tokenizer_vocab_size"], manifest["vocab_size"])
     long = min(LONG, manifest["context_length"] - NEW - 8)  # the demo model holds 512
@@ -214,112 +266,105 @@ def measure_bundle(name: str, bundle: Path, work: Path) -> dict:
     spec = {
         "n_ctx": manifest["context_length"],
         "new_tokens": NEW,
-        "repeats": {"short": REPEATS, "long": REPEATS},
+        "repeats": {k: REPEATS for k in prompts},
         "prompts": prompts,
     }
-    server = static_server(bundle / "web")
+    server = static_server(web_dir)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/"
     rows = []
     try:
-        for threads in THREADS:
-            for kind in ("engine", "page"):
-                print(f"{name}: {kind}, {threads} thread(s) ...", flush=True)
-                busy, own, t0 = machine_busy_s(), tree_cpu_s(), time.perf_counter()
-                if kind == "engine":
-                    r = engine_row(bundle, spec, threads, work)
-                    r = {k: r[k] for k in ("short", "long", "load_s", "peak_rss_mb")}
-                    for part in ("short", "long"):
-                        r[part].pop("runs", None)
-                else:
-                    r = page_row(url, spec, threads)
-                wall = time.perf_counter() - t0
-                foreign = max(0.0, (machine_busy_s() - busy) - (tree_cpu_s() - own))
-                rows.append(
-                    {
-                        "kind": kind,
-                        "threads": threads,
-                        **r,
-                        "foreign_cpu_s": foreign,
-                        "wall_s": wall,
-                        "load_avg": os.getloadavg(),
-                    }
-                )
+        for threads in opts.threads:
+            rows.append(
+                timed("engine", threads, lambda t=threads: engine_part(bundle, spec, t, work))
+            )
+            for weights in opts.weights:
+                run = lambda t=threads, w=weights: page_row(url, spec, t, w)  # noqa: E731
+                rows.append(timed("page", threads, run))
+        if name in opts.webgpu:
+            rows.append(webgpu_row(url, prompts["short"]) | {"threads": None})
     finally:
         server.shutdown()
         server.server_close()
-    want = {k: engine_ids(bundle, prompts[k]) for k in ("short", "long")}
+    want = {k: engine_ids(bundle, prompts[k]) for k in prompts}
     for r in rows:
-        if r["kind"] == "page":
-            at = {k: first_difference(r[k].pop("ids"), want[k][0]) for k in want}
+        if r["kind"] in ("page", "webgpu") and "error" not in r:
+            at = {k: first_difference(r[k].pop("ids"), want[k][0]) for k in want if k in r}
             r["greedy_first_difference"] = at
             r["engine_top2_gap_there"] = {
                 k: None if i is None else want[k][1][i] for k, i in at.items()
             }
+    kv = manifest["kv_cache"]
+    kv_bytes = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * manifest["context_length"]
+    kv_bytes *= 2 if kv["dtype"] == "float16" else 4
     return {
         "name": name,
         "bundle": bundle.name,
         "quantization": manifest["quantization"]["scheme"],
+        "quant": manifest["quant"],
         "parameters": manifest["source"],
         "context_length": manifest["context_length"],
-        "web_bytes": sum(p.stat().st_size for p in (bundle / "web").iterdir()),
-        "weight_bytes": web["data_bytes"],
-        "prompt_tokens": {"short": SHORT, "long": long},
+        "web_bytes": sum(p.stat().st_size for p in web_dir.iterdir() if p.is_file()),
+        "weight_bytes": web["graphs"]["bundle"]["data_bytes"],
+        "graph_bytes": {k: g["data_bytes"] for k, g in web["graphs"].items()},
+        "weights_file_bytes": manifest["files"].get(f"{manifest['model']}.data", {}).get("bytes"),
+        "kv_cache_bytes": kv_bytes,
+        "prompt_tokens": {k: len(v) for k, v in prompts.items()},
         "rows": rows,
+        "loss": safe_losses(web_dir, web, manifest, opts.checkpoints.get(name), work),
     }
 
 
-def markdown(result: dict) -> str:
-    cpu = result["cpu"]
-    lines = [
-        *heading("The browser page vs doel-serve's engine", result, with_machine=False),
-        f"{cpu['model_name']} ({isa_summary(cpu)}; class {cpu['class']}), {result['machine']}; "
-        f"Chromium {result['chromium']}, onnxruntime-web {result['runtime']['onnxruntime-web']} "
-        "(WebAssembly, SIMD) vs onnxruntime "
-        f"{result['onnxruntime']} (native). Greedy, random prompt ids, {NEW} new tokens, best "
-        f"of {REPEATS}; load average {result['load_before'][0]:.2f} before, "
-        f"{result['load_after'][0]:.2f} after.",
-        "",
-        "| bundle | engine | threads | TTFT short (s) | decode tok/s, short | TTFT long (s) | "
-        "decode tok/s, long | page / engine, short | peak RSS MB | other CPU s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for b in result["bundles"]:
-        eng = {r["threads"]: r for r in b["rows"] if r["kind"] == "engine"}
-        for r in b["rows"]:
-            ratio = r["short"]["decode_tok_s"] / eng[r["threads"]]["short"]["decode_tok_s"]
-            rss = r.get("peak_rss_mb") or r.get("browser_peak_rss_mb")
-            who = "doel-serve engine" if r["kind"] == "engine" else "page (wasm)"
-            tokens = f"{b['prompt_tokens']['short']}/{b['prompt_tokens']['long']}"
-            lines.append(
-                f"| {b['name']} ({tokens}) | {who} | {r['threads']} | {r['short']['ttft_s']:.3f} | "
-                f"{r['short']['decode_tok_s']:.1f} | {r['long']['ttft_s']:.3f} | "
-                f"{r['long']['decode_tok_s']:.1f} | {ratio:.2f} | {rss:.0f} | "
-                f"{r['foreign_cpu_s']:.1f} |"
-            )
-    lines += [
-        "",
-        "| bundle | weights MB | web folder MB | page load cold / warm (s), 1 thread |"
-        " page greedy ids = engine's (first difference) |",
-        "|---|---:|---:|---|---|",
-    ]
-    for b in result["bundles"]:
-        page = [r for r in b["rows"] if r["kind"] == "page"]
-        diffs = "; ".join(
-            f"{r['threads']} thr: "
-            + ", ".join(
-                f"{k} equal"
-                if v is None
-                else f"{k} at {v} (engine's top-2 gap {r['engine_top2_gap_there'][k]:.3f})"
-                for k, v in r["greedy_first_difference"].items()
-            )
-            for r in page
-        )
-        lines.append(
-            f"| {b['name']} | {b['weight_bytes'] / 1e6:.1f} | {b['web_bytes'] / 1e6:.1f} | "
-            f"{page[0]['load_cold_s']:.2f} / {page[0]['load_warm_s']:.2f} | {diffs} |"
-        )
-    return "\n".join(lines) + "\n"
+def safe_losses(*args) -> dict | None:
+    """page_losses, or its error: the timed rows before it are not lost to it."""
+    try:
+        return page_losses(*args)
+    except Exception as e:  # noqa: BLE001 (a failed loss check is reported, the run kept)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def page_losses(web_dir: Path, web: dict, manifest: dict, ckpt: str | None, work: Path):
+    """Held-out loss (nats/token) of PyTorch fp32 and of each page graph on the shared
+    validation text, the graphs run by native ONNX Runtime (the same contrib kernels as the
+    page's WebAssembly build, other SIMD), and the bound the export holds that quantization
+    to. None without the checkpoint."""
+    if ckpt is None:
+        return None
+    import numpy as np
+
+    from doel.contracts.quant import quant
+    from doel.export import parity
+    from doel.export.checkpoint import inspect_checkpoint
+    from doel.export.runner import OnnxLM, score
+
+    c = inspect_checkpoint(ckpt)
+    texts = parity.eval_texts(c, [ROOT / t for t in LOSS_TEXTS], LOSS_TOKENS)
+    window = min(manifest["context_length"], 512)
+    tokens = sum(len(d) - 1 for t in texts for d in t["docs"])
+
+    def nats(logits) -> float:
+        return sum(score(logits, t["docs"], window) for t in texts) / tokens
+
+    out = {"texts": list(LOSS_TEXTS), "tokens": tokens, "window": window}
+    out["torch_fp32"] = nats(parity.torch_reference(c))
+    out["bound"] = quant(manifest["quant"]).loss_bound
+    for name, g in web["graphs"].items():
+        folder = work / f"loss-{web_dir.name}-{name}"
+        folder.mkdir()
+        with open(folder / g["data_path"], "wb") as f:
+            for p in g["data"]:
+                f.write((web_dir / p["file"]).read_bytes())
+        (folder / g["model"]).write_bytes((web_dir / g["model"]).read_bytes())
+        lm = OnnxLM(folder / g["model"], c.kv_heads, c.head_dim, threads=2)
+        keep = lm.session
+
+        def run(names, feeds, keep=keep):  # the page feeds logits_to_keep (0: every position)
+            return keep.run(names, feeds | {"logits_to_keep": np.array([0], np.int64)})
+
+        lm.session = type("Keep", (), {"run": staticmethod(run)})()
+        out[name] = nats(lm.logits)
+        shutil.rmtree(folder)
+    return out
 
 
 def make_big(work: Path) -> Path:
@@ -338,10 +383,32 @@ def main(argv: list[str] | None = None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--bundle", action="append", default=[], help="NAME=DIR (repeat)")
     ap.add_argument("--make-0.4b", dest="big", help="WORK folder: build (or reuse) a 0.4B bundle")
+    ap.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        help="NAME=DIR: the bundle's checkpoint, for the held-out loss of the page's graphs",
+    )
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    ap.add_argument(
+        "--weights",
+        default="int8,fp32",
+        help="the page's WebAssembly graphs to time (int8, fp32, bundle)",
+    )
+    ap.add_argument(
+        "--webgpu",
+        action="append",
+        default=[],
+        help="NAME: also check its WebGPU path's greedy ids",
+    )
     args = ap.parse_args(argv)
     bundles = [tuple(b.split("=", 1)) for b in args.bundle]
+    args.checkpoints = dict(c.split("=", 1) for c in args.checkpoint)
     if args.big:
         bundles.append(("0.4b", str(make_big(Path(args.big)))))
+        args.checkpoints.setdefault("0.4b", str(Path(args.big) / "ckpt"))
+    args.threads = [int(t) for t in args.threads.split(",")]
+    args.weights = args.weights.split(",")
     import onnxruntime
 
     from doel.export.web import runtime_versions
@@ -349,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     chromium = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True).stdout
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as work:
-        measured = [measure_bundle(n, Path(d), Path(work)) for n, d in bundles]
+        measured = [measure_bundle(n, Path(d), Path(work), args) for n, d in bundles]
     result = stamp(python=True) | {
         "chromium": chromium.split()[1] if chromium else None,  # "Chromium 156.0... built on"
         "onnxruntime": onnxruntime.__version__,
@@ -359,7 +426,9 @@ def main(argv: list[str] | None = None) -> None:
         "load_after": os.getloadavg(),
         "bundles": measured,
     }
-    publish(args.out, f"web_cpu-{result['cpu']['class']}", result, markdown(result))
+    threads = "".join(map(str, args.threads))
+    name = f"web_{'_'.join(n for n, _ in bundles)}_t{threads}_cpu-{result['cpu']['class']}"
+    publish(args.out, name, result, bench_web_report.markdown(result))
 
 
 if __name__ == "__main__":
