@@ -45,7 +45,11 @@ ADD = {
         "name": "add",
         "parameters": {
             "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            # Bounded, as every field here: a call cannot run past max_tokens on any CPU.
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 999},
+                "b": {"type": "integer", "minimum": 0, "maximum": 999},
+            },
             "required": ["a", "b"],
             "additionalProperties": False,
         },
@@ -336,3 +340,20 @@ def test_bad_tools_are_400s_in_openais_shape_naming_the_parameter(client):
     orphan = [*ASK, {"role": "tool", "tool_call_id": "x", "content": "1"}]
     err = refused(messages=orphan, tools=[WEATHER])
     assert err["param"] == "messages" and "did not call" in err["message"]
+
+
+@pytest.mark.slow
+def test_the_clients_parse_reads_a_pydantic_tools_arguments(client):
+    pydantic = pytest.importorskip("pydantic")
+
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=10)
+        days: int = pydantic.Field(ge=0, le=30)
+
+    r = client.chat.completions.parse(
+        model=client.model, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required", max_tokens=100, seed=3,
+    )  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)  # strict: the client parsed it
