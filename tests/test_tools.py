@@ -90,6 +90,21 @@ def test_the_sample_has_tool_conversations_rendered_as_transformers_renders_them
         assert served.ids(head, r["tools"]) == prompt
 
 
+def test_a_tool_row_read_from_a_file_keeps_its_tools(tok, tmp_path):
+    from doel.train.config import load_config
+    from doel.train.data.chat import SFTConfig, load_chat_data
+
+    row = tool_rows()[0]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    sets = ["seq_len=640", "model.max_position_embeddings=1024", "holdout_every=0"]
+    cfg = load_config(SFTConfig, ROOT / "configs" / "tiny.toml", sets)
+    train, _ = load_chat_data([str(path)], tok, cfg, log=lambda _m: None)
+    want, _ = render(tok, check_messages(row["messages"], "x", row["tools"]))
+    assert train.ids[0].tolist() == want.tolist()
+    assert tok.decode(want.tolist()).count("get_weather") >= 2  # the definition and the call
+
+
 def test_tool_conversations_are_checked_in_one_line(tok):
     call = {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
     ok = check_messages(
