@@ -27,7 +27,7 @@ import anyio
 import numpy as np
 
 from doel.serve.engine import Engine
-from doel.serve.logprobs import Record, score_rows
+from doel.serve.logprobs import Record, Scored, score_rows
 from doel.serve.prefix import Hit, Prefixes
 from doel.serve.sampling import SamplingParams, sample
 from doel.serve.structured import Constraint, fill_all
@@ -277,6 +277,12 @@ class Scheduler:
             return s, None, True
         c.advance(token)
         s, token, full = self._took(s, token, logits)
+        if s.record is not None:  # tokens the grammar forbids are no alternatives (-inf)
+            last = s.record.entries[-1]
+            keep = [k for k, v in enumerate(last.top_logprobs) if v != -np.inf]
+            ids = tuple(last.top_ids[k] for k in keep)
+            values = tuple(last.top_logprobs[k] for k in keep)
+            s.record.entries[-1] = Scored(last.logprob, ids, values)
         return s, token, full or c.done
 
     def _took(self, s: Seq, token: int, logits: np.ndarray) -> tuple[Seq, int, bool]:

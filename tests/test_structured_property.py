@@ -143,3 +143,15 @@ def test_a_row_without_a_format_pays_nothing_and_gets_what_it_gets_alone(svc, mo
     together = asyncio.run(beside_three())
     assert [p.text for p in together[0]] == [p.text for p in first]
     assert calls and max(calls) == 3  # the three formatted rows' masks, in one call a step
+
+
+def test_logprobs_with_a_format_are_those_of_the_masked_distribution(svc):
+    from doel.serve.completions import whole
+
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": ["ঢাকা"]}}}
+    req = CompletionRequest(prompt="x", max_tokens=20, logprobs=2, response_format=rf)
+    choice = asyncio.run(whole(svc, req)).choices[0]
+    assert choice.finish_reason == "stop" and json.loads(choice.text) == "ঢাকা"
+    # One value allowed: every token is forced, its log-probability 0, no other in the top.
+    assert choice.logprobs.token_logprobs == [0.0] * len(choice.logprobs.tokens)
+    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs)
