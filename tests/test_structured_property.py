@@ -135,7 +135,8 @@ def test_a_row_without_a_format_pays_nothing_and_gets_what_it_gets_alone(svc, mo
         return [p async for p in svc.complete(plain)]
 
     async def beside_three():
-        texts = [one(svc, {"type": "array", "items": {"type": "integer"}}, i) for i in range(3)]
+        long = {"type": "array", "items": {"type": "integer"}, "minItems": 100}  # never done
+        texts = [one(svc, long, i) for i in range(3)]
         return await asyncio.gather(alone(), *texts)
 
     first = asyncio.run(alone())
