@@ -233,6 +233,31 @@ def _engine_ids(bundle, prompt: str) -> list[int]:
     return list(Engine(read_bundle(bundle), threads=1).generate(ids, params))
 
 
+# The page's logits against the engine's (max |difference| over the largest |logit|): the tiny
+# model's random weights give near-constant greedy ids, so its logits are the stronger check;
+# measured 0.003 (WebGPU, the bundle's graph) to 0.007 (int8), the engine rounding activations
+# to int8 at accuracy level 4 and the page's kernels otherwise.
+LOGITS_REL_TOL = 0.02
+
+
+def _logits_close(driver, bundle, prompt: str) -> float:
+    """The page's last prompt logits against doel-serve's engine's; returns the error."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from doel.serve.engine import Engine, read_bundle
+
+    req = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "return_logits": True}
+    got = np.array(
+        _script(driver, "return await doel.generate(arguments[0]);", req)["prompt_logits"]
+    )
+    ids = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(prompt).ids
+    want = Engine(read_bundle(bundle), threads=1).forward(ids, 0)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    assert err <= LOGITS_REL_TOL, f"{prompt!r}: page logits differ by {err:.4f} of the largest"
+    return err
+
+
 def _cluster_boundary(text: str, k: int) -> bool:
     """Whether a cut before text[k] leaves every grapheme cluster whole (serve/textstream.py's
     Bengali rule: a mark or joiner continues a cluster, and so does a consonant after a virama
@@ -270,6 +295,7 @@ def test_page_continues_greedily_as_doel_serve_and_streams_whole_clusters(
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop_token_ids=stops)
         want = list(engine.generate(ids, params))
         assert got["ids"] == want, f"{prompt!r}: page {got['ids']} != doel-serve {want}"
+        _logits_close(driver, web_bundle, prompt)
         text = "".join(got["chunks"])
         assert text == got["text"] == tok.decode(want, skip_special_tokens=True)
         cuts = [len("".join(got["chunks"][:i])) for i in range(1, len(got["chunks"]))]
@@ -365,10 +391,14 @@ def test_page_runs_on_webgpu_where_the_browser_gives_an_adapter(page, web_bundle
         assert "WebGPU" in shown and facts["adapter"] in shown
         if facts["software_adapter"]:
             assert "software adapter" in shown  # the page never passes its speed off as a GPU's
+        # Greedy ids on the Bangla prompt (SwiftShader: ~6 s of shader compiling at the first
+        # run, then ~0.3 s a token, so 8 of them), the prompt's logits on both.
+        req = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        got = _script(driver, "return await doel.generate(arguments[0]);", req)
+        assert got["ids"] == _engine_ids(web_bundle, PROMPTS[0])[:8]
+        assert got["kv_cache_location"] == "gpu-buffer"  # the cache never leaves the GPU
         for prompt in PROMPTS:
-            req = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
-            got = _script(driver, "return await doel.generate(arguments[0]);", req)
-            assert got["ids"] == _engine_ids(web_bundle, prompt), prompt
+            _logits_close(driver, web_bundle, prompt)
         # Forced back to WebAssembly, the page says so.
         driver.get(f"http://127.0.0.1:{server.server_address[1]}/?backend=wasm")
         forced = _script(driver, "return await doel.ready;")

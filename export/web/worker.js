@@ -105,6 +105,9 @@ async function load(threads, want, weightsIn) {
     // Without its QDQ rules ONNX Runtime folds each DequantizeLinear of constant weights into an
     // fp32 matrix at load, instead of fusing it with its MatMul back into MatMulNBits.
     extra: mode === "fp32" ? { session: { disable_quant_qdq: "1" } } : {},
+    // On WebGPU the cache stays in GPU memory from one step to the next: read back, it would
+    // cross to the CPU and back every token, the whole context's worth.
+    ...(pick.backend === "webgpu" ? { preferredOutputLocation: presentsOnGpu() } : {}),
   });
   post({
     type: "ready",
@@ -122,6 +125,19 @@ async function load(threads, want, weightsIn) {
     data_bytes: graph.data_bytes,
     runtime: spec.runtime,
   });
+}
+
+function presentsOnGpu() {
+  const where = {};
+  for (const name of spec.past_names)
+    where[name.replace("past_key_values.", "present.")] = "gpu-buffer";
+  return where;
+}
+
+// A cache tensor's GPU buffer is freed once the next step has read it (WebAssembly's are
+// JavaScript arrays: the garbage collector's).
+function release(past) {
+  for (const t of Object.values(past)) if (t.location === "gpu-buffer") t.dispose();
 }
 
 const int64 = (xs, dims) => new ort.Tensor("int64", BigInt64Array.from(xs, BigInt), dims);
@@ -156,6 +172,7 @@ async function forward(state, ids) {
       );
     if (spec.logits_to_keep) feeds.logits_to_keep = int64([1], [1]);
     const out = await session.run(feeds);
+    release(state.past);
     for (const name of spec.past_names)
       state.past[name] = out[name.replace("past_key_values.", "present.")];
     state.n = total;
@@ -263,7 +280,8 @@ class TextStream {
 // ---------------------------------------------------------------- a request
 
 // req: prompt (text) or prompt_ids, max_tokens, temperature, top_k, top_p, repetition_penalty,
-// seed; stop_ids replaces the bundle's (a benchmark passes [] to time a fixed length).
+// seed; stop_ids replaces the bundle's (a benchmark passes [] to time a fixed length);
+// return_logits: the prompt's last logits come back too.
 async function generate(req) {
   const prompt = req.prompt_ids ?? tokenizer.encode(req.prompt).ids;
   const stops = req.stop_ids ?? spec.stop_ids;
@@ -290,6 +308,7 @@ async function generate(req) {
   const t0 = performance.now();
   let logits = await forward(state, prompt);
   const t1 = performance.now();
+  const promptLogits = req.return_logits ? Array.from(logits) : undefined; // tests compare them
   let reason = "length";
   while (ids.length < max) {
     const id = sample(logits, p, rand, seen);
@@ -307,6 +326,8 @@ async function generate(req) {
     }
     if (ids.length < max) logits = await forward(state, [id]);
   }
+  const cacheAt = Object.values(state.past)[0]?.location ?? null; // "gpu-buffer" on WebGPU
+  release(state.past);
   const rest = stream.finish();
   if (rest) post({ type: "text", text: rest });
   const t2 = performance.now();
@@ -320,6 +341,8 @@ async function generate(req) {
     prefill_ms: t1 - t0,
     decode_ms: t2 - t1,
     decode_tok_s: steps > 0 ? (1000 * steps) / (t2 - t1) : null,
+    kv_cache_location: cacheAt,
+    prompt_logits: promptLogits,
   });
 }
 
