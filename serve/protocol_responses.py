@@ -1,6 +1,7 @@
 """The Responses API's wire format (POST /v1/responses): the request, read into the chat
-request it is served as (serve/responses.py), and the Response object and its output message
-as the official client reads them (openai-python's types/responses/response.py).
+request it is served as (serve/responses.py: messages, and function tools, calls and their
+outputs as chat's tools, tool_calls and tool messages), and the Response object and its output
+items as the official client reads them (openai-python's types/responses/response.py).
 
 Stateless: the server keeps no responses and no conversations. `store` is accepted and ignored
 (the API's default is true and clients send it without meaning to fetch anything back; each
@@ -17,7 +18,13 @@ from pydantic import Field, PrivateAttr, field_validator
 from pydantic_core import PydanticCustomError
 
 from doel.serve.protocol import MAX_SALT_CHARS, MAX_TOKENS, Request, unicode_text
-from doel.serve.protocol_chat import MAX_MESSAGES, few_messages
+from doel.serve.protocol_chat import (
+    FUNCTION_NAME,
+    MAX_ID_CHARS,
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    few_messages,
+)
 from doel.serve.refusal import RequestError
 from doel.serve.tenants import ONE
 
@@ -70,21 +77,89 @@ class InputMessage(Request):
         return "".join(p.text for p in self.content)
 
 
-def messages_only(items):
-    """`input` items of type message (the default); a function call, its output or an item
-    reference are refused by name (tools are served on /v1/chat/completions)."""
-    if isinstance(items, list):
-        few_messages(items)
-        for i, item in enumerate(items):
-            kind = item.get("type", "message") if isinstance(item, dict) else "message"
-            if kind != "message":
+class FunctionCallItem(Request):
+    """An earlier reply's call, sent back in `input`."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Request):
+    """A call's result, sent back in `input`."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+    _unicode = field_validator("output")(unicode_text)
+
+
+InputItem = Annotated[
+    InputMessage | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")
+]
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+
+
+def known_items(items):
+    """`input` items: a message (its type may be left out), a function call or its output;
+    another type (an item reference, a reasoning item) is refused by name."""
+    if not isinstance(items, list):
+        return items
+    few_messages(items)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            kind = item.get("type", "message")
+            if kind not in ITEM_TYPES:
                 raise PydanticCustomError(
                     "input_item",
-                    "input item {i} is of type '{kind}'; this server reads messages only "
-                    "(function calls are served on /v1/chat/completions)",
+                    "input item {i} is of type '{kind}'; this server reads messages, "
+                    "function_call and function_call_output items",
                     {"i": i, "kind": str(kind)[:40]},
                 )
-    return items
+            item = item if "type" in item else {**item, "type": "message"}
+        out.append(item)
+    return out
+
+
+class FunctionTool(Request):
+    """A function tool, in the Responses API's flat shape."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def as_chat(self) -> dict:
+        keys = ("name", "description", "parameters", "strict")
+        fields = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return {"type": "function", "function": fields}
+
+
+def function_tools(tools):
+    """Function tools only: a hosted tool (web_search, file_search...) is refused by name."""
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        if kind != "function":
+            raise PydanticCustomError(
+                "tool_type",
+                "tools[{i}] is of type '{kind}'; this server runs no hosted tools: give "
+                "functions (type 'function') and run them yourself",
+                {"i": i, "kind": str(kind)[:40]},
+            )
+    return tools
+
+
+class NamedFunction(Request):
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
 
 
 class TextFormat(Request):
@@ -106,7 +181,7 @@ class ResponsesRequest(Request):
     """POST /v1/responses: the fields of OpenAI's that a stateless text model can honour."""
 
     model: str | None = None
-    input: str | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    input: str | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -118,15 +193,16 @@ class ResponsesRequest(Request):
     user: str | None = None
     previous_response_id: str | None = None
     conversation: str | dict | None = None
-    tools: list[dict] | None = Field(None, max_length=0, description="none: use chat")
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = Field(None, max_length=0)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     _cache: Hashable | None = PrivateAttr(ONE)
 
-    _messages = field_validator("input", mode="before")(messages_only)
+    _items = field_validator("input", mode="before")(known_items)
+    _functions = field_validator("tools", mode="before")(function_tools)
     _unicode = field_validator("input", "instructions")(unicode_text)
 
     @property
@@ -144,12 +220,34 @@ class ResponsesRequest(Request):
                 raise RequestError(400, f"{name} is not supported: {STATELESS}", name)
 
     def messages(self) -> list[dict]:
-        """The conversation as chat messages: instructions as the system message first."""
-        head = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        """The conversation as chat messages: instructions as the system message first; a
+        run of function calls as one assistant message's tool_calls (the message before them
+        when it is the assistant's), each output as a tool message."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
-            return [*head, {"role": "user", "content": self.input}]
-        role = {"developer": "system"}
-        return head + [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.input]
+            return [*out, {"role": "user", "content": self.input}]
+        for item in self.input:
+            if item.type == "function_call":
+                call = {"name": item.name, "arguments": item.arguments}
+                call = {"id": item.call_id, "type": "function", "function": call}
+                last = out[-1] if out else None
+                if last is None or last["role"] != "assistant":
+                    out.append(last := {"role": "assistant", "content": None})
+                last.setdefault("tool_calls", []).append(call)
+            elif item.type == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            else:
+                role = "system" if item.role == "developer" else item.role
+                out.append({"role": role, "content": item.text()})
+        return out
+
+    def chat_tools(self) -> dict:
+        """tools and tool_choice as chat's fields."""
+        out = {"tools": [t.as_chat() for t in self.tools]} if self.tools else {}
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        return out | ({"tool_choice": choice} if choice is not None else {})
 
     def format_spec(self) -> dict | None:
         """text.format as serve/structured.py compiles it (the flat shape); None: text."""
@@ -169,8 +267,8 @@ class ResponsesRequest(Request):
             "text": {"format": spec},
             "metadata": self.metadata or {},
             "user": self.user,
-            "tools": [],
-            "tool_choice": self.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools or ()],
+            "tool_choice": _dumped(self.tool_choice) or "auto",
             "parallel_tool_calls": True
             if self.parallel_tool_calls is None
             else self.parallel_tool_calls,
@@ -180,6 +278,10 @@ class ResponsesRequest(Request):
             "store": False,
             "background": False,
         }
+
+
+def _dumped(value):
+    return value.model_dump() if isinstance(value, Request) else value
 
 
 def output_text(text: str) -> dict:
@@ -203,4 +305,17 @@ def usage(prompt: int, made: int, cached: int) -> dict:
         "output_tokens": made,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + made,
+    }
+
+
+def call_item(call: dict, status: str) -> dict:
+    """A function_call output item from chat's tool call."""
+    f = call["function"]
+    return {
+        "id": "fc_" + call["id"].removeprefix("call_"),
+        "type": "function_call",
+        "status": status,
+        "call_id": call["id"],
+        "name": f["name"],
+        "arguments": f["arguments"],
     }

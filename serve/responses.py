@@ -7,8 +7,12 @@ response.output_item.done, then response.completed, or response.incomplete when
 max_output_tokens or the context cut the text), each with its sequence_number.
 
 `text.format` json_schema is enforced as chat's response_format is (serve/structured.py): a
-reply cut short is "incomplete", never a completed document that does not parse. Stateless:
-serve/protocol_responses.py says what that refuses and why.
+reply cut short is "incomplete", never a completed document that does not parse. Function
+tools are chat's (serve/tools.py: auto, required and a named function constrained): a call is
+a function_call output item, streamed as response.output_item.added (name, empty arguments),
+response.function_call_arguments.delta..., response.function_call_arguments.done and
+response.output_item.done. Stateless: serve/protocol_responses.py says what that refuses and
+why.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
 
-from doel.serve import chat
+from doel.serve import chat, tools
 from doel.serve.completions import joined
 from doel.serve.protocol_chat import ChatCompletionRequest
 from doel.serve.protocol_responses import (
     ResponsesRequest,
+    call_item,
     message_item,
     output_text,
     usage,
@@ -36,13 +41,17 @@ from doel.serve.service import Piece, Service
 
 
 def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that serves `req` (its sampling settings, limit and cache partition)."""
-    body = {"messages": req.messages(), "max_tokens": req.max_output_tokens}
+    """The chat request that serves `req` (its sampling settings, limit, tools and cache
+    partition)."""
+    body = {"messages": req.messages(), "max_tokens": req.max_output_tokens, **req.chat_tools()}
     body |= {k: getattr(req, k) for k in ("temperature", "top_p") if getattr(req, k) is not None}
     try:
         out = ChatCompletionRequest(**body)
-    except ValidationError as e:  # checked on `input` already; said in its words if not
-        raise RequestError(400, f"input: {e.errors()[0]['msg']}", "input") from None
+    except ValidationError as e:  # what input's items hold, checked as chat's messages
+        first = e.errors()[0]
+        where = [str(x) for x in first.get("loc", ())]
+        param = "input" if not where or where[0] == "messages" else where[0]
+        raise RequestError(400, f"{param}: {first['msg']}", param) from None
     out.cache = req.cache
     return out
 
@@ -51,9 +60,13 @@ async def pieces(svc: Service, req: ResponsesRequest) -> AsyncIterator[Piece]:
     req.refuse_state()
     spec = req.format_spec()
     fmt = None if spec is None else await svc.in_thread(svc.compile_format, spec, "text.format")
-    async with contextlib.aclosing(chat.pieces(svc, as_chat(req), fmt)) as run:
-        async for p in run:
-            yield p
+    try:
+        async with contextlib.aclosing(chat.pieces(svc, as_chat(req), fmt)) as run:
+            async for p in run:
+                yield p
+    except RequestError as e:  # chat's words for what this route calls input
+        e.param = "input" if e.param == "messages" else e.param
+        raise
 
 
 def response(head: dict, req: ResponsesRequest, status: str, output: list, last: Piece | None):
@@ -88,39 +101,119 @@ def _status(last: Piece) -> str:
 
 async def whole(svc: Service, req: ResponsesRequest) -> dict:
     text, last = await joined(pieces(svc, req))
+    deltas = tools.Deltas(tools.plan(as_chat(req)))
+    said = deltas.push(text)
+    held, _ = deltas.end(last.finish_reason)
+    content, calls = tools.assemble(said + held)
     status = _status(last)
-    item = message_item(f"msg_{uuid.uuid4().hex}", status, [output_text(text)])
-    return response(_head(svc), req, status, [item], last)
+    output = [call_item(c, status) for c in calls]
+    if content is not None:
+        message = message_item(f"msg_{uuid.uuid4().hex}", status, [output_text(content)])
+        output.insert(0, message)
+    return response(_head(svc), req, status, output, last)
+
+
+class Events:
+    """A Response's stream: its output items opened as their first delta comes (a message
+    for text, a function_call for each call), each closed with its done events."""
+
+    def __init__(self, head: dict, req: ResponsesRequest):
+        self.head, self.req, self.seq = head, req, itertools.count()
+        self.output: list[dict] = []  # items closed so far
+        self.open: dict | None = None  # the item being written, with its text so far
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": next(self.seq), **fields}
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        started = response(self.head, self.req, "in_progress", [], None)
+        return [self.event(f"response.{k}", response=started) for k in ("created", "in_progress")]
+
+    def delta(self, d: dict) -> list[str]:
+        if "content" in d:
+            out = [] if self._is("message") else self.close("completed") + self._message()
+            self.open["text"] += d["content"]
+            return out + [
+                self.event(
+                    "response.output_text.delta", **self._at(), delta=d["content"], logprobs=[]
+                )
+            ]
+        call = d["tool_calls"][0]
+        if "id" in call:
+            out = self.close("completed")
+            item = call_item({"id": call["id"], "function": call["function"]}, "in_progress")
+            self.open = {"item": item, "text": ""}
+            return out + [self.item_event("added", item)]
+        self.open["text"] += call["function"]["arguments"]
+        fragment = call["function"]["arguments"]
+        return [
+            self.event("response.function_call_arguments.delta", **self._at(False), delta=fragment)
+        ]
+
+    def finish(self, last: Piece) -> list[str]:
+        status = _status(last)
+        out = (
+            self.close(status) if self.open or self.output else self._message() + self.close(status)
+        )
+        final = response(self.head, self.req, status, self.output, last)
+        return out + [self.event(f"response.{status}", response=final)]
+
+    def close(self, status: str) -> list[str]:
+        if self.open is None:
+            return []
+        item, text = self.open["item"], self.open["text"]
+        if item["type"] == "message":
+            part, at = output_text(text), self._at()
+            item = {**item, "status": status, "content": [part]}
+            out = [
+                self.event("response.output_text.done", **at, text=text, logprobs=[]),
+                self.event("response.content_part.done", **at, part=part),
+            ]
+        else:
+            item = {**item, "status": status, "arguments": text}
+            at = self._at(False)
+            out = [self.event("response.function_call_arguments.done", **at, arguments=text)]
+        self.open = None
+        out.append(self.item_event("done", item))
+        self.output.append(item)
+        return out
+
+    def _message(self) -> list[str]:
+        item = message_item(f"msg_{uuid.uuid4().hex}", "in_progress", [])
+        self.open = {"item": item, "text": ""}
+        added = self.item_event("added", item)
+        return [
+            added,
+            self.event("response.content_part.added", **self._at(), part=output_text("")),
+        ]
+
+    def item_event(self, what: str, item: dict) -> str:
+        return self.event(f"response.output_item.{what}", output_index=len(self.output), item=item)
+
+    def _is(self, kind: str) -> bool:
+        return self.open is not None and self.open["item"]["type"] == kind
+
+    def _at(self, text: bool = True) -> dict:
+        at = {"item_id": self.open["item"]["id"], "output_index": len(self.output)}
+        return at | ({"content_index": 0} if text else {})
 
 
 async def stream(
     svc: Service, req: ResponsesRequest, pieces: AsyncIterator[Piece]
 ) -> AsyncIterator[str]:
-    head, item_id, seq = _head(svc), f"msg_{uuid.uuid4().hex}", itertools.count()
-    at = {"item_id": item_id, "output_index": 0, "content_index": 0}
-
-    def event(kind: str, **fields) -> str:
-        data = {"type": kind, "sequence_number": next(seq), **fields}
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    started = response(head, req, "in_progress", [], None)
-    yield event("response.created", response=started)
-    yield event("response.in_progress", response=started)
-    yield event(
-        "response.output_item.added", output_index=0, item=message_item(item_id, "in_progress", [])
-    )
-    yield event("response.content_part.added", **at, part=output_text(""))
-    text, last = [], None
+    events, deltas = Events(_head(svc), req), tools.Deltas(tools.plan(as_chat(req)))
+    for e in events.start():
+        yield e
+    last = None
     async with contextlib.aclosing(pieces):
         async for last in pieces:
-            if last.text:
-                text.append(last.text)
-                yield event("response.output_text.delta", **at, delta=last.text, logprobs=[])
-    whole_text, status = "".join(text), _status(last)
-    part = output_text(whole_text)
-    item = message_item(item_id, status, [part])
-    yield event("response.output_text.done", **at, text=whole_text, logprobs=[])
-    yield event("response.content_part.done", **at, part=part)
-    yield event("response.output_item.done", output_index=0, item=item)
-    final = response(head, req, status, [item], last)
-    yield event(f"response.{status}", response=final)
+            for d in deltas.push(last.text):
+                for e in events.delta(d):
+                    yield e
+    held, _ = deltas.end(last.finish_reason)
+    for d in held:
+        for e in events.delta(d):
+            yield e
+    for e in events.finish(last):
+        yield e

@@ -2,7 +2,8 @@
 with instructions (the same prompt as chat's), max_output_tokens cutting a reply into an
 "incomplete" Response, the event stream in its order with sequence numbers (raw, and through
 the client's own accumulator), text.format json_schema enforced (and parsed into a pydantic
-model by `responses.parse`), and the refusals of a stateless text server."""
+model by `responses.parse`), and the refusals of a stateless text server. Function tools on
+this route: tests/test_tools.py (their prompts need a longer context than the tiny bundle's)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def test_text_format_json_schema_is_enforced_streamed_and_not(client):
 
     class Answer(pydantic.BaseModel):
         ok: bool
-        n: int
+        n: int = pydantic.Field(ge=1, le=3)  # bounded: the document ends within the limit
 
     parsed = client.responses.parse(
         model=client.model, input="নদী", text_format=Answer, max_output_tokens=40
@@ -137,9 +138,12 @@ def test_what_a_stateless_text_server_cannot_do_is_a_400_naming_the_parameter(cl
 
     err = refused(input="x", previous_response_id="resp_1")
     assert err["param"] == "previous_response_id" and "stateless" in err["message"]
-    call = {"type": "function_call_output", "call_id": "c", "output": "1"}
-    assert "function_call_output" in refused(input=[call])["message"]
-    tool = {"type": "function", "name": "f", "parameters": {}}
-    assert refused(input="x", tools=[tool])["param"] == "tools"
+    orphan = {"type": "function_call_output", "call_id": "c", "output": "1"}
+    err = refused(input=[{"role": "user", "content": "x"}, orphan])
+    assert err["param"] == "input" and "did not call" in err["message"]
+    assert "'item_reference'" in refused(input=[{"type": "item_reference", "id": "x"}])["message"]
+    hosted = {"type": "web_search"}
+    err = refused(input="x", tools=[hosted])
+    assert err["param"] == "tools" and "'web_search'" in err["message"]
     bad = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}
     assert refused(input="x", text=bad)["param"].startswith("text.format")

@@ -372,3 +372,56 @@ def test_the_clients_parse_reads_a_pydantic_tools_arguments(client):
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "GetWeather"
     assert isinstance(call.function.parsed_arguments, GetWeather)  # strict: the client parsed it
+
+
+# ------------------------------------------------------------------ the Responses API's tools
+
+
+def _flat(tool: dict) -> dict:
+    return {"type": "function", **tool["function"]}
+
+
+@pytest.mark.slow
+def test_responses_calls_a_function_whole_and_streamed_and_reads_its_output_back(client):
+    r = client.responses.create(
+        model=client.model, input=ASK, tools=[_flat(WEATHER), _flat(ADD)],
+        tool_choice="required", max_output_tokens=120,
+    )  # fmt: skip
+    (call,) = r.output
+    assert r.status == "completed" and call.type == "function_call" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), _schemas()[call.name])
+    with client.responses.stream(
+        model=client.model, input=ASK, tools=[_flat(ADD)],
+        tool_choice={"type": "function", "name": "add"}, max_output_tokens=120,
+    ) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.name == "add"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert kinds[-4:] == [
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    (done,) = final.output
+    assert done.arguments == "".join(deltas) and done.name == "add"
+    jsonschema.validate(json.loads(done.arguments), _schemas()["add"])
+    # The call and its output sent back: the prompt chat renders for the same conversation.
+    result = {"type": "function_call_output", "call_id": done.call_id, "output": "42"}
+    back = client.responses.create(
+        model=client.model, input=[*ASK, done.model_dump(exclude_none=True), result],
+        tools=[_flat(ADD)], max_output_tokens=2,
+    )  # fmt: skip
+    call = {
+        "id": done.call_id,
+        "type": "function",
+        "function": {"name": "add", "arguments": done.arguments},
+    }
+    chat = client.chat.completions.create(
+        model=client.model, tools=[ADD], max_tokens=2,
+        messages=[*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": done.call_id, "content": "42"}],
+    )  # fmt: skip
+    assert back.usage.input_tokens == chat.usage.prompt_tokens
