@@ -1,6 +1,6 @@
-// doel's Web Worker: the bundle's graph on onnxruntime-web (WebGPU or WebAssembly), its tokenizer.json in
-// tokenizers.js, a prefill and one run a token through the KV cache, sampling, and text streamed
-// to the page in whole characters and whole Bengali clusters. Written by doel-export --web
+// doel's Web Worker: the bundle's graph on onnxruntime-web (WebGPU or WebAssembly), its
+// tokenizer.json in tokenizers.js, a prefill and one run a token through the KV cache, sampling,
+// and text streamed to the page in whole characters and whole Bengali clusters. Written by doel-export --web
 // (export/web.py says why the page works as it does); no server beyond static files.
 "use strict";
 
