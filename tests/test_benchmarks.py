@@ -610,7 +610,8 @@ NOT_RESULTS = {
     "load_client": "bench_load's HTTP client",
     "load_model": "bench_load's model files and prompts",
     "load_servers": "builds llama-server; starts bench_load's servers",
-    "probe_web_matmul": "prints a table",
+    "bench_web_report": "bench_web's Markdown and its verdicts",
+    "probe_web_table": "probe_web_matmul's Markdown",
 }
 
 
