@@ -6,10 +6,12 @@ One bundle, several graphs, each with its own weights (the page fetches one set)
   mode (MatMulNBits there takes 10-130x the fp32 MatMul's time a decode step:
   benchmarks/results/web_probe_cpu-*.md).
 - `int8` (model.int8.onnx): each MatMulNBits as DynamicQuantizeMatMul over int8 weights with
-  one scale a column: 8 bits in memory, and in onnxruntime-web's WebAssembly build 1.0-1.3x the
-  fp32 MatMul's time a decode step and 0.3-0.7x a prefill chunk (the probe's table): the page's
-  default on WebAssembly. The int8 values are the bundle's int4 (or int8) weights, dequantized
-  and requantized a column: one more rounding, half a 127th of the column's largest weight.
+  one scale a column: 8 bits in memory, and in onnxruntime-web's WebAssembly build mostly
+  0.9-1.5x the fp32 MatMul's time a decode step and 0.3-0.8x a prefill chunk (the probe's
+  table; at 0.4B the whole page decodes at ~0.9x the fp32 mode's speed in 0.25x its memory):
+  the page's default on WebAssembly. The int8 values are the bundle's int4 (or int8) weights,
+  dequantized and requantized a column: one more rounding, half a 127th of the column's largest
+  weight.
 - `fp32` (model.fp32.onnx, for benchmarks: bench_web's "today's fp32 mode"): each MatMulNBits as
   DequantizeLinear (the bundle's integers and scales, blocked along K) + MatMul, which ONNX
   Runtime folds into fp32 matrices at load when its QDQ rules are off (4x the int8 memory). On
