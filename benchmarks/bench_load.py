@@ -133,7 +133,9 @@ def inproc_process(kind: str, bundle: Path, pair: str, prompts: Prompts, args, w
     return rows
 
 
-def measure(args, work: Path) -> list[dict]:
+def measure(args, work: Path, save) -> None:
+    """Every process of the run, interleaved; `save(rows)` after each (a run stopped midway
+    keeps what it measured)."""
     rows: list[dict] = []
     for pair in args.pair:
         made = prepare(work, [(pair, PAIRS[pair])])
@@ -142,14 +144,14 @@ def measure(args, work: Path) -> list[dict]:
         http = [(kind, model) for kind, model in http if kind in args.servers]
         for p in range(args.processes):  # interleaved: doel, llama, then llama, doel, ...
             for kind, model in http[:: 1 if p % 2 == 0 else -1]:
-                rows += [
-                    r | {"process": p} for r in http_process(kind, model, pair, prompts, args, work)
-                ]
+                got = http_process(kind, model, pair, prompts, args, work)
+                rows += [r | {"process": p} for r in got]
+                save(rows)
             if args.inproc:
                 for kind in ("doel", "genai")[:: 1 if p % 2 == 0 else -1]:
                     got = inproc_process(kind, made[pair], pair, prompts, args, work)
                     rows += [r | {"process": p} for r in got]
-    return rows
+                    save(rows)
 
 
 def best(rows: list[dict]) -> list[dict]:
@@ -162,9 +164,9 @@ def best(rows: list[dict]) -> list[dict]:
     return list(out.values())
 
 
-def merged(path: Path, rows: list[dict], run: dict) -> dict:
-    """The earlier result at `path` with this run's rows replacing the same levels."""
-    old = json.loads(path.read_text()) if path.is_file() else {"runs": [], "measurements": []}
+def merged(earlier: dict | None, rows: list[dict], run: dict) -> dict:
+    """An earlier result (or none) with this run's rows replacing the same levels."""
+    old = earlier or {"runs": [], "measurements": []}
     keys = {tuple(r[f] for f in KEY) for r in rows}
     kept = [r for r in old["measurements"] if tuple(r[f] for f in KEY) not in keys]
     return {"runs": old["runs"] + [run], "measurements": kept + rows}
@@ -248,14 +250,20 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work or CACHE / "bench-load")
     run = stamp(python=True) | {"argv": sys.argv[1:] if argv is None else argv}
     run["load_start"], t0 = os.getloadavg()[0], time.perf_counter()
-    rows = measure(args, work)
-    run |= {"load_end": os.getloadavg()[0], "wall_s": time.perf_counter() - t0}
     name = f"serve_load_0.4b_cpu-{this_cpu()['class']}"
-    result = stamp(python=True) | merged(Path(args.out) / f"{name}.json", rows, run)
-    result["best"] = best(result["measurements"])
-    result["targets"] = targets(result["best"])
-    publish(args.out, name, result, markdown(result))
-    plot(result, Path(args.out) / f"{name}.png")
+    path = Path(args.out) / f"{name}.json"
+    earlier = json.loads(path.read_text()) if path.is_file() else None
+
+    def save(rows: list[dict]) -> None:
+        """This run's rows so far merged into the result as it was when the run began."""
+        done = run | {"load_end": os.getloadavg()[0], "wall_s": time.perf_counter() - t0}
+        result = stamp(python=True) | merged(earlier, rows, done)
+        result["best"] = best(result["measurements"])
+        result["targets"] = targets(result["best"])
+        publish(args.out, name, result, markdown(result))
+        plot(result, Path(args.out) / f"{name}.png")
+
+    measure(args, work, save)
 
 
 if __name__ == "__main__":

@@ -140,9 +140,11 @@ def level_table(rows: list[dict]) -> list[str]:
         if later:
             p50, p95 = _f(later["ttft_ms_p50"], ".0f"), _f(later["ttft_ms_p95"], ".0f")
             ttft += f" (turns 2-3: {p50} / {p95})"
+        # in-process runs stream ids, no text
+        chars = ("–", "–") if r["mode"] == "inproc" else (_f(r["chars_s"]), _f(r["bangla_chars_s"]))
         out.append(
-            f"| {r['server']} | {r['clients']} | {_f(r['aggregate_tok_s'])} | {_f(r['chars_s'])} | "
-            f"{_f(r['bangla_chars_s'])} | {ttft} | {_f(r['tbt_ms_p50'], '.0f')} / "
+            f"| {r['server']} | {r['clients']} | {_f(r['aggregate_tok_s'])} | {chars[0]} | "
+            f"{chars[1]} | {ttft} | {_f(r['tbt_ms_p50'], '.0f')} / "
             f"{_f(r['tbt_ms_p95'], '.0f')} | {_f(r['latency_ms_p50'], '.0f')} / "
             f"{_f(r['latency_ms_p95'], '.0f')} | {r['errors']} | {_f(r['peak_rss_mb'], '.0f')} | "
             f"{_f(r.get('load_1min'))} |"

@@ -171,19 +171,10 @@ def test_best_keeps_each_levels_fastest_process_and_merge_replaces_levels():
     (kept,) = [r for r in best(rows) if r["server"] == "doel-serve"]
     assert kept["process"] == 1
     old = {"runs": [{"n": 1}], "measurements": rows}
-    new = merged_from(old, [_row("doel-serve", 8, 50, 10, process=7)])
-    assert len(new["runs"]) == 2
+    new = merged(old, [_row("doel-serve", 8, 50, 10, process=7)], {"n": 2})
+    assert [r["n"] for r in new["runs"]] == [1, 2]
     assert sorted(r["aggregate_tok_s"] for r in new["measurements"]) == [50, 60]
-
-
-def merged_from(old: dict, rows: list[dict]) -> dict:
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "r.json"
-        path.write_text(json.dumps(old))
-        return merged(path, rows, {"n": 2})
+    assert merged(None, rows[:1], {"n": 3}) == {"runs": [{"n": 3}], "measurements": rows[:1]}
 
 
 def test_targets_are_ratios_of_the_two_servers_with_verdicts():
