@@ -77,13 +77,8 @@ async function load(threads, want, weightsIn) {
   const t0 = performance.now();
   spec = await (await fetch("web.json")).json();
   const graphs = spec.graphs || { bundle: spec };
-  const pick = await pickBackend(want);
-  let mode = pick.backend === "webgpu" ? "bundle" : weightsIn || "int8";
-  if (!(mode in graphs)) mode = "int8" in graphs && mode !== "bundle" ? "int8" : "bundle";
-  const graph = graphs[mode];
-  const data = await weights(graph);
-  const [model, tokJson, tokConfig] = await Promise.all([
-    fetch(graph.model).then((r) => r.arrayBuffer()),
+  let pick = await pickBackend(want);
+  const [tokJson, tokConfig] = await Promise.all([
     fetch("tokenizer.json").then((r) => r.json()),
     fetch("tokenizer_config.json").then((r) => (r.ok ? r.json() : {})),
   ]);
@@ -92,23 +87,21 @@ async function load(threads, want, weightsIn) {
   // as in tokenizers.
   const ids = [...Object.values(tokJson.model.vocab), ...tokJson.added_tokens.map((t) => t.id)];
   vocabSize = Math.max(...ids) + 1;
-  importScripts(pick.backend === "webgpu" ? "ort.webgpu.min.js" : "ort.wasm.min.js"); // `ort`
-  // Threads need SharedArrayBuffer, which a browser gives only a cross-origin isolated page.
-  const most = self.crossOriginIsolated ? navigator.hardwareConcurrency || 1 : 1;
-  ort.env.wasm.numThreads = Math.max(1, Math.min(threads || Math.min(most, 4), most));
-  ort.env.wasm.wasmPaths = new URL("./", self.location.href).href;
-  const external = graph.data_path ? [{ path: graph.data_path, data }] : [];
-  session = await ort.InferenceSession.create(new Uint8Array(model), {
-    executionProviders: [pick.backend],
-    graphOptimizationLevel: "all",
-    externalData: external,
-    // Without its QDQ rules ONNX Runtime folds each DequantizeLinear of constant weights into an
-    // fp32 matrix at load, instead of fusing it with its MatMul back into MatMulNBits.
-    extra: mode === "fp32" ? { session: { disable_quant_qdq: "1" } } : {},
-    // On WebGPU the cache stays in GPU memory from one step to the next: read back, it would
-    // cross to the CPU and back every token, the whole context's worth.
-    ...(pick.backend === "webgpu" ? { preferredOutputLocation: presentsOnGpu() } : {}),
-  });
+  runtime(pick.backend, threads);
+  let opened;
+  try {
+    opened = await open(graphs, pick.backend, weightsIn);
+  } catch (err) {
+    if (pick.backend !== "webgpu") throw err;
+    // A GPU that refuses the graph (memory, a missing feature): the page still runs, on the
+    // WebAssembly build (the WebGPU build's own CPU kernels lack GatherBlockQuantized), and
+    // says why.
+    const why = `WebGPU failed (${err && err.message ? err.message : err}): WebAssembly instead`;
+    pick = { backend: "wasm", why };
+    runtime("wasm", threads);
+    opened = await open(graphs, "wasm", weightsIn);
+  }
+  const { mode, graph } = opened;
   post({
     type: "ready",
     backend: pick.backend,
@@ -125,6 +118,38 @@ async function load(threads, want, weightsIn) {
     data_bytes: graph.data_bytes,
     runtime: spec.runtime,
   });
+}
+
+// onnxruntime-web's build for `backend` as the global `ort` (a later call replaces it).
+function runtime(backend, threads) {
+  importScripts(backend === "webgpu" ? "ort.webgpu.min.js" : "ort.wasm.min.js");
+  // Threads need SharedArrayBuffer, which a browser gives only a cross-origin isolated page.
+  const most = self.crossOriginIsolated ? navigator.hardwareConcurrency || 1 : 1;
+  ort.env.wasm.numThreads = Math.max(1, Math.min(threads || Math.min(most, 4), most));
+  ort.env.wasm.wasmPaths = new URL("./", self.location.href).href;
+}
+
+// The session of the graph `backend` runs (WebGPU: the bundle's own; WebAssembly: weightsIn's,
+// int8 by default); returns which graph.
+async function open(graphs, backend, weightsIn) {
+  let mode = backend === "webgpu" ? "bundle" : weightsIn || "int8";
+  if (!(mode in graphs)) mode = "int8" in graphs && mode !== "bundle" ? "int8" : "bundle";
+  const graph = graphs[mode];
+  const data = await weights(graph);
+  const model = await (await fetch(graph.model)).arrayBuffer();
+  const external = graph.data_path ? [{ path: graph.data_path, data }] : [];
+  session = await ort.InferenceSession.create(new Uint8Array(model), {
+    executionProviders: [backend],
+    graphOptimizationLevel: "all",
+    externalData: external,
+    // Without its QDQ rules ONNX Runtime folds each DequantizeLinear of constant weights into an
+    // fp32 matrix at load, instead of fusing it with its MatMul back into MatMulNBits.
+    extra: mode === "fp32" ? { session: { disable_quant_qdq: "1" } } : {},
+    // On WebGPU the cache stays in GPU memory from one step to the next: read back, it would
+    // cross to the CPU and back every token, the whole context's worth.
+    ...(backend === "webgpu" ? { preferredOutputLocation: presentsOnGpu() } : {}),
+  });
+  return { mode, graph };
 }
 
 function presentsOnGpu() {
