@@ -59,7 +59,7 @@ def install_ortgenai(venv: Path = GENAI_VENV) -> Path:
 
 def plan(args) -> list[tuple[str, int, int]]:
     """(mode, prompt tokens, clients) of each level an HTTP process measures, in order."""
-    levels = [("plain", n, c) for n in args.prompt_tokens for c in args.clients]
+    levels = [("plain", n, c) for n in args.prompt_tokens for c in args.clients if args.plain]
     return levels + ([("chat", args.prompt_tokens[0], CHAT_CLIENTS)] if args.chat else [])
 
 
@@ -203,6 +203,12 @@ def build_parser():
         choices=list(NAMES),
         default=list(NAMES),
         help="HTTP servers to run (default both: doel llama)",
+    )
+    ap.add_argument(
+        "--no-plain",
+        dest="plain",
+        action="store_false",
+        help="skip the levels of one prompt a request (with --chat: the chat alone)",
     )
     ap.add_argument("--no-http", dest="http", action="store_false", help="skip the HTTP levels")
     ap.add_argument("--chat", action="store_true", help="also the chat mode (8 clients, 3 turns)")
