@@ -193,9 +193,12 @@ def write_web(
     out.mkdir(parents=True, exist_ok=True)
     made = {w: page_graph(model, out, w, chunk) for w in ("bundle", *graphs) if w in GRAPHS}
     for w in [w for w in made if w != "bundle" and not made[w]["rewritten_matmuls"]]:
-        for p in made.pop(w)["data"]:  # no quantized matmuls: the bundle's graph is the same
-            (out / p["file"]).unlink(missing_ok=True)
-        (out / GRAPHS[w][0]).unlink()
+        (out / GRAPHS[w][0]).unlink()  # no quantized matmuls: the bundle's graph is the same
+        dropped = made.pop(w)["data"]
+        kept = {p["file"] for g in made.values() for p in g["data"]}
+        for p in dropped:  # pieces are named by their content: another graph's may be the same
+            if p["file"] not in kept:
+                (out / p["file"]).unlink(missing_ok=True)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         if (bundle / file).is_file():
             shutil.copyfile(bundle / file, out / file)

@@ -165,6 +165,19 @@ def test_web_folder_holds_the_bundles_graph_and_its_int8_form_in_hashed_pieces(
     assert not [p for p in page.iterdir() if p.suffix == ".data"]  # only the pieces are served
 
 
+def test_an_fp32_bundles_page_has_one_graph_and_every_piece_of_it(
+    web_bundle, tiny_bundle, tmp_path
+):
+    """No quantized matmuls: the int8 graph would be the bundle's, so the page has one graph,
+    and dropping the other never deletes a piece the two share (pieces are named by content)."""
+    from doel.export import web
+
+    spec = web.write_web(tiny_bundle, tmp_path / "web", log=lambda _m: None)
+    assert sorted(spec["graphs"]) == ["bundle"] and spec["data"]
+    assert all((tmp_path / "web" / p["file"]).is_file() for p in spec["data"])
+    assert not (tmp_path / "web" / web.GRAPHS["int8"][0]).exists()
+
+
 @pytest.fixture(scope="module")
 def page(web_bundle):
     """The web folder on a loopback static server (with the isolation headers: two threads) in
