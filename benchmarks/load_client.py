@@ -34,6 +34,7 @@ class Outcome:
     tokens: int = 0
     text: str = ""
     counted: int | None = None  # output tokens as the server reported them
+    cached: int | None = None  # prompt tokens the server took from its cache, where it says
     start: float = 0.0
     end: float = 0.0
 
@@ -97,6 +98,10 @@ def _event(payload: dict, out: Outcome, now: float) -> None:
     counted = usage.get("completion_tokens") or timings.get("predicted_n")
     if counted:
         out.counted = int(counted)
+    # OpenAI's usage.prompt_tokens_details.cached_tokens (doel-serve), llama-server's cache_n
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", timings.get("cache_n"))
+    if cached is not None:
+        out.cached = int(cached)
     if "error" in payload:
         out.error = json.dumps(payload["error"])[:200]
 
@@ -158,6 +163,7 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
         "requests": len(outcomes),
         "errors": len(outcomes) - len(ok),
         "error_samples": sorted({o.error for o in outcomes if o.error})[:3],
+        "cached_prompt_tokens": sum(o.cached or 0 for o in ok),
         "wall_s": wall,
         "output_tokens": tokens,
         "aggregate_tok_s": tokens / wall if wall > 0 else 0.0,

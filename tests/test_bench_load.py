@@ -65,7 +65,11 @@ class FakeServer:
                 chunk(f"data: {json.dumps({'choices': [{'text': t}]})}\n\n")
                 await writer.drain()
             if self.usage_tokens:
-                usage = {"choices": [], "usage": {"completion_tokens": self.usage_tokens}}
+                usage = {"completion_tokens": self.usage_tokens}
+                usage = {
+                    "choices": [],
+                    "usage": usage | {"prompt_tokens_details": {"cached_tokens": 3}},
+                }
                 chunk(f"data: {json.dumps(usage)}\n\n")
         chunk("data: [DONE]\n\n")
         writer.write(b"0\r\n\r\n")
@@ -113,6 +117,7 @@ def test_a_level_times_every_token_and_runs_its_clients_at_once(clients):
 def test_usage_counts_the_tokens_when_the_server_reports_it():
     res = drive(FakeServer(usage_tokens=9), 2, [["a"], ["b"]])
     assert res["output_tokens"] == 18
+    assert res["cached_prompt_tokens"] == 6  # 3 a request, as the server said
     assert res["aggregate_tok_s"] == pytest.approx(18 / res["wall_s"])
 
 
