@@ -131,8 +131,9 @@ def verdict(t: dict) -> str:
 def level_table(rows: list[dict]) -> list[str]:
     out = [
         "| server | clients | tok/s | chars/s | Bangla chars/s | TTFT p50 / p95 ms | "
-        "TBT p50 / p95 ms | latency p50 / p95 ms | errors | peak RSS MB | load before |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "TBT p50 / p95 ms | latency p50 / p95 ms | errors | cached prompt tokens | peak RSS MB | "
+        "load before |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["clients"], r["server"])):
         later = r.get("later_turns")
@@ -146,7 +147,8 @@ def level_table(rows: list[dict]) -> list[str]:
             f"| {r['server']} | {r['clients']} | {_f(r['aggregate_tok_s'])} | {chars[0]} | "
             f"{chars[1]} | {ttft} | {_f(r['tbt_ms_p50'], '.0f')} / "
             f"{_f(r['tbt_ms_p95'], '.0f')} | {_f(r['latency_ms_p50'], '.0f')} / "
-            f"{_f(r['latency_ms_p95'], '.0f')} | {r['errors']} | {_f(r['peak_rss_mb'], '.0f')} | "
+            f"{_f(r['latency_ms_p95'], '.0f')} | {r['errors']} | "
+            f"{_f(r.get('cached_prompt_tokens'), 'd')} | {_f(r['peak_rss_mb'], '.0f')} | "
             f"{_f(r.get('load_1min'))} |"
         )
     return out
