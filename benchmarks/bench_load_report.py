@@ -9,6 +9,23 @@ from pathlib import Path
 from benchmarks.report import cpu_name, heading
 
 PEER = "llama-server"
+NOTES = [
+    "doel-serve: `doel-serve BUNDLE --threads 2 --slots 16 --max-queue 256` (its prefix cache "
+    "per tenant, one tenant); llama-server (llama.cpp of llama-cpp-python 0.3.36's sources, "
+    "built native without AMX): `llama-server -m GGUF -t 2 -tb 2 -np 16 -c 32768 --cache-ram "
+    "2048 --no-webui` (2,048 positions a slot, its prompt cache on by default, flash attention "
+    "auto: its defaults otherwise, as Ollama and LM Studio users get them).",
+    "Requests: `/v1/completions`, streamed with `stream_options.include_usage`, greedy, 128 new "
+    "tokens; the text prompts are windows of exactly 128 or 1,024 of the tokenizer's ids, which "
+    "llama.cpp's spm vocabulary splits the same way (benchmarks/results/spm.md). Output tokens "
+    "are the servers' usage counts; a time to first token is the first event with text.",
+    "Chat: each client's turn is its previous prompt, the answer and 64 new tokens of text, sent "
+    "to `/v1/completions` (the same text to both servers, no chat template between them).",
+    "In-process: closed loops of 8 clients, 2 requests each, ids in and out, in separate "
+    "processes; onnxruntime-genai's Engine on the bundle's own model.onnx and genai_config.json "
+    "(copied with 2 threads, greedy, static batching of 16: its dynamic batching refuses a "
+    "graph without PagedAttention).",
+]
 
 
 def _find(best: list[dict], **want) -> dict | None:
@@ -193,6 +210,7 @@ def markdown(result: dict) -> str:
         lines += level_table(
             [r for r in best if (r["pair"], r["mode"], r["prompt_tokens"]) == (pair, mode, n)]
         )
+    lines += ["", "## Settings", ""] + [f"- {line}" for line in NOTES]
     lines += ["", "## Runs", ""]
     for run in result["runs"]:
         lines.append(
