@@ -16,7 +16,6 @@ whose bundles are reused; made there if missing), a minute or two on a quiet mac
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -33,17 +32,16 @@ SLOTS, PROMPT, STEPS = 8, 128, 32
 
 
 def variant(bundle: Path, level: int, out: Path) -> Path:
-    """A copy of `bundle` whose MatMulNBits nodes have `level`: hard links to every file but the
-    graph, rewritten (its external weights stay in the linked data file)."""
+    """A copy of `bundle` whose MatMulNBits nodes have `level`: every file copied but the graph,
+    rewritten (its external weights stay in the copied data file). Copies, not links: ONNX
+    Runtime refuses external data behind a symlink, and onnx.load refuses a data file with
+    several hard links (it took the source bundle's file for a hard-link attack afterwards)."""
     import onnx
 
     out.mkdir(parents=True, exist_ok=True)
     for f in bundle.iterdir():
         if f.name != "model.onnx" and not (out / f.name).exists():
-            try:  # a hard link: ONNX Runtime refuses external data behind a symlink
-                os.link(f, out / f.name)
-            except OSError:  # another file system
-                shutil.copyfile(f, out / f.name)
+            shutil.copyfile(f, out / f.name)
     m = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
     n = 0
     for node in m.graph.node:
