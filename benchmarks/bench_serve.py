@@ -309,10 +309,8 @@ def targets(rows: dict[str, dict], sweeps: dict[str, dict], p: dict) -> list[dic
         out.append(
             target(f"peak memory {ours} / {peer}", None if v is None else 1 / v, "<=", 1.1, k)
         )
-    for variant, sweep in sweeps.items():
-        points = {pt["streams"]: pt["aggregate_tok_s"] for pt in sweep.get("points", [])}
-        value = points[8] / points[1] if 8 in points and 1 in points else None
-        out.append(target(f"aggregate tokens/s, 8 streams / 1 ({variant})", value, ">=", 3.0))
+    # 8 streams over one is no longer a target (issue 33): what a user chooses by is doel-serve
+    # against llama-server under the same HTTP load (bench_load.py); the report shows the ratio.
     return out
 
 

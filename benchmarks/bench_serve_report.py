@@ -17,6 +17,12 @@ def _f(v, fmt: str, missing: str = "–") -> str:
     return missing if v is None else format(v, fmt)
 
 
+def streams_ratio(sweep: dict) -> float | None:
+    """Aggregate tokens/s of 8 streams over one in a sweep; None where either is missing."""
+    points = {pt["streams"]: pt["aggregate_tok_s"] for pt in sweep.get("points", [])}
+    return points[8] / points[1] if 8 in points and 1 in points else None
+
+
 def verdict(t: dict) -> str:
     return {True: "met", False: "**NOT met**", None: "not measured"}[t["met"]]
 
@@ -147,6 +153,20 @@ def markdown(result: dict) -> str:
             f"| {t['target']} | {_f(t['value'], '.2f')} | {t['op']} {t['threshold']:.2f} | "
             f"{verdict(t)} | {t.get('peer') or ''} |"
         )
+    ratios = [
+        f"{variant} {ratio:.2f}"
+        for variant, sweep in result["sweeps"].items()
+        if (ratio := streams_ratio(sweep)) is not None
+        and not any("8 streams" in t["target"] for t in result["targets"])
+    ]
+    if ratios:
+        lines += [
+            "",
+            f"Aggregate tokens/s of 8 streams over one: {', '.join(ratios)}. Not a target since "
+            "issue 33: the multi-client targets are doel-serve against llama-server under the "
+            "same HTTP load (`serve_load_<model>_cpu-<class>.md`); the profile's ceilings say how "
+            "far batching can go on one CPU.",
+        ]
     lines += ["", "## Engines", "", *engine_table(result), ""]
     lines += [
         f"Bandwidth bound: bytes read per decoded token (all weights but the embedding table, "
@@ -220,7 +240,7 @@ def plot(result: dict, path: Path) -> None:
         line = axes[2].plot(streams, [q["aggregate_tok_s"] for q in pts], "o-", label=variant)
         axes[2].axhline(
             3 * pts[0]["aggregate_tok_s"], color=line[0].get_color(), lw=0.8, ls=":",
-            label=f"3x one {variant} stream (target)",
+            label=f"3x one {variant} stream",
         )  # fmt: skip
         axes[2].set_xticks(streams)
         axes[2].legend(fontsize=8)
