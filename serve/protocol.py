@@ -55,6 +55,17 @@ def prompts_within_context(prompt):
     return within_context(prompt)
 
 
+def of_kinds(items, kinds: tuple[str, ...], code: str, message: str):
+    """`items` unchanged when each one's `type` is one of `kinds`; else the first other kind is
+    refused by name (`message` fills in {i} and {kind}) before a union's validation would list
+    one error for each of its arms. Anything but a list is left to the field's own type."""
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+        if kind not in kinds:
+            raise PydanticCustomError(code, message, {"i": i, "kind": str(kind)[:40]})
+    return items
+
+
 def unicode_text(value):
     """Text (or a list of texts) that is Unicode: JSON's \\ud800 escape without its pair parses
     into a lone surrogate, which no tokenizer or UTF-8 encoder takes."""

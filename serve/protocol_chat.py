@@ -22,6 +22,7 @@ from doel.serve.protocol import (
     Request,
     SamplingRequest,
     Usage,
+    of_kinds,
     unicode_text,
 )
 
@@ -49,19 +50,14 @@ def few_messages(messages):
 
 def text_parts_only(content):
     """Message content as a string or OpenAI's list of parts, of which this model reads only
-    the text ones: another kind (an image, audio) is refused by name before the union's
-    validation would list one error for each of its arms."""
-    if isinstance(content, list):
-        for i, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
-                raise PydanticCustomError(
-                    "content_part",
-                    "content part {i} is of type '{kind}'; this model reads text only: send "
-                    "a string or parts of type 'text'",
-                    {"i": i, "kind": str(kind)[:40]},
-                )
-    return content
+    the text ones: another kind (an image, audio) is refused by name."""
+    return of_kinds(
+        content,
+        ("text",),
+        "content_part",
+        "content part {i} is of type '{kind}'; this model reads text only: send a string or "
+        "parts of type 'text'",
+    )
 
 
 class TextPart(Request):

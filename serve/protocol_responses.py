@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import Field, PrivateAttr, field_validator
 from pydantic_core import PydanticCustomError
 
-from doel.serve.protocol import MAX_SALT_CHARS, MAX_TOKENS, Request, unicode_text
+from doel.serve.protocol import MAX_SALT_CHARS, MAX_TOKENS, Request, of_kinds, unicode_text
 from doel.serve.protocol_chat import (
     FUNCTION_NAME,
     MAX_ID_CHARS,
@@ -37,17 +37,13 @@ STATELESS = (
 def text_parts(content):
     """Content as a string or a list of input_text/output_text parts; another kind (an image,
     a file) is refused by name."""
-    if isinstance(content, list):
-        for i, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind not in ("input_text", "output_text"):
-                raise PydanticCustomError(
-                    "content_part",
-                    "content part {i} is of type '{kind}'; this model reads text only: send a "
-                    "string or parts of type 'input_text'",
-                    {"i": i, "kind": str(kind)[:40]},
-                )
-    return content
+    return of_kinds(
+        content,
+        ("input_text", "output_text"),
+        "content_part",
+        "content part {i} is of type '{kind}'; this model reads text only: send a string or "
+        "parts of type 'input_text'",
+    )
 
 
 class TextPart(Request):
@@ -145,16 +141,13 @@ class FunctionTool(Request):
 
 def function_tools(tools):
     """Function tools only: a hosted tool (web_search, file_search...) is refused by name."""
-    for i, tool in enumerate(tools if isinstance(tools, list) else []):
-        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-        if kind != "function":
-            raise PydanticCustomError(
-                "tool_type",
-                "tools[{i}] is of type '{kind}'; this server runs no hosted tools: give "
-                "functions (type 'function') and run them yourself",
-                {"i": i, "kind": str(kind)[:40]},
-            )
-    return tools
+    return of_kinds(
+        tools,
+        ("function",),
+        "tool_type",
+        "tools[{i}] is of type '{kind}'; this server runs no hosted tools: give functions "
+        "(type 'function') and run them yourself",
+    )
 
 
 class NamedFunction(Request):
