@@ -77,13 +77,11 @@ async def pieces(
     # response_format, or a required tool call: the reply is a document of its schema
     # (serve/structured.py)
     spec = req.format_spec()
-    if fmt is not None:
-        pass
-    elif plan.grammar is not None:
+    if fmt is None and plan.grammar is not None:
         fmt = await svc.in_thread(svc.grammars.lark, plan.grammar, plan.param)
-    elif plan.schema is not None:
+    elif fmt is None and plan.schema is not None:
         fmt = await svc.in_thread(svc.grammars.json_schema, plan.schema, plan.param)
-    elif spec is not None:
+    elif fmt is None and spec is not None:
         fmt = await svc.in_thread(svc.compile_format, spec)
     run = svc.run(ids, params, req.stops(), cache=req.cache, fmt=fmt)
     async with contextlib.aclosing(run) as run:

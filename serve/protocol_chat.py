@@ -11,7 +11,7 @@ import json
 from contextvars import ContextVar
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from doel.serve.limits import DEFAULT_MAX_MESSAGES
@@ -153,6 +153,9 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = Field(
         None, description="accepted; a constrained reply (required, named) is one call"
     )
+
+    # serve/tools.py's plan of this request, made once: pieces, stream and whole all read it
+    _tool_plan: object = PrivateAttr(None)
 
     _few_messages = field_validator("messages", mode="before")(few_messages)
 

@@ -193,6 +193,7 @@ class ResponsesRequest(Request):
     include: list[str] | None = Field(None, max_length=0)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     _cache: Hashable | None = PrivateAttr(ONE)
+    _chat: object = PrivateAttr(None)  # the chat request that serves it (serve/responses.py)
 
     _items = field_validator("input", mode="before")(known_items)
     _functions = field_validator("tools", mode="before")(function_tools)

@@ -42,7 +42,13 @@ from doel.serve.service import Piece, Service
 
 def as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that serves `req` (its sampling settings, limit, tools and cache
-    partition)."""
+    partition), made once a request: the conversation is validated once."""
+    if req._chat is None:
+        req._chat = _as_chat(req)
+    return req._chat
+
+
+def _as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     body = {"messages": req.messages(), "max_tokens": req.max_output_tokens, **req.chat_tools()}
     body |= {k: getattr(req, k) for k in ("temperature", "top_p") if getattr(req, k) is not None}
     try:

@@ -51,7 +51,14 @@ class ToolPlan:
 
 
 def plan(req) -> ToolPlan:
-    """The request's ToolPlan, or a 400 naming the parameter that is wrong."""
+    """The request's ToolPlan, or a 400 naming the parameter that is wrong; made once a
+    request (the prompt, the stream and the whole answer all read it)."""
+    if req._tool_plan is None:
+        req._tool_plan = _plan(req)
+    return req._tool_plan
+
+
+def _plan(req) -> ToolPlan:
     tools, choice = req.tools or [], req.tool_choice
     if not tools:
         if choice not in (None, "none"):
