@@ -54,9 +54,10 @@ from pathlib import Path
 from doel.contracts.manifest import Manifest, ManifestError, read_manifest
 from doel.export.common import ExportError, fresh_dir, sha256_file, write_json
 from doel.export.web_graph import web_graph
+from doel.export.web_kernel import WASM, NotKernelShape, kernel_layout
 
 PAGE = Path(__file__).with_name("web")  # index.html, worker.js, package.json, package-lock.json
-PAGE_FILES = ("index.html", "worker.js", "sw.js")
+PAGE_FILES = ("index.html", "worker.js", "sw.js", *WASM.values())
 CHUNK_BYTES = 32 << 20  # a piece of the weights: small enough for any cache and a phone's fetch
 WEB_DATA = "model.web.data"  # the page's weights, joined from the pieces in the browser
 # The page's graphs (export/web_graph.py): name -> (graph file, weights file); the page ships
@@ -192,6 +193,10 @@ def write_web(
     mods = runtime_modules(log)
     out.mkdir(parents=True, exist_ok=True)
     made = {w: page_graph(model, out, w, chunk) for w in ("bundle", *graphs) if w in GRAPHS}
+    try:  # doel's kernel runs the bundle's graph from its own weights (export/web_kernel.py)
+        made["bundle"] |= {"kernel": kernel_layout(out / GRAPHS["bundle"][0]), "kernel_why": None}
+    except NotKernelShape as e:
+        made["bundle"] |= {"kernel": None, "kernel_why": str(e)}
     for w in [w for w in made if w != "bundle" and not made[w]["rewritten_matmuls"]]:
         (out / GRAPHS[w][0]).unlink()  # no quantized matmuls: the bundle's graph is the same
         dropped = made.pop(w)["data"]

@@ -207,7 +207,8 @@ def page(web_bundle):
     driver.set_script_timeout(60)
     try:
         # the page's default: no WebGPU without --enable-unsafe-webgpu, int8 on WebAssembly
-        driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
+        driver.doel_url = f"http://127.0.0.1:{server.server_address[1]}/"
+        driver.get(driver.doel_url)
         facts = _script(driver, "return await doel.ready;")
         yield driver, facts
     finally:
@@ -220,8 +221,13 @@ def test_page_tokenizes_as_tokenizers_does(page, web_bundle, sample_paths):
     from tokenizers import Tokenizer
 
     driver, facts = page
-    assert facts["isolated"] and facts["threads"] >= 1
-    assert facts["backend"] == "wasm" and facts["weights_in_memory"] == "int8", facts
+    # The default on WebAssembly: doel's kernel on the bundle's own int4 weights, its relaxed-
+    # SIMD build (Chromium computes that dot product right: dk_selftest), one thread.
+    assert facts["backend"] == "wasm" and facts["graph"] == "kernel", facts
+    assert facts["weights_in_memory"] == "int4" and facts["kernel"] == "relaxed"
+    assert facts["threads"] == 1 and "doel's kernel (relaxed SIMD)" in facts["why"]
+    shown = driver.find_element("id", "facts").get_property("textContent")
+    assert "doel's kernel, relaxed SIMD" in shown
     tok = Tokenizer.from_file(str(web_bundle / "tokenizer.json"))
     texts = PROMPTS + EDGE
     for path in sample_paths:
@@ -357,16 +363,44 @@ def test_page_isolates_itself_where_the_host_sends_no_headers(page, web_bundle):
         from selenium.common.exceptions import WebDriverException
         from selenium.webdriver.support.ui import WebDriverWait
 
-        driver.get(url)  # registers sw.js, then reloads itself once
+        driver.get(url + "?weights=int8")  # registers sw.js, then reloads itself once
         wait = WebDriverWait(driver, 30, ignored_exceptions=(WebDriverException,))
         wait.until(lambda d: d.execute_script("return self.crossOriginIsolated && !!window.doel"))
         facts = _script(driver, "return await doel.ready;")
         cores = driver.execute_script("return navigator.hardwareConcurrency")
+        # onnxruntime-web's threads (doel's kernel runs one)
         assert facts["isolated"] and facts["threads"] == min(cores, 4)
+        assert facts["graph"] == "int8" and facts["weights_in_memory"] == "int8"
         assert driver.execute_script("return !!navigator.serviceWorker.controller")
     finally:
         server.shutdown()
         server.server_close()
+
+
+# Every other way the page can run on WebAssembly: the kernel's plain-SIMD build (browsers
+# without relaxed SIMD), and onnxruntime-web with int8 weights (where the kernel cannot run).
+OTHER_PATHS = {
+    "?simd=plain": {"graph": "kernel", "kernel": "plain", "weights_in_memory": "int4"},
+    "?weights=int8": {"graph": "int8", "kernel": None, "weights_in_memory": "int8"},
+}
+
+
+@pytest.mark.parametrize("query", OTHER_PATHS)
+def test_each_webassembly_path_continues_greedily_as_doel_serve(page, web_bundle, query):
+    driver, _ = page
+    base = driver.doel_url
+    try:
+        driver.get(base + query)
+        facts = _script(driver, "return await doel.ready;")
+        assert {k: facts[k] for k in OTHER_PATHS[query]} == OTHER_PATHS[query], facts
+        for prompt in PROMPTS:
+            req = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+            got = _script(driver, "return await doel.generate(arguments[0]);", req)
+            assert got["ids"] == _engine_ids(web_bundle, prompt), (query, prompt)
+            _logits_close(driver, web_bundle, prompt)
+    finally:
+        driver.get(base)
+        _script(driver, "return await doel.ready;")
 
 
 # How the WebGPU test asks Chromium for an adapter: headless Chromium on Linux offers WebGPU only

@@ -1,7 +1,8 @@
-// doel's Web Worker: the bundle's graph on onnxruntime-web (WebGPU or WebAssembly), its
-// tokenizer.json in tokenizers.js, a prefill and one run a token through the KV cache, sampling,
-// and text streamed to the page in whole characters and whole Bengali clusters. Written by doel-export --web
-// (export/web.py says why the page works as it does); no server beyond static files.
+// doel's Web Worker: the bundle's graph on doel's kernel (WebAssembly) or onnxruntime-web
+// (WebGPU, or WebAssembly where the kernel cannot run), its tokenizer.json in tokenizers.js, a
+// prefill and one run a token through the KV cache, sampling, and text streamed to the page in
+// whole characters and whole Bengali clusters. Written by doel-export --web (export/web.py says
+// why the page works as it does); no server beyond static files.
 "use strict";
 
 // tokenizers.js ships as CommonJS only: give it a `module` to fill, then read its export.
@@ -12,7 +13,7 @@ const { Tokenizer } = self.module.exports;
 
 const PREFILL_CHUNK = 128; // prompt tokens a run, as doel-serve (serve/engine.py)
 const CACHE = "doel-web-v1";
-let spec, session, tokenizer, vocabSize, stopping = false;
+let spec, session, kernel, tokenizer, vocabSize, stopping = false;
 
 const post = (msg) => self.postMessage(msg);
 
@@ -56,10 +57,11 @@ async function pickBackend(want) {
     software: info.architecture === "swiftshader" || !!adapter.isFallbackAdapter };
 }
 
-// The graph's weights, from its pieces: straight into one buffer, held once plus one piece.
-async function weights(graph) {
+// The graph's weights, from its pieces: straight into one buffer (`into(bytes)` makes it: the
+// kernel's memory, or a plain array), held once plus one piece.
+async function weights(graph, into = (n) => new Uint8Array(n)) {
   const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
-  const data = new Uint8Array(graph.data_bytes);
+  const data = into(graph.data_bytes);
   let at = 0;
   for (const p of graph.data) {
     data.set(new Uint8Array(await piece(p, cache)), at);
@@ -69,11 +71,64 @@ async function weights(graph) {
   return data;
 }
 
-// weightsIn (WebAssembly only): "int8" (DynamicQuantizeMatMul, the default: 8 bits in memory and
-// about fp32's speed), "bundle" (the bundle's MatMulNBits: smallest, several times slower) or
-// "fp32" (where the folder has that graph: folded to fp32 at load, 4x int8's memory). export/
-// web_graph.py and benchmarks/results/web_probe_cpu-*.md say why.
-async function load(threads, want, weightsIn) {
+// ------------------------------------------ doel's kernel (export/web/kernel.c, web_kernel.py)
+
+// The relaxed-SIMD build where this engine computes its dot product right (dk_selftest), else
+// the plain-SIMD one (`simd` "plain" forces it: tests); null where the browser has no
+// WebAssembly SIMD.
+const KERNELS = [["relaxed", "doel-kernel-relaxed.wasm"], ["plain", "doel-kernel.wasm"]];
+async function kernelModule(simd) {
+  for (const [kind, file] of KERNELS.filter(([kind]) => !simd || kind === simd)) {
+    const bytes = await (await fetch(file)).arrayBuffer();
+    if (!WebAssembly.validate(bytes)) continue;
+    const { instance } = await WebAssembly.instantiate(bytes, {});
+    if (instance.exports.dk_selftest() === 1) return { kind, k: instance.exports };
+  }
+  return null;
+}
+
+// The bundle graph's weights copied into the kernel's memory, as they are in the file (4 bits),
+// and its layout (web.json's graphs.bundle.kernel) given to dk_init.
+async function openKernel(graph, mod) {
+  const { k } = mod;
+  const layout = graph.kernel;
+  const base = k.dk_alloc(graph.data_bytes);
+  if (!base) throw new Error(`no memory for the ${(graph.data_bytes / 1e6).toFixed(0)} MB of weights`);
+  await weights(graph, (n) => new Uint8Array(k.memory.buffer, base, n));
+  const put = (Kind, xs) => {
+    const at = k.dk_alloc(4 * xs.length);
+    new Kind(k.memory.buffer, at, xs.length).set(xs);
+    return at;
+  };
+  const cfg = put(Int32Array, layout.config);
+  const floats = put(Float32Array, layout.floats);
+  const offsets = put(Uint32Array, layout.offsets);
+  const ids = k.dk_alloc(4 * PREFILL_CHUNK); // before dk_init: the cache must stay the last
+  if (k.dk_init(base, cfg, floats, offsets) !== 0) throw new Error("the kernel found no memory");
+  return { ...mod, ids, vocab: layout.config[6] };
+}
+
+// Feed `ids` after the state's cached tokens through the kernel; the last one's logits.
+function kernelForward(state, ids) {
+  const { k } = kernel;
+  let at = 0;
+  for (let lo = 0; lo < ids.length; lo += PREFILL_CHUNK) {
+    const chunk = ids.slice(lo, lo + PREFILL_CHUNK);
+    new Int32Array(k.memory.buffer, kernel.ids, chunk.length).set(chunk);
+    at = k.dk_forward(kernel.ids, chunk.length, state.n);
+    if (!at) throw new Error("the kernel's memory could not grow for the cache (out of memory)");
+    state.n += chunk.length;
+  }
+  return new Float32Array(k.memory.buffer, at, kernel.vocab).slice(); // the next call may grow memory
+}
+
+// weightsIn (WebAssembly only): "auto" (the default) or "kernel": doel's kernel on the bundle's
+// own weights (int4 in an int4 bundle: the smallest and, in onnxruntime-web's absence of a fast
+// 4-bit kernel, the fastest: benchmarks/results/web_*.md); where it cannot run, onnxruntime-web
+// with "int8" (DynamicQuantizeMatMul: 8 bits in memory, about fp32's speed), or with "bundle"
+// (its MatMulNBits: several times slower) on a low-memory device. "int8", "bundle" and "fp32"
+// (where the folder has that graph) force onnxruntime-web's. export/web_graph.py says why.
+async function load(threads, want, weightsIn, lowMemory, simd) {
   const t0 = performance.now();
   spec = await (await fetch("web.json")).json();
   const graphs = spec.graphs || { bundle: spec };
@@ -87,29 +142,29 @@ async function load(threads, want, weightsIn) {
   // as in tokenizers.
   const ids = [...Object.values(tokJson.model.vocab), ...tokJson.added_tokens.map((t) => t.id)];
   vocabSize = Math.max(...ids) + 1;
-  runtime(pick.backend, threads);
   let opened;
-  try {
-    opened = await open(graphs, pick.backend, weightsIn);
-  } catch (err) {
-    if (pick.backend !== "webgpu") throw err;
-    // A GPU that refuses the graph (memory, a missing feature): the page still runs, on the
-    // WebAssembly build (the WebGPU build's own CPU kernels lack GatherBlockQuantized), and
-    // says why.
-    const why = `WebGPU failed (${err && err.message ? err.message : err}): WebAssembly instead`;
-    pick = { backend: "wasm", why };
-    runtime("wasm", threads);
-    opened = await open(graphs, "wasm", weightsIn);
+  if (pick.backend === "webgpu") {
+    try {
+      runtime("webgpu", threads);
+      opened = await open(graphs, "webgpu", "bundle");
+    } catch (err) {
+      // A GPU that refuses the graph (memory, a missing feature): the page still runs, on
+      // WebAssembly, and says why.
+      const why = `WebGPU failed (${err && err.message ? err.message : err}): WebAssembly instead`;
+      pick = { backend: "wasm", why };
+    }
   }
+  if (!opened) opened = await openWasm(graphs, threads, weightsIn || "auto", lowMemory, simd);
   const { mode, graph } = opened;
   post({
     type: "ready",
     backend: pick.backend,
-    why: pick.why,
+    why: opened.why ? `${pick.why}; ${opened.why}` : pick.why,
     adapter: pick.adapter || null,
     software_adapter: !!pick.software,
-    threads: ort.env.wasm.numThreads,
-    weights_in_memory: mode === "bundle" ? spec.quant : mode,
+    threads: kernel ? 1 : ort.env.wasm.numThreads,
+    kernel: kernel ? kernel.kind : null,
+    weights_in_memory: mode === "bundle" || mode === "kernel" ? spec.quant : mode,
     graph: mode,
     isolated: !!self.crossOriginIsolated,
     load_ms: performance.now() - t0,
@@ -118,6 +173,25 @@ async function load(threads, want, weightsIn) {
     data_bytes: graph.data_bytes,
     runtime: spec.runtime,
   });
+}
+
+// WebAssembly: doel's kernel where weightsIn allows it and it runs here, else onnxruntime-web
+// with weightsIn's graph; `why` says why not the kernel when it was wanted and is not used.
+async function openWasm(graphs, threads, weightsIn, lowMemory, simd) {
+  let why = null;
+  if (weightsIn === "auto" || weightsIn === "kernel") {
+    const mod = graphs.bundle.kernel ? await kernelModule(simd) : null;
+    if (mod) {
+      kernel = await openKernel(graphs.bundle, mod);
+      return { mode: "kernel", graph: graphs.bundle, why: `doel's kernel (${mod.kind} SIMD)` };
+    }
+    why = graphs.bundle.kernel
+      ? "this browser's WebAssembly has no SIMD for doel's kernel: onnxruntime-web instead"
+      : `doel's kernel does not run this graph (${graphs.bundle.kernel_why}): onnxruntime-web`;
+    weightsIn = lowMemory ? "bundle" : "int8";
+  }
+  runtime("wasm", threads);
+  return { ...(await open(graphs, "wasm", weightsIn)), why };
 }
 
 // onnxruntime-web's build for `backend` as the global `ort` (a later call replaces it).
@@ -129,10 +203,10 @@ function runtime(backend, threads) {
   ort.env.wasm.wasmPaths = new URL("./", self.location.href).href;
 }
 
-// The session of the graph `backend` runs (WebGPU: the bundle's own; WebAssembly: weightsIn's,
-// int8 by default); returns which graph.
+// The session of the graph `backend` runs (WebGPU: the bundle's own; WebAssembly: weightsIn's);
+// returns which graph.
 async function open(graphs, backend, weightsIn) {
-  let mode = backend === "webgpu" ? "bundle" : weightsIn || "int8";
+  let mode = backend === "webgpu" ? "bundle" : weightsIn;
   if (!(mode in graphs)) mode = "int8" in graphs && mode !== "bundle" ? "int8" : "bundle";
   const graph = graphs[mode];
   const data = await weights(graph);
@@ -326,12 +400,13 @@ async function generate(req) {
     return known.length ? tokenizer.decode(known, { skip_special_tokens: true }) : "";
   };
   const stream = new TextStream(decode);
-  const state = { past: emptyPast(), n: 0 };
+  const state = kernel ? { n: 0 } : { past: emptyPast(), n: 0 };
+  const step = kernel ? kernelForward : forward;
   const seen = new Set(prompt);
   const ids = [];
   stopping = false;
   const t0 = performance.now();
-  let logits = await forward(state, prompt);
+  let logits = await step(state, prompt);
   const t1 = performance.now();
   const promptLogits = req.return_logits ? Array.from(logits) : undefined; // tests compare them
   let reason = "length";
@@ -349,10 +424,11 @@ async function generate(req) {
       reason = "cancelled";
       break;
     }
-    if (ids.length < max) logits = await forward(state, [id]);
+    if (ids.length < max) logits = await step(state, [id]);
   }
-  const cacheAt = Object.values(state.past)[0]?.location ?? null; // "gpu-buffer" on WebGPU
-  release(state.past);
+  // "gpu-buffer" on WebGPU; the kernel keeps it in its own memory
+  const cacheAt = kernel ? "kernel" : (Object.values(state.past)[0]?.location ?? null);
+  if (!kernel) release(state.past);
   const rest = stream.finish();
   if (rest) post({ type: "text", text: rest });
   const t2 = performance.now();
@@ -374,7 +450,8 @@ async function generate(req) {
 self.onmessage = async (e) => {
   const msg = e.data;
   try {
-    if (msg.type === "load") await load(msg.threads, msg.backend, msg.weights);
+    if (msg.type === "load")
+      await load(msg.threads, msg.backend, msg.weights, msg.lowMemory, msg.simd);
     else if (msg.type === "encode")
       post({ type: "ids", ids: msg.texts.map((t) => tokenizer.encode(t).ids) });
     else if (msg.type === "generate") await generate(msg);
