@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,19 +39,13 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import bench_web_report
+from benchmarks import bench_web_report, web_loss
 from benchmarks.bench_export import machine_busy_s, make_checkpoint, own_cpu_s
 from benchmarks.report import command, parser, publish, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SHORT, LONG, NEW, REPEATS = 128, 512, 64, 2
-# held-out text for the page graphs' loss (../shared/data, as bench_quant_quality reads it)
-LOSS_TEXTS = (
-    "../shared/data/bn/bnlp_resources_news_punct/news_test_news.txt",
-    "../shared/data/en/gutenberg/pg1342_pride_and_prejudice_austen.txt",
-)
-LOSS_TOKENS = 4096
 THREADS = (1, 2)
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
@@ -185,16 +178,18 @@ def page_row(url: str, spec: dict, threads: int, weights: str) -> dict:
     the page's `weights` graph)."""
     driver = browser()
     try:
-        query = f"?backend=wasm&threads={threads}&weights={weights}"
+        graph, _, simd = weights.partition("-")  # kernel-plain: the kernel's plain-SIMD build
+        query = f"?backend=wasm&threads={threads}&weights={graph}" + (simd and f"&simd={simd}")
         driver.get(url + query)
         cold = settled(driver, "doel.ready")
         driver.get(url + query)
         warm = settled(driver, "doel.ready")
-        if warm["weights_in_memory"] != weights:
-            raise SystemExit(f"the page ran {warm['weights_in_memory']}, not {weights}")
+        if warm["graph"] != graph or (simd and warm["kernel"] != simd):
+            raise SystemExit(f"the page ran {warm['graph']} ({warm['kernel']}), not {weights}")
         warm_up = {"prompt_ids": spec["prompts"]["short"][:8], "max_tokens": 2}
         settled(driver, "doel.generate(arguments[0])", warm_up)
         row = {"threads": warm["threads"], "isolated": warm["isolated"], "weights": weights}
+        row |= {"kernel": warm["kernel"], "weights_in_memory": warm["weights_in_memory"]}
         row |= {"load_cold_s": cold["load_ms"] / 1000, "load_warm_s": warm["load_ms"] / 1000}
         for name in ("short", "long"):
             runs = []
@@ -311,60 +306,8 @@ def measure_bundle(name: str, bundle: Path, work: Path, opts) -> dict:
         "kv_cache_bytes": kv_bytes,
         "prompt_tokens": {k: len(v) for k, v in prompts.items()},
         "rows": rows,
-        "loss": safe_losses(web_dir, web, manifest, opts.checkpoints.get(name), work),
+        "loss": web_loss.safe_losses(web_dir, web, manifest, opts.checkpoints.get(name), work),
     }
-
-
-def safe_losses(*args) -> dict | None:
-    """page_losses, or its error: the timed rows before it are not lost to it."""
-    try:
-        return page_losses(*args)
-    except Exception as e:  # noqa: BLE001 (a failed loss check is reported, the run kept)
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
-def page_losses(web_dir: Path, web: dict, manifest: dict, ckpt: str | None, work: Path):
-    """Held-out loss (nats/token) of PyTorch fp32 and of each page graph on the shared
-    validation text, the graphs run by native ONNX Runtime (the same contrib kernels as the
-    page's WebAssembly build, other SIMD), and the bound the export holds that quantization
-    to. None without the checkpoint."""
-    if ckpt is None:
-        return None
-    import numpy as np
-
-    from doel.contracts.quant import quant
-    from doel.export import parity
-    from doel.export.checkpoint import inspect_checkpoint
-    from doel.export.runner import OnnxLM, score
-
-    c = inspect_checkpoint(ckpt)
-    texts = parity.eval_texts(c, [ROOT / t for t in LOSS_TEXTS], LOSS_TOKENS)
-    window = min(manifest["context_length"], 512)
-    tokens = sum(len(d) - 1 for t in texts for d in t["docs"])
-
-    def nats(logits) -> float:
-        return sum(score(logits, t["docs"], window) for t in texts) / tokens
-
-    out = {"texts": list(LOSS_TEXTS), "tokens": tokens, "window": window}
-    out["torch_fp32"] = nats(parity.torch_reference(c))
-    out["bound"] = quant(manifest["quant"]).loss_bound
-    for name, g in web["graphs"].items():
-        folder = work / f"loss-{web_dir.name}-{name}"
-        folder.mkdir()
-        with open(folder / g["data_path"], "wb") as f:
-            for p in g["data"]:
-                f.write((web_dir / p["file"]).read_bytes())
-        (folder / g["model"]).write_bytes((web_dir / g["model"]).read_bytes())
-        lm = OnnxLM(folder / g["model"], c.kv_heads, c.head_dim, threads=2)
-        keep = lm.session
-
-        def run(names, feeds, keep=keep):  # the page feeds logits_to_keep (0: every position)
-            return keep.run(names, feeds | {"logits_to_keep": np.array([0], np.int64)})
-
-        lm.session = type("Keep", (), {"run": staticmethod(run)})()
-        out[name] = nats(lm.logits)
-        shutil.rmtree(folder)
-    return out
 
 
 def make_big(work: Path) -> Path:
@@ -392,8 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     ap.add_argument(
         "--weights",
-        default="int8,fp32",
-        help="the page's WebAssembly graphs to time (int8, fp32, bundle)",
+        default="kernel,int8,fp32",
+        help="the page's WebAssembly modes to time: kernel (doel's, the default; kernel-plain: "
+        "its plain-SIMD build), int8, fp32, bundle (onnxruntime-web's graphs)",
     )
     ap.add_argument(
         "--webgpu",

@@ -1,4 +1,4 @@
-"""The Markdown of benchmarks/bench_web.py's result: the page's WebAssembly graphs beside
+"""The Markdown of benchmarks/bench_web.py's result: the page's WebAssembly modes beside
 doel-serve's engine (speed, memory, greedy ids), its WebGPU path's ids, the held-out loss of each
 graph, and issue 34's targets with a verdict each (the page's default WebAssembly mode: peak
 memory <= 1.4x the bundle's weights file plus its KV cache, decode >= 0.17x the engine's, aim
@@ -13,7 +13,16 @@ MEMORY_TARGET, DECODE_TARGET, DECODE_AIM = 1.4, 0.17, 0.35
 
 
 def who(r: dict) -> str:
-    return "doel-serve engine" if r["kind"] == "engine" else f"page (wasm, {r['weights']})"
+    if r["kind"] == "engine":
+        return "doel-serve engine"
+    if r["weights"].startswith("kernel"):
+        return f"page (doel's kernel, {r.get('kernel') or 'relaxed'} SIMD, int4)"
+    return f"page (onnxruntime-web, {r['weights']})"
+
+
+def default_mode(pages: dict) -> str:
+    """The page's WebAssembly default among the timed rows: doel's kernel (int8 before it)."""
+    return "kernel" if any(w == "kernel" for w, _ in pages) else "int8"
 
 
 def speed_table(result: dict) -> list[str]:
@@ -101,31 +110,44 @@ def loss_lines(result: dict) -> list[str]:
             if g in loss:
                 inc = loss[g] - loss["torch_fp32"]
                 ok = "yes" if loss["bound"] is None or inc <= loss["bound"] else "**no**"
-                lines.append(f"| {g} | {loss[g]:.4f} | {inc:+.4f} | {ok} |")
+                lines.append(f"| {g} (native ONNX Runtime) | {loss[g]:.4f} | {inc:+.4f} | {ok} |")
+        k = loss.get("kernel")
+        if k and "error" in k:
+            lines.append(f"| doel's kernel | not measured: {k['error']} | | |")
+        elif k:
+            inc = k["kernel"] - k["torch_fp32"]
+            ok = "yes" if loss["bound"] is None or inc <= loss["bound"] else "**no**"
+            lines.append(
+                f"| doel's kernel (the page's own numbers, Node.js; the first {k['tokens']} "
+                f"targets, where PyTorch fp32 gives {k['torch_fp32']:.4f}) | {k['kernel']:.4f} | "
+                f"{inc:+.4f} | {ok} |"
+            )
         lines.append("")
     return lines
 
 
-def floor_mb(result: dict) -> tuple[str, float] | None:
-    """The page's own floor in this run: the peak of the smallest bundle's int8 page (Chromium's
-    renderer, the runtime, a model of a few MB), where the run has a second bundle."""
+def floor_mb(result: dict, mode: str) -> tuple[str, float] | None:
+    """The page's own floor in this run: the smallest peak of the smallest bundle's page in
+    `mode` (Chromium's renderer, the page and its runtime, a model of a few MB), where the run
+    has a second bundle."""
     if len(result["bundles"]) < 2:
         return None
     small = min(result["bundles"], key=lambda b: b["weight_bytes"])
-    peaks = [r["browser_peak_rss_mb"] for r in small["rows"] if r["kind"] == "page"]
-    return small["name"], min(peaks)
+    rows = small["rows"]
+    peaks = [r["browser_peak_rss_mb"] for r in rows if r["kind"] == "page" and r["weights"] == mode]
+    return (small["name"], min(peaks)) if peaks else None
 
 
 def verdicts(result: dict) -> list[str]:
     lines = []
-    floor = floor_mb(result)
     for b in result["bundles"]:
         eng = {r["threads"]: r for r in b["rows"] if r["kind"] == "engine"}
         pages = {(r["weights"], r["threads"]): r for r in b["rows"] if r["kind"] == "page"}
         base = ((b["weights_file_bytes"] or 0) + b["kv_cache_bytes"]) / 2**20
         budget = MEMORY_TARGET * base
+        default = default_mode(pages)
         for (w, t), r in pages.items():
-            if w != "int8":
+            if w != default:
                 continue
             ratio = r["short"]["decode_tok_s"] / eng[t]["short"]["decode_tok_s"]
             rss = r["browser_peak_rss_mb"]
@@ -139,20 +161,29 @@ def verdicts(result: dict) -> list[str]:
                     f"{r['long']['ttft_s'] / fp32['long']['ttft_s']:.2f}x long TTFT, "
                     f"{rss / fp32['browser_peak_rss_mb']:.2f}x peak memory"
                 )
+            former = pages.get(("int8", t)) if default != "int8" else None
+            if former:
+                vs += (
+                    f"; vs the former default (onnxruntime-web int8) "
+                    f"{r['short']['decode_tok_s'] / former['short']['decode_tok_s']:.2f}x decode, "
+                    f"{rss / former['browser_peak_rss_mb']:.2f}x peak memory"
+                )
             lines.append(
-                f"- {b['name']}, {t} thread(s), the default (int8): peak {rss:.0f} MB vs "
+                f"- {b['name']}, {t} thread(s), the default ({who(r)}): peak {rss:.0f} MB vs "
                 f"{budget:.0f} MB ({MEMORY_TARGET}x (weights file + KV cache at "
                 f"{b['context_length']})): {'met' if rss <= budget else '**not met**'}; decode "
                 f"{ratio:.2f}x the engine's (target {DECODE_TARGET}x: "
                 f"{'met' if ratio >= DECODE_TARGET else '**not met**'}, aim {DECODE_AIM}x: "
                 f"{'met' if ratio >= DECODE_AIM else 'not met'}){vs}"
             )
+            floor = floor_mb(result, default)
             if floor and floor[0] != b["name"]:
                 above = rss - floor[1]
                 lines.append(
-                    f"  - above the page's floor in this run ({floor[0]}'s page peak, "
-                    f"{floor[1]:.0f} MB: Chromium's renderer and the runtime): {above:.0f} MB, "
-                    f"{above / base:.2f}x (weights file + KV cache)"
+                    f"  - the page's own memory, above its floor in this run (the same mode's "
+                    f"peak on {floor[0]}, {floor[1]:.0f} MB: Chromium's renderer, the page and "
+                    f"its runtime): {above:.0f} MB, {above / base:.2f}x (weights file + KV "
+                    f"cache): {'met' if above <= budget else '**not met**'}"
                 )
     return lines
 
@@ -166,9 +197,11 @@ def markdown(result: dict) -> str:
         f"(WebAssembly, SIMD) vs onnxruntime {result['onnxruntime']} (native). Greedy, random "
         f"prompt ids, {result['settings']['new_tokens']} new tokens, best of "
         f"{result['settings']['repeats']}; load average {result['load_before'][0]:.2f} before, "
-        f"{result['load_after'][0]:.2f} after. Page rows: `?backend=wasm&weights=W` (int8: "
-        "DynamicQuantizeMatMul, the page's WebAssembly default; fp32: the int4 integers folded "
-        "to fp32 at load, the page's former default; bundle: its own MatMulNBits graph).",
+        f"{result['load_after'][0]:.2f} after. Page rows: `?backend=wasm&weights=W` (kernel: "
+        "doel's own WebAssembly kernel on the bundle's int4 weights, the page's default; int8: "
+        "onnxruntime-web's DynamicQuantizeMatMul, the default before it; fp32: the int4 "
+        "integers folded to fp32 at load, the default before that; bundle: onnxruntime-web's "
+        "MatMulNBits). Peak RSS: the largest VmHWM among Chromium's processes (the renderer).",
         "",
         *speed_table(result),
         "",

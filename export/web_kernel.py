@@ -48,8 +48,9 @@ def _need(cond: bool, why: str) -> None:
 
 
 def kernel_layout(model_path: Path) -> dict:
-    """{"config": [...], "floats": [eps, scale], "offsets": [...]} for kernel.c's dk_init, the
-    offsets into the graph's one external weights file; NotKernelShape if it is another graph."""
+    """{"config", "floats" [eps, scale], "offsets", "tensors"} for kernel.c's dk_init: the
+    offsets into the graph's one external weights file, and each one's initializer name;
+    NotKernelShape if it is another graph."""
     m = onnx.load(str(model_path), load_external_data=False)
     inits = {i.name: i for i in m.graph.initializer}
     where, files = {}, set()
@@ -126,7 +127,13 @@ def kernel_layout(model_path: Path) -> dict:
     config += [s["vocab"], s["block"], s["rope_rows"], MAX_ROWS, s["lm_bits"]]
     scale = s["scale"] or s["head_dim"] ** -0.5
     offsets = [glob[k] for k in GLOBAL] + [lay[k] for lay in layers for k in LAYER]
-    return {"config": config, "floats": [norms[0][1], scale], "offsets": offsets}
+    names = {v: k for k, v in where.items()}
+    return {
+        "config": config,
+        "floats": [norms[0][1], scale],
+        "offsets": offsets,
+        "tensors": [names[o] for o in offsets],  # what each offset is (tests, a reader)
+    }
 
 
 def build(out_dir: Path = KERNEL.parent) -> list[Path]:

@@ -614,6 +614,8 @@ NOT_RESULTS = {
     "load_servers": "builds llama-server; starts bench_load's servers",
     "bench_web_report": "bench_web's Markdown and its verdicts",
     "probe_web_table": "probe_web_matmul's Markdown",
+    "web_loss": "bench_web's held-out loss of the page's graphs and kernel",
+    "web_kernel_node": "runs the page's kernel in Node.js for web_loss",
 }
 
 

@@ -377,6 +377,30 @@ def test_page_isolates_itself_where_the_host_sends_no_headers(page, web_bundle):
         server.server_close()
 
 
+def test_the_kernel_in_node_gives_the_engines_loss(web_bundle):
+    """benchmarks/web_kernel_node.py (bench_web's loss of the page's own numbers): the kernel
+    in Node.js scores a window as doel-serve's engine does, a token at a time."""
+    import shutil
+
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from benchmarks.web_kernel_node import kernel_nats
+    from doel.serve.engine import Engine, read_bundle
+
+    if shutil.which("node") is None:
+        pytest.skip("Node.js is not installed")
+    tok = Tokenizer.from_file(str(web_bundle / "tokenizer.json"))
+    windows = [tok.encode(p).ids for p in PROMPTS]
+    engine = Engine(read_bundle(web_bundle), threads=1)
+    for w, got in zip(windows, kernel_nats(web_bundle / "web", windows)):
+        want = 0.0
+        for t in range(len(w) - 1):
+            z = engine.forward(w[: t + 1], 0).astype(np.float64)
+            want += np.log(np.exp(z - z.max()).sum()) + z.max() - z[w[t + 1]]
+        assert got == pytest.approx(want, rel=0.01), (w, got, want)
+
+
 # Every other way the page can run on WebAssembly: the kernel's plain-SIMD build (browsers
 # without relaxed SIMD), and onnxruntime-web with int8 weights (where the kernel cannot run).
 OTHER_PATHS = {
