@@ -13,8 +13,13 @@ projection, held as
   rules on (they keep the weights quantized: constant folding skips DequantizeLinear; the int4
   pair is fused into MatMulNBits), and int8 with a static QuantizeLinear on A as well,
 - MatMulNBits, 4 bits (block 256, doel's int4) and 8 bits (block 128, doel's int8), at accuracy
-  levels 0/1/4 (4: int8 activations).
-Timings: ONNX Runtime's own session.run in a Web Worker (Chromium, the page's setting) or Node's
+  levels 0/1/4 (4: int8 activations),
+- and beside them, not in ONNX Runtime: doel's own WebAssembly kernel (export/web/kernel.c's
+  dk_linear, the page's default WebAssembly mode) on MatMulNBits' 4-bit block-256 bytes as they
+  are, its plain-SIMD and relaxed-SIMD builds; single-threaded, so at 1 thread only. A build
+  whose dk_selftest fails (the engine computes relaxed SIMD's dot otherwise) is not timed.
+Timings: ONNX Runtime's own session.run (or dk_linear, with A copied in and Y out as session.run
+does) in a Web Worker (Chromium, the page's setting) or Node's
 main thread, after two warm-up runs, the median of up to RUNS runs within BUDGET_MS. Beside each:
 its relative error against the fp32 graph's output (a kernel that computes something else would
 show) and the bytes its weights take in memory after ONNX Runtime's load-time rewrites.
@@ -26,8 +31,10 @@ Results: benchmarks/results/web_probe_cpu-<class>.{json,md} (benchmarks/probe_we
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -41,6 +48,7 @@ from benchmarks.bench_export import machine_busy_s
 from benchmarks.bench_web import CHROMIUM, browser, settled, tree_cpu_s
 from benchmarks.report import parser, publish, stamp
 from doel.export.web import runtime_modules, static_server
+from doel.export.web_kernel import KERNEL, WASM
 
 SHAPES = {"gate/up": (1024, 2816), "down": (2816, 1024)}
 PREFILL, RUNS, BUDGET_MS = 128, 30, 300
@@ -52,38 +60,89 @@ BUILDS = {
     "jsep": "ort.min.js",  # ort-wasm-simd-threaded.jsep.wasm (the JS WebGPU/WebNN EPs' build)
     "webgpu": "ort.webgpu.min.js",  # ...asyncify.wasm (the native WebGPU EP's build)
 }
+KERNEL_BLOCK = 256  # the bundle's int4 block
+KERNELS = {"simd": "plain SIMD", "relaxed": "relaxed SIMD"}  # export.web_kernel.WASM's keys
+NBITS4 = f"MatMulNBits 4-bit block {KERNEL_BLOCK}, accuracy level 4"  # the kernel rows follow it
 
-# One JS function for both hosts: `models` [{name, k, bytes}], returns {name: {rows: ms}, err}.
+# One JS function for both hosts: `models` [{name, k, bytes}] (a kernel's also n, code, scales,
+# block), returns {name: {ms: {rows: ms}, err<rows>}} or {name: {error}} / {name: {skipped}}.
 CORE = """
-async function probe(ort, models, rowsList, runs, budget) {
+async function timed(run, runs, budget) {
+  let y;
+  for (let i = 0; i < 2; i++) y = await run();
+  const times = [];
+  const t0 = performance.now();
+  while (times.length < runs && (times.length < 3 || performance.now() - t0 < budget)) {
+    const t = performance.now();
+    await run();
+    times.push(performance.now() - t);
+  }
+  times.sort((x, z) => x - z);
+  return [times[times.length >> 1], y];
+}
+
+function input(rows, k) {
+  return Float32Array.from({length: rows * k}, (_, i) => Math.sin(i * 0.37));
+}
+
+function relErr(y, ref) {
+  let num = 0, den = 0;
+  for (let i = 0; i < y.length; i++) {
+    num += (y[i] - ref[i]) ** 2;
+    den += ref[i] ** 2;
+  }
+  return Math.sqrt(num / den);
+}
+
+// doel's kernel: one instance a model, its weights copied in once; a run copies A in and Y out.
+async function kernel(m, ref, rowsList, runs, budget) {
+  let x;
+  try {
+    x = (await WebAssembly.instantiate(m.code, {})).instance.exports;
+  } catch (err) {
+    return {error: "does not compile in this host"};
+  }
+  if (!x.dk_selftest()) return {error: "wrong numbers in this host"};
+  const top = Math.max(...rowsList);
+  const w = x.dk_alloc(m.bytes.length);
+  const a = x.dk_alloc(4 * top * m.k), y = x.dk_alloc(4 * top * m.n);
+  // N = 0: nothing computed; its activation buffers are sized once, for the most rows
+  x.dk_linear(y, a, top, m.k, 0, w, w + m.scales, m.block);
+  new Uint8Array(x.memory.buffer, w, m.bytes.length).set(m.bytes);
+  const r = {ms: {}};
+  for (const rows of rowsList) {
+    const A = input(rows, m.k);
+    const run = () => {
+      new Float32Array(x.memory.buffer, a, A.length).set(A);
+      x.dk_linear(y, a, rows, m.k, m.n, w, w + m.scales, m.block);
+      return new Float32Array(x.memory.buffer, y, rows * m.n).slice();
+    };
+    const [ms, Y] = await timed(run, runs, budget);
+    r.ms[rows] = ms;
+    r[`err${rows}`] = relErr(Y, ref[`${m.k}:${rows}`]);
+  }
+  return r;
+}
+
+async function probe(ort, models, rowsList, runs, budget, threads) {
   const out = {};
   let ref = {};
   for (const m of models) {
+    if (m.code) {  // the kernel is single-threaded: its 1-thread row is the one
+      out[m.name] = threads === 1 ? await kernel(m, ref, rowsList, runs, budget)
+                                  : {skipped: "single-threaded"};
+      continue;
+    }
     const s = await ort.InferenceSession.create(m.bytes,
       {executionProviders: ["wasm"], graphOptimizationLevel: "all"});
     const r = {ms: {}};
     for (const rows of rowsList) {
-      const a = Float32Array.from({length: rows * m.k}, (_, i) => Math.sin(i * 0.37));
-      const A = new ort.Tensor("float32", a, [rows, m.k]);
-      let y;
-      for (let i = 0; i < 2; i++) y = (await s.run({A})).Y.data;
-      const times = [];
-      const t0 = performance.now();
-      while (times.length < runs && (times.length < 3 || performance.now() - t0 < budget)) {
-        const t = performance.now();
-        await s.run({A});
-        times.push(performance.now() - t);
-      }
-      times.sort((x, z) => x - z);
-      r.ms[rows] = times[times.length >> 1];
+      const A = new ort.Tensor("float32", input(rows, m.k), [rows, m.k]);
+      const [ms, y] = await timed(async () => (await s.run({A})).Y.data, runs, budget);
+      r.ms[rows] = ms;
       const key = `${m.k}:${rows}`;
       if (!(key in ref)) ref[key] = y;  // the first model of a shape is fp32
-      let num = 0, den = 0;
-      for (let i = 0; i < y.length; i++) {
-        num += (y[i] - ref[key][i]) ** 2;
-        den += ref[key][i] ** 2;
-      }
-      r[`err${rows}`] = Math.sqrt(num / den);
+      r[`err${rows}`] = relErr(y, ref[key]);
     }
     await s.release();
     out[m.name] = r;
@@ -97,10 +156,14 @@ NODE = (
     + """
 const ort = await import(process.argv[2]);
 const fs = await import("node:fs");
-ort.env.wasm.numThreads = Number(process.argv[3]);
-const models = JSON.parse(fs.readFileSync(process.argv[4], "utf8"))
-  .map((m) => ({...m, bytes: fs.readFileSync(m.file)}));
-console.log(JSON.stringify(await probe(ort, models, %ROWS%, %RUNS%, %BUDGET%)));
+// Node 20's V8 has relaxed SIMD behind a flag (later ones by default); it only lets modules use
+// those opcodes (onnxruntime-web's binary has none) and an unknown flag is ignored
+(await import("node:v8")).setFlagsFromString("--experimental-wasm-relaxed-simd");
+const threads = Number(process.argv[3]);
+ort.env.wasm.numThreads = threads;
+const models = JSON.parse(fs.readFileSync(process.argv[4], "utf8")).map((m) => ({...m,
+  bytes: fs.readFileSync(m.file), code: m.wasm && fs.readFileSync(m.wasm)}));
+console.log(JSON.stringify(await probe(ort, models, %ROWS%, %RUNS%, %BUDGET%, threads)));
 """
 )
 
@@ -114,9 +177,10 @@ self.onmessage = async (e) => {
     ort.env.wasm.numThreads = threads;
     ort.env.wasm.wasmPaths = new URL("./", self.location.href).href;
     const models = [];
+    const get = async (f) => new Uint8Array(await (await fetch(f)).arrayBuffer());
     for (const m of list)
-      models.push({...m, bytes: new Uint8Array(await (await fetch(m.file)).arrayBuffer())});
-    const r = await probe(ort, models, %ROWS%, %RUNS%, %BUDGET%);
+      models.push({...m, bytes: await get(m.file), code: m.wasm && (await get(m.wasm))});
+    const r = await probe(ort, models, %ROWS%, %RUNS%, %BUDGET%, threads);
     self.postMessage({result: r, isolated: self.crossOriginIsolated});
   } catch (err) {
     self.postMessage({error: String(err && err.message ? err.message : err)});
@@ -173,9 +237,14 @@ def per_column(w: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray, np.
     return (q + 128).astype(np.uint8), scale, np.full(w.shape[1], 128, np.uint8)
 
 
+def weight(k: int, n: int) -> np.ndarray:
+    """The shape's weight [K, N], the same in every graph and the kernel's rows."""
+    return (np.random.default_rng(k).standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+
+
 def graphs(work: Path, k: int, n: int) -> dict[str, tuple[Path, float]]:
     """The graphs of one shape: name -> (file, bytes its weights take in memory at run time)."""
-    w = (np.random.default_rng(k).standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+    w = weight(k, n)
     t = numpy_helper.from_array
     mk = helper.make_node
     out: dict[str, tuple[Path, float]] = {}
@@ -243,6 +312,33 @@ def graphs(work: Path, k: int, n: int) -> dict[str, tuple[Path, float]]:
     return out
 
 
+def kernel_rows(work: Path, k: int, n: int) -> dict[str, tuple[dict, float]]:
+    """doel's kernel on one shape: name -> (its listing entry but the name, bytes in memory).
+    One file: MatMulNBits' 4-bit bytes then its scales, as the bundle's graph holds them; the
+    .wasm builds are copied into `work` once, so every host runs the same ones."""
+    b, sc = nbits_weight(weight(k, n), 4, KERNEL_BLOCK)
+    path = work / f"{k}x{n}-kernel.bin"
+    path.write_bytes(b.tobytes() + sc.tobytes())
+    out = {}
+    for kind, label in KERNELS.items():
+        wasm = work / WASM[kind]
+        if not wasm.exists():
+            shutil.copyfile(KERNEL.parent / WASM[kind], wasm)
+        entry = {"k": k, "n": n, "file": path, "wasm": wasm, "scales": b.size}
+        out[f"doel kernel, 4-bit block {KERNEL_BLOCK} ({label})"] = (
+            entry | {"block": KERNEL_BLOCK},
+            b.size + sc.nbytes,
+        )
+    return out
+
+
+def kernel_builds(work: Path) -> dict[str, str]:
+    """The measured kernel builds (the copies in `work`): file name -> the start of its sha256."""
+    return {
+        name: hashlib.sha256((work / name).read_bytes()).hexdigest()[:16] for name in WASM.values()
+    }
+
+
 def dq_mm():
     return helper.make_node("MatMul", ["A", "W"], ["Y"])
 
@@ -250,6 +346,11 @@ def dq_mm():
 def _pack4(q: np.ndarray) -> bytes:
     u = (q.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
     return (u[0::2] | (u[1::2] << 4)).tobytes()
+
+
+def listed(models: list[dict], path) -> list[dict]:
+    """The models as a host reads them: each file named by `path` (full, or as served)."""
+    return [{k: path(v) if isinstance(v, Path) else v for k, v in m.items()} for m in models]
 
 
 def run_node(mods: Path, listing: Path, threads: int, work: Path) -> dict:
@@ -286,7 +387,7 @@ def run_chromium(mods: Path, models: list[dict], work: Path) -> dict:
     out: dict = {}
     try:
         driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
-        listing = [{"name": m["name"], "k": m["k"], "file": m["file"].name} for m in models]
+        listing = listed(models, lambda p: p.name)
         for label, build in BUILDS.items():
             for threads in THREADS:
                 print(f"chromium {label}, {threads} thread(s) ...", flush=True)
@@ -314,11 +415,16 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         models, memory = [], {}
         for shape, (k, n) in SHAPES.items():
+            kernel = kernel_rows(work, k, n)
             for name, (path, mem) in graphs(work, k, n).items():
                 models.append({"name": f"{shape}|{name}", "k": k, "file": path})
                 memory[f"{shape}|{name}"] = mem
+                if name == NBITS4:  # the table's kernel rows right under MatMulNBits 4-bit's
+                    memory |= {f"{shape}|{kn}": km for kn, (_, km) in kernel.items()}
+            models += [entry | {"name": f"{shape}|{kn}"} for kn, (entry, _) in kernel.items()]
         listing = work / "models.json"
-        listing.write_text(json.dumps([m | {"file": str(m["file"])} for m in models]))
+        listing.write_text(json.dumps(listed(models, str)))
+        builds = kernel_builds(work)
         hosts: dict = {"node": {}}
         for threads in THREADS:
             print(f"node, {threads} thread(s) ...", flush=True)
@@ -335,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
             "version"
         ],
         "settings": {"shapes": SHAPES, "rows": [1, PREFILL], "runs": RUNS, "budget_ms": BUDGET_MS},
+        "kernel_sha256": builds,
         "weights_in_memory_bytes": memory,
         "hosts": hosts,
         "load_before": load_before,

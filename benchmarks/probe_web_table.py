@@ -1,7 +1,9 @@
 """The Markdown of benchmarks/probe_web_matmul.py's result: per shape and row count, each way of
 holding the layer against each host (Node.js; Chromium per onnxruntime-web build) and thread
 count, in ms a run and as a multiple of the fp32 MatMul on the same host; then the verdict the
-page's modes are chosen by (the fastest graph whose weights stay at 8 bits or fewer)."""
+page's modes are chosen by (the fastest way whose weights stay at 8 bits or fewer). A row a
+column did not time (doel's single-threaded kernel at 2 threads) reads "—"; one that failed in
+a host, its reason."""
 
 from __future__ import annotations
 
@@ -12,18 +14,28 @@ def columns(result: dict) -> list[tuple[str, str]]:
     return [(h, t) for h, by in result["hosts"].items() for t in sorted(by, key=int)]
 
 
+def timed(run: dict, key: str) -> dict | None:
+    """The row's {ms, err<rows>} in one column's run, or None where it has no time."""
+    row = run.get("result", {}).get(key, {})
+    return row if "ms" in row else None
+
+
 def cell(result: dict, host: str, threads: str, key: str, rows: str) -> str:
     run = result["hosts"][host][threads]
     if "error" in run:
         return "failed"
-    r = run["result"][key]["ms"][rows]
+    row = run["result"].get(key, {})
+    if "ms" not in row:
+        return row.get("error", "—")
+    r = row["ms"][rows]
     base = run["result"][key.split("|")[0] + "|fp32 MatMul"]["ms"][rows]
     return f"{r:.2f} ({r / base:.1f}x)"
 
 
 def small_and_fast(result: dict) -> list[str]:
-    """Per host and threads: the fastest graph with weights <= 8 bits in memory, vs fp32,
-    decode rows, summed over the shapes (a layer of gate/up and down)."""
+    """Per host and threads: the fastest way (a graph or the kernel, timed in that column) with
+    weights <= 8 bits in memory, vs fp32, decode rows, summed over the shapes (a layer of
+    gate/up and down)."""
     mem = result["weights_in_memory_bytes"]
     shapes = list(result["settings"]["shapes"])
     kinds = {k.split("|", 1)[1] for k in mem}
@@ -44,7 +56,10 @@ def small_and_fast(result: dict) -> list[str]:
                 for s in shapes
             )
 
-        best = min((k for k in kinds if small(k)), key=total)
+        def here(kind, run=run):
+            return all(timed(run, f"{s}|{kind}") for s in shapes)
+
+        best = min((k for k in sorted(kinds) if small(k) and here(k)), key=total)
         fp32 = total("fp32 MatMul")
         prefill = str(result["settings"]["rows"][-1])
         pre = total(best, prefill) / total("fp32 MatMul", prefill)
@@ -55,13 +70,33 @@ def small_and_fast(result: dict) -> list[str]:
     return lines
 
 
+def kernel_note(result: dict) -> list[str]:
+    """What the doel kernel rows are (results from before them have none)."""
+    builds = result.get("kernel_sha256")
+    if not builds:
+        return []
+    names = ", ".join(f"{name} sha256 {digest}…" for name, digest in builds.items())
+    return [
+        "The *doel kernel* rows are not onnxruntime-web: export/web/kernel.c's `dk_linear`, the "
+        "page's default WebAssembly mode, on the MatMulNBits 4-bit block-256 bytes and scales "
+        "as they are (4 bits in memory), A quantized to int8 a block of K inside each run; "
+        "its plain-SIMD build and its relaxed-SIMD build (i8 x i7 dot), timed like the rest "
+        "(a run copies A in and Y out, as session.run does), in the same worker or process as "
+        "the column's onnxruntime-web build, which it does not use. It is single-threaded: "
+        "— in the 2-thread columns. A build whose `dk_selftest` fails in a host (its engine "
+        "computes relaxed SIMD's dot otherwise) is not timed there: *wrong numbers in this "
+        f"host*. Builds: {names}.",
+        "",
+    ]
+
+
 def markdown(result: dict) -> str:
     cpu = result["cpu"]
     cols = columns(result)
     mem = result["weights_in_memory_bytes"]
     lines = [
-        f"# One linear layer in onnxruntime-web {result['runtime']}: Node.js and Chromium "
-        f"({result['date']})",
+        f"# One linear layer in onnxruntime-web {result['runtime']} and doel's WebAssembly kernel: "
+        f"Node.js and Chromium ({result['date']})",
         "",
         f"{cpu.get('model_name', '?')} ({isa_summary(cpu)}; class {cpu['class']}), "
         f"{result['machine']}; Node.js {result['node']}, Chromium {result['chromium']} (headless, "
@@ -74,6 +109,7 @@ def markdown(result: dict) -> str:
         f"processes took {result['foreign_cpu_s']:.0f} CPU s meanwhile (a shared machine: "
         "compare within a column).",
         "",
+        *kernel_note(result),
     ]
     for shape, (k, n) in result["settings"]["shapes"].items():
         for rows in map(str, result["settings"]["rows"]):
@@ -87,10 +123,7 @@ def markdown(result: dict) -> str:
                 "|---|---:|---:|" + "---:|" * len(cols),
             ]
             for key in (m for m in mem if m.startswith(shape + "|")):
-                run = next(
-                    (r["result"][key] for h, t in cols if "result" in (r := result["hosts"][h][t])),
-                    None,
-                )
+                run = next((r for h, t in cols if (r := timed(result["hosts"][h][t], key))), None)
                 err = f"{run[f'err{rows}']:.1e}" if run else "-"
                 lines.append(
                     f"| {key.split('|', 1)[1]} | {mem[key] / 1e6:.1f} | {err} | "
@@ -101,8 +134,9 @@ def markdown(result: dict) -> str:
     lines += [
         "## Small and fast?",
         "",
-        "The fastest graph whose weights stay at 8 bits or fewer in memory, a layer's gate/up and "
-        "down projections together, against fp32 on the same host and threads:",
+        "The fastest way whose weights stay at 8 bits or fewer in memory (a graph, or doel's "
+        "kernel), a layer's gate/up and down projections together, against fp32 on the same "
+        "host and threads:",
         "",
         *small_and_fast(result),
         "",
