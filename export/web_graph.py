@@ -18,15 +18,23 @@ One bundle, several graphs, each with its own weights (the page fetches one set)
   WebGPU, ONNX Runtime 1.30 does not fuse this pair back into MatMulNBits (it dequantizes every
   run), which is why WebGPU gets the bundle's own graph.
 - `logits_to_keep` (an overridable initializer, export/graph.py) becomes a plain input in each.
+
+The bundle's weights file is read here (`load_weights`), not by onnx.load: onnx refuses a data
+file with more than one hard link (its guard against a model that names a linked-in secret),
+and a bundle copied with `cp -l` or kept in a deduplicating store is exactly that. The user
+runs this on their own bundle, so the check kept is that the file lies inside its folder.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
+
+from doel.export.common import ExportError
 
 LOGITS_TO_KEEP = "logits_to_keep"
 
@@ -125,11 +133,59 @@ def int8_nodes(g: onnx.GraphProto) -> int:
     return count
 
 
+def _tensors(g: onnx.GraphProto):
+    """Every tensor of the graph that can hold external data: initializers, and attributes'
+    (Constant nodes' values, subgraphs')."""
+    yield from g.initializer
+    for node in g.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _tensors(sub)
+
+
+def load_weights(m: onnx.ModelProto, folder: Path) -> None:
+    """The external weights of `m` (loaded without them) from their files in `folder`, into
+    the tensors, as onnx.load would, but whatever the files' link counts; a file outside the
+    folder or a range past its end is refused."""
+    root, files = folder.resolve(), {}
+    try:
+        for t in _tensors(m.graph):
+            if not external_data_helper.uses_external_data(t):
+                continue
+            info = external_data_helper.ExternalDataInfo(t)
+            path = (folder / info.location).resolve()
+            if not path.is_relative_to(root) or not path.is_file():
+                raise ExportError(
+                    f"{t.name}'s weights are in {info.location!r}, not a file in {folder}: "
+                    "export the bundle again"
+                )
+            if path not in files:
+                files[path] = path.open("rb")
+            f = files[path]
+            size, at = os.fstat(f.fileno()).st_size, info.offset or 0
+            length = size - at if info.length is None else info.length
+            if at + length > size:
+                raise ExportError(
+                    f"{t.name}'s weights run past the end of {path}: copy the bundle again"
+                )
+            f.seek(at)
+            t.raw_data = f.read(length)
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+    finally:
+        for f in files.values():
+            f.close()
+
+
 def web_graph(src: Path, out: Path, model: str, data: str, weights: str = "bundle") -> dict:
     """The page's `weights` graph of `src` in out/`model`, its weights in out/`data`:
     logits_to_keep a plain input; MatMulNBits kept (`bundle`), as DynamicQuantizeMatMul (`int8`)
     or as DequantizeLinear + MatMul (`fp32`, where the opset has blocked DequantizeLinear: 21)."""
-    m = onnx.load(str(src))  # the weights too: the quantized ones are rewritten
+    m = onnx.load(str(src), load_external_data=False)
+    load_weights(m, src.parent)  # the weights too: the quantized ones are rewritten
     g = m.graph
     inputs = {i.name for i in g.input}
     found = [t for t in g.initializer if t.name == LOGITS_TO_KEEP and t.name in inputs]
