@@ -16,6 +16,16 @@ typedef unsigned char u8;
 typedef signed char i8;
 typedef unsigned long usize;
 
+// Activations are stored as the dot product wants them: int8 for relaxed SIMD's i8 x i7 dot,
+// already widened to int16 for plain SIMD (widened once here, not once per weight row).
+#ifdef RELAXED
+typedef i8 act_t;
+#define TR 8
+#else
+typedef short act_t;
+#define TR 4
+#endif
+
 extern u8 __heap_base;
 static usize top; // the bump allocator's end
 
@@ -43,9 +53,10 @@ static u8 *base;          // the graph's weights file, as copied in by the worke
 static const u8 *W[G_N];  // global tensors
 static const u8 **LW;     // per layer: LW[layer * L_N + k]
 static float *x, *h, *qkv, *att, *gate, *up, *scores, *logits;
-static i8 *aq;            // quantized activations [rows][K], each 32 split even/odd
-static float *asc;        // their scales [rows][K / block]
-static int *asum;         // the sum of each block's int8s [rows][K / block]
+static act_t *aq;         // quantized activations [rows][K], each 32 split even/odd
+static float *asc;        // their scales, at AT(row, block): TR rows' side by side
+static int *asum;         // 8 x the sum of each block's integers, at AT(row, block)
+#define AT(r, b) (((r) / TR * nb + (b)) * TR + (r) % TR)
 static float *kv;         // [position][layer][k|v][kv_dim], grown at the end of memory
 static int kv_cap;
 
@@ -71,7 +82,7 @@ __attribute__((export_name("dk_init"))) int dk_init(u8 *weights, const int *c, c
   att = dk_alloc(4 * (usize)rows * d);
   gate = dk_alloc(4 * (usize)rows * f);
   up = dk_alloc(4 * (usize)rows * f);
-  aq = dk_alloc((usize)rows * widest);
+  aq = dk_alloc(sizeof(act_t) * rows * widest);
   asc = dk_alloc(4 * (usize)rows * (widest / cfg[C_BLOCK] + 1));
   asum = dk_alloc(4 * (usize)rows * (widest / cfg[C_BLOCK] + 1));
   scores = dk_alloc(4 * (usize)cfg[C_ROPE_ROWS]);
@@ -104,97 +115,218 @@ static void rmsnorm(float *out, const float *in, const float *w, int n) {
 
 // ------------------------------------------------------------------------------ matmuls
 
-// Row r's K activations as int8, one scale a block of K (amax / 127), and each 32 stored as
-// its 16 even then its 16 odd elements: the low and high nibbles of 16 bytes of 4-bit weights.
-static void quantize(const float *a, int rows, int K, int split) {
-  int bs = cfg[C_BLOCK], nb = K / bs;
-  for (int r = 0; r < rows; r++) {
-    const float *ar = a + (usize)r * K;
-    i8 *qr = aq + (usize)r * K;
-    for (int b = 0; b < nb; b++) {
-      float amax = 0.f;
-      for (int i = 0; i < bs; i++) {
-        float v = __builtin_fabsf(ar[b * bs + i]);
-        amax = v > amax ? v : amax;
-      }
-      float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
-      for (int i = 0; i < bs; i++) {
-        int v = (int)__builtin_rintf(ar[b * bs + i] * inv);
-        int k = b * bs + i, at = split ? (k & ~31) + ((k & 1) ? 16 : 0) + ((k & 31) >> 1) : k;
-        qr[at] = (i8)v;
-        sum += v;
-      }
-      asc[r * nb + b] = s;
-      asum[r * nb + b] = sum;
-    }
-  }
-}
-
 static inline int hsum(v128_t v) {
   return wasm_i32x4_extract_lane(v, 0) + wasm_i32x4_extract_lane(v, 1) +
          wasm_i32x4_extract_lane(v, 2) + wasm_i32x4_extract_lane(v, 3);
 }
 
-#ifdef RELAXED
-#define DOT8x7(a, w, acc) wasm_i32x4_relaxed_dot_i8x16_i7x16_add((a), (w), (acc))
-#else
-static inline v128_t DOT8x7(v128_t a, v128_t w, v128_t acc) {
-  acc = wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(wasm_i16x8_extend_low_i8x16(a),
-                                                 wasm_i16x8_extend_low_i8x16(w)));
-  return wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(wasm_i16x8_extend_high_i8x16(a),
-                                                  wasm_i16x8_extend_high_i8x16(w)));
-}
-#endif
-
-// y[rows][N] = a[rows][K] W: MatMulNBits 4-bit weights [N][K/bs][bs/2] (zero point 8) and
-// scales [N][K/bs]; a already quantized (split).
-static void matmul4(float *y, int rows, int K, int N, const u8 *w, const float *s) {
+// Row r's K activations as integers, one scale a block of K (amax / 127), and each 32 stored as
+// its 16 even then its 16 odd elements (split): the low and high nibbles of 16 bytes of 4-bit
+// weights. rint and f32x4.nearest both round half to even: the integers are the scalar ones.
+static void quantize(const float *a, int rows, int K, int split) {
   int bs = cfg[C_BLOCK], nb = K / bs;
-  const v128_t lo = wasm_i8x16_splat(15);
-  for (int n = 0; n < N; n++) {
-    const u8 *wn = w + (usize)n * (K / 2);
-    for (int r = 0; r < rows; r++) {
-      const i8 *qr = aq + (usize)r * K;
-      float total = 0.f;
-      for (int b = 0; b < nb; b++) {
-        v128_t acc = wasm_i32x4_splat(0);
-        for (int i = 0; i < bs; i += 32) {
-          v128_t wb = wasm_v128_load(wn + (b * bs + i) / 2);
-          v128_t a0 = wasm_v128_load(qr + b * bs + i), a1 = wasm_v128_load(qr + b * bs + i + 16);
-          acc = DOT8x7(a0, wasm_v128_and(wb, lo), acc);
-          acc = DOT8x7(a1, wasm_u8x16_shr(wb, 4), acc);
+  for (int r = 0; r < rows; r++) {
+    const float *ar = a + (usize)r * K;
+    act_t *qr = aq + (usize)r * K;
+    for (int b = 0; b < nb; b++) {
+      const float *ab = ar + b * bs;
+      v128_t m = wasm_f32x4_splat(0.f);
+      for (int i = 0; i < bs; i += 4) m = wasm_f32x4_max(m, wasm_f32x4_abs(wasm_v128_load(ab + i)));
+      m = wasm_f32x4_max(m, wasm_i32x4_shuffle(m, m, 2, 3, 0, 1));
+      m = wasm_f32x4_max(m, wasm_i32x4_shuffle(m, m, 1, 0, 3, 2));
+      float amax = wasm_f32x4_extract_lane(m, 0);
+      float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      v128_t vi = wasm_f32x4_splat(inv), sum = wasm_i32x4_splat(0);
+      for (int i = 0; i < bs; i += 32) {
+        v128_t h[4]; // elements i..i+31 as four int16x8
+        for (int j = 0; j < 4; j++) {
+          v128_t lo = wasm_i32x4_trunc_sat_f32x4(
+              wasm_f32x4_nearest(wasm_f32x4_mul(wasm_v128_load(ab + i + 8 * j), vi)));
+          v128_t hi = wasm_i32x4_trunc_sat_f32x4(
+              wasm_f32x4_nearest(wasm_f32x4_mul(wasm_v128_load(ab + i + 8 * j + 4), vi)));
+          sum = wasm_i32x4_add(sum, wasm_i32x4_add(lo, hi));
+          h[j] = wasm_i16x8_narrow_i32x4(lo, hi);
         }
-        int dot = hsum(acc) - 8 * asum[r * nb + b];
-        total += s[n * nb + b] * asc[r * nb + b] * (float)dot;
+        if (split) { // evens of 0..15, of 16..31, odds of 0..15, of 16..31
+          v128_t e0 = wasm_i16x8_shuffle(h[0], h[1], 0, 2, 4, 6, 8, 10, 12, 14);
+          v128_t e1 = wasm_i16x8_shuffle(h[2], h[3], 0, 2, 4, 6, 8, 10, 12, 14);
+          v128_t o0 = wasm_i16x8_shuffle(h[0], h[1], 1, 3, 5, 7, 9, 11, 13, 15);
+          v128_t o1 = wasm_i16x8_shuffle(h[2], h[3], 1, 3, 5, 7, 9, 11, 13, 15);
+          h[0] = e0, h[1] = e1, h[2] = o0, h[3] = o1;
+        }
+#ifdef RELAXED
+        wasm_v128_store(qr + b * bs + i, wasm_i8x16_narrow_i16x8(h[0], h[1]));
+        wasm_v128_store(qr + b * bs + i + 16, wasm_i8x16_narrow_i16x8(h[2], h[3]));
+#else
+        for (int j = 0; j < 4; j++) wasm_v128_store(qr + b * bs + i + 8 * j, h[j]);
+#endif
       }
-      y[(usize)r * N + n] = total;
+      asc[AT(r, b)] = s;
+      asum[AT(r, b)] = 8 * hsum(sum); // the 4-bit zero point's share of the dot product
     }
   }
 }
 
-// The same for 8-bit weights [N][K/bs][bs] (zero point 128): the lm_head's.
+// 16 bytes of 4-bit weights (32 of them, zero point not taken off) as the dot product wants
+// them: the low nibbles (even elements) and high ones (odd), plain SIMD's widened to int16.
+#ifdef RELAXED
+#define NW 2
+#define DOT8x7(a, w, acc) wasm_i32x4_relaxed_dot_i8x16_i7x16_add((a), (w), (acc))
+#else
+#define NW 4
+#endif
+typedef struct { v128_t v[NW]; } wq;
+
+static inline wq unpack4(const u8 *p) {
+  const v128_t lo = wasm_i8x16_splat(15);
+  v128_t wb = wasm_v128_load(p);
+  v128_t e = wasm_v128_and(wb, lo), o = wasm_v128_and(wasm_u16x8_shr(wb, 4), lo);
+#ifdef RELAXED
+  return (wq){{e, o}};
+#else
+  return (wq){{wasm_u16x8_extend_low_u8x16(e), wasm_u16x8_extend_high_u8x16(e),
+               wasm_u16x8_extend_low_u8x16(o), wasm_u16x8_extend_high_u8x16(o)}};
+#endif
+}
+
+// acc + the dot product of 32 split activations and 32 unpacked weights, exact in int32
+static inline v128_t dot32(const act_t *a, wq w, v128_t acc) {
+#ifdef RELAXED
+  acc = DOT8x7(wasm_v128_load(a), w.v[0], acc);
+  return DOT8x7(wasm_v128_load(a + 16), w.v[1], acc);
+#else
+  for (int j = 0; j < 4; j++)
+    acc = wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(wasm_v128_load(a + 8 * j), w.v[j]));
+  return acc;
+#endif
+}
+
+// [hsum(a), hsum(b), hsum(c), hsum(d)]
+static inline v128_t hsum4(v128_t a, v128_t b, v128_t c, v128_t d) {
+  v128_t ab = wasm_i32x4_add(wasm_i32x4_shuffle(a, b, 0, 4, 1, 5), wasm_i32x4_shuffle(a, b, 2, 6, 3, 7));
+  v128_t cd = wasm_i32x4_add(wasm_i32x4_shuffle(c, d, 0, 4, 1, 5), wasm_i32x4_shuffle(c, d, 2, 6, 3, 7));
+  return wasm_i32x4_add(wasm_i32x4_shuffle(ab, cd, 0, 1, 4, 5), wasm_i32x4_shuffle(ab, cd, 2, 3, 6, 7));
+}
+
+// Each block's float step is the scalar one, total += (s * asc) * (float)dot, a lane at a time:
+// the tiles below give the same bits as one row and one column at a time.
+#define STEP(total, sv, av, dot) \
+  total = wasm_f32x4_add(total, wasm_f32x4_mul(wasm_f32x4_mul(sv, av), wasm_f32x4_convert_i32x4(dot)))
+
+// Prefill: activation rows r..r+TR-1 against weight row n; the weights are unpacked once for
+// all TR (8 with relaxed SIMD's one-instruction dot, 4 where the widened weights take 4 registers).
+static void rows_tile(float *y, int r, int n, int K, int N, const u8 *w, const float *s) {
+  int bs = cfg[C_BLOCK], nb = K / bs;
+  const u8 *wn = w + (usize)n * (K / 2);
+  const act_t *q = aq + (usize)r * K;
+  const float *c = asc + AT(r, 0);
+  const int *z = asum + AT(r, 0);
+  v128_t total[TR / 4];
+  for (int g = 0; g < TR / 4; g++) total[g] = wasm_f32x4_splat(0.f);
+  for (int b = 0; b < nb; b++) {
+    v128_t acc[TR];
+    for (int j = 0; j < TR; j++) acc[j] = wasm_i32x4_splat(0);
+    for (int i = b * bs; i < (b + 1) * bs; i += 32) {
+      wq u = unpack4(wn + i / 2);
+      for (int j = 0; j < TR; j++) acc[j] = dot32(q + (usize)j * K + i, u, acc[j]);
+    }
+    v128_t sv = wasm_f32x4_splat(s[n * nb + b]);
+    for (int g = 0; g < TR / 4; g++) {
+      v128_t *a = acc + 4 * g;
+      v128_t dot = wasm_i32x4_sub(hsum4(a[0], a[1], a[2], a[3]), wasm_v128_load(z + b * TR + 4 * g));
+      STEP(total[g], sv, wasm_v128_load(c + b * TR + 4 * g), dot);
+    }
+  }
+  for (int j = 0; j < TR; j++) y[(usize)(r + j) * N + n] = ((float *)&total[j / 4])[j % 4];
+}
+
+// Decode: activation row r against weight rows n..n+3; the activations are loaded once for four.
+static void cols4(float *y, int r, int n, int K, int N, const u8 *w, const float *s) {
+  int bs = cfg[C_BLOCK], nb = K / bs, kb = K / 2;
+  const u8 *w0 = w + (usize)n * kb;
+  const act_t *q = aq + (usize)r * K;
+  v128_t total = wasm_f32x4_splat(0.f);
+  for (int b = 0; b < nb; b++) {
+    v128_t a0 = wasm_i32x4_splat(0), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = b * bs; i < (b + 1) * bs; i += 32) {
+      a0 = dot32(q + i, unpack4(w0 + i / 2), a0);
+      a1 = dot32(q + i, unpack4(w0 + kb + i / 2), a1);
+      a2 = dot32(q + i, unpack4(w0 + 2 * kb + i / 2), a2);
+      a3 = dot32(q + i, unpack4(w0 + 3 * kb + i / 2), a3);
+    }
+    v128_t dot = wasm_i32x4_sub(hsum4(a0, a1, a2, a3), wasm_i32x4_splat(asum[AT(r, b)]));
+    const float *sb = s + n * nb + b;
+    STEP(total, wasm_f32x4_make(sb[0], sb[nb], sb[2 * nb], sb[3 * nb]),
+         wasm_f32x4_splat(asc[AT(r, b)]), dot);
+  }
+  wasm_v128_store(y + (usize)r * N + n, total);
+}
+
+// One activation row against one weight row (what the tiles leave over).
+static void one(float *y, int r, int n, int K, int N, const u8 *w, const float *s) {
+  int bs = cfg[C_BLOCK], nb = K / bs;
+  const u8 *wn = w + (usize)n * (K / 2);
+  const act_t *q = aq + (usize)r * K;
+  float total = 0.f;
+  for (int b = 0; b < nb; b++) {
+    v128_t acc = wasm_i32x4_splat(0);
+    for (int i = b * bs; i < (b + 1) * bs; i += 32) acc = dot32(q + i, unpack4(wn + i / 2), acc);
+    int dot = hsum(acc) - asum[AT(r, b)];
+    total += s[n * nb + b] * asc[AT(r, b)] * (float)dot;
+  }
+  y[(usize)r * N + n] = total;
+}
+
+// y[rows][N] = a[rows][K] W: MatMulNBits 4-bit weights [N][K/bs][bs/2] (zero point 8) and
+// scales [N][K/bs]; a already quantized (split). Weight rows go in groups of 8, so that a
+// group's 8 x K/2 bytes stay in cache while every four activation rows meet them.
+static void matmul4(float *y, int rows, int K, int N, const u8 *w, const float *s) {
+  int rt = rows - rows % TR;
+  for (int n0 = 0; n0 < N && rt; n0 += 8)
+    for (int r = 0; r < rt; r += TR)
+      for (int n = n0; n < n0 + 8 && n < N; n++) rows_tile(y, r, n, K, N, w, s);
+  for (int r = rt; r < rows; r++) {
+    int n = 0;
+    for (; n + 4 <= N; n += 4) cols4(y, r, n, K, N, w, s);
+    for (; n < N; n++) one(y, r, n, K, N, w, s);
+  }
+}
+
+// The same for 8-bit weights [N][K/bs][bs] (zero point 128, as int8 by flipping the top bit):
+// the lm_head's, one activation row (not split) against four weight rows at a time.
+static inline v128_t dot16x8(v128_t a0, v128_t a1, v128_t wb, v128_t acc) {
+  wb = wasm_v128_xor(wb, wasm_i8x16_splat((i8)0x80));
+  acc = wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(a0, wasm_i16x8_extend_low_i8x16(wb)));
+  return wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(a1, wasm_i16x8_extend_high_i8x16(wb)));
+}
+
 static void matmul8(float *y, int rows, int K, int N, const u8 *w, const float *s) {
   int bs = cfg[C_BLOCK], nb = K / bs;
-  const v128_t zp = wasm_i8x16_splat((i8)0x80);
-  for (int n = 0; n < N; n++) {
-    const u8 *wn = w + (usize)n * K;
-    for (int r = 0; r < rows; r++) {
-      const i8 *qr = aq + (usize)r * K;
-      float total = 0.f;
+  for (int r = 0; r < rows; r++) {
+    const act_t *q = aq + (usize)r * K;
+    for (int n = 0; n < N; n += 4) {
+      int m = N - n < 4 ? N - n : 4; // rows past N repeat the last (their lanes are dropped)
+      int nj[4];
+      const u8 *wr[4];
+      for (int j = 0; j < 4; j++) nj[j] = j < m ? n + j : n + m - 1, wr[j] = w + (usize)nj[j] * K;
+      v128_t total = wasm_f32x4_splat(0.f);
       for (int b = 0; b < nb; b++) {
-        v128_t acc = wasm_i32x4_splat(0);
-        for (int i = 0; i < bs; i += 16) {
-          v128_t wb = wasm_v128_xor(wasm_v128_load(wn + b * bs + i), zp); // u8 - 128 as i8
-          v128_t a = wasm_v128_load(qr + b * bs + i);
-          acc = wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(wasm_i16x8_extend_low_i8x16(a),
-                                                         wasm_i16x8_extend_low_i8x16(wb)));
-          acc = wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(wasm_i16x8_extend_high_i8x16(a),
-                                                         wasm_i16x8_extend_high_i8x16(wb)));
+        v128_t acc[4] = {wasm_i32x4_splat(0), wasm_i32x4_splat(0), wasm_i32x4_splat(0),
+                         wasm_i32x4_splat(0)};
+        for (int i = b * bs; i < (b + 1) * bs; i += 16) {
+#ifdef RELAXED
+          v128_t a = wasm_v128_load(q + i);
+          v128_t a0 = wasm_i16x8_extend_low_i8x16(a), a1 = wasm_i16x8_extend_high_i8x16(a);
+#else
+          v128_t a0 = wasm_v128_load(q + i), a1 = wasm_v128_load(q + i + 8);
+#endif
+          for (int j = 0; j < 4; j++) acc[j] = dot16x8(a0, a1, wasm_v128_load(wr[j] + i), acc[j]);
         }
-        total += s[n * nb + b] * asc[r * nb + b] * (float)hsum(acc);
+        v128_t sv = wasm_f32x4_make(s[nj[0] * nb + b], s[nj[1] * nb + b], s[nj[2] * nb + b],
+                                    s[nj[3] * nb + b]);
+        STEP(total, sv, wasm_f32x4_splat(asc[AT(r, b)]), hsum4(acc[0], acc[1], acc[2], acc[3]));
       }
-      y[(usize)r * N + n] = total;
+      for (int j = 0; j < m; j++) y[(usize)r * N + n + j] = ((float *)&total)[j];
     }
   }
 }
@@ -209,9 +341,9 @@ static void linear4(float *y, const float *a, int rows, int K, int N, const u8 *
 __attribute__((export_name("dk_selftest"))) int dk_selftest(void) {
   static float a[256], s[1] = {1.f}, y[1], sc[1];
   static u8 w[128];
-  static i8 q8[256];
+  static act_t q8[256];
   static int sm[1];
-  i8 *keep_q = aq;
+  act_t *keep_q = aq;
   float *keep_sc = asc;
   int *keep_sm = asum, bs = cfg[C_BLOCK];
   aq = q8, asc = sc, asum = sm, cfg[C_BLOCK] = 256; // callable before dk_init
@@ -234,11 +366,13 @@ __attribute__((export_name("dk_selftest"))) int dk_selftest(void) {
 __attribute__((export_name("dk_linear"))) void dk_linear(float *y, const float *a, int rows,
                                                          int K, int N, const u8 *w,
                                                          const float *s, int block) {
+  static usize cap; // rows x K that the buffers hold (a call's first, or its largest)
   cfg[C_BLOCK] = block;
-  if (!aq) {
-    aq = dk_alloc((usize)rows * K);
-    asc = dk_alloc(4 * (usize)rows * (K / block + 1));
-    asum = dk_alloc(4 * (usize)rows * (K / block + 1));
+  if (!aq || (usize)rows * K > cap) {
+    cap = (usize)(rows + TR) * K;
+    aq = dk_alloc(sizeof(act_t) * cap);
+    asc = dk_alloc(4 * cap / block);
+    asum = dk_alloc(4 * cap / block);
   }
   quantize(a, rows, K, 1);
   matmul4(y, rows, K, N, w, s);
