@@ -366,13 +366,13 @@ __attribute__((export_name("dk_selftest"))) int dk_selftest(void) {
 __attribute__((export_name("dk_linear"))) void dk_linear(float *y, const float *a, int rows,
                                                          int K, int N, const u8 *w,
                                                          const float *s, int block) {
-  static usize cap; // rows x K that the buffers hold (a call's first, or its largest)
+  static usize cap, scales; // what the buffers hold: rows x K, and (rows + TR) x blocks
   cfg[C_BLOCK] = block;
-  if (!aq || (usize)rows * K > cap) {
-    cap = (usize)(rows + TR) * K;
+  if (!aq || (usize)rows * K > cap || (usize)(rows + TR) * (K / block) > scales) {
+    cap = (usize)rows * K, scales = (usize)(rows + TR) * (K / block);
     aq = dk_alloc(sizeof(act_t) * cap);
-    asc = dk_alloc(4 * cap / block);
-    asum = dk_alloc(4 * cap / block);
+    asc = dk_alloc(4 * scales);
+    asum = dk_alloc(4 * scales);
   }
   quantize(a, rows, K, 1);
   matmul4(y, rows, K, N, w, s);
