@@ -197,12 +197,15 @@ def web_graph(src: Path, out: Path, model: str, data: str, weights: str = "bundl
     elif weights == "fp32":
         opset = max((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), default=0)
         rewritten = dequantize_nodes(g) if opset >= 21 else 0
-    onnx.save(
-        m,
-        str(out / model),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=data,
-        size_threshold=0,  # all of them: doel's kernel reads every weight from this file
+    # Every weight in the data file, however small (doel's kernel reads them all from it), but
+    # integer tensors (shapes, axes) inline: onnxruntime-web's shape inference reads them at
+    # load and cannot from external data ("Cannot parse data from external tensors").
+    external_data_helper.convert_model_to_external_data(
+        m, all_tensors_to_one_file=True, location=data, size_threshold=0
     )
+    for t in g.initializer:
+        if t.data_type == onnx.TensorProto.INT64:
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
+    onnx.save(m, str(out / model))
     return {"logits_to_keep": bool(found), "rewritten_matmuls": rewritten}
