@@ -85,7 +85,7 @@ __attribute__((export_name("dk_init"))) int dk_init(u8 *weights, const int *c, c
   aq = dk_alloc(sizeof(act_t) * rows * widest);
   asc = dk_alloc(4 * (usize)rows * (widest / cfg[C_BLOCK] + 1));
   asum = dk_alloc(4 * (usize)rows * (widest / cfg[C_BLOCK] + 1));
-  scores = dk_alloc(4 * (usize)cfg[C_ROPE_ROWS]);
+  scores = dk_alloc(4 * 4 * (usize)cfg[C_ROPE_ROWS]); // four heads' at once
   logits = dk_alloc(4 * (usize)cfg[C_VOCAB]);
   kv = dk_alloc(0); // nothing is allocated after it (the worker allocates first)
   kv_cap = 0;
@@ -172,8 +172,11 @@ static void quantize(const float *a, int rows, int K, int split) {
 #ifdef RELAXED
 #define NW 2
 #define DOT8x7(a, w, acc) wasm_i32x4_relaxed_dot_i8x16_i7x16_add((a), (w), (acc))
+// clang makes `o += w * v` one relaxed madd where it vectorizes it in this build: so here too
+#define MADD(a, b, c) wasm_f32x4_relaxed_madd((a), (b), (c))
 #else
 #define NW 4
+#define MADD(a, b, c) wasm_f32x4_add(wasm_f32x4_mul((a), (b)), (c))
 #endif
 typedef struct { v128_t v[NW]; } wq;
 
@@ -392,12 +395,53 @@ static void rope(float *v, int pos) {
   }
 }
 
-static float dot(const float *a, const float *b, int n) {
-  v128_t acc = wasm_f32x4_splat(0.f);
-  for (int i = 0; i < n; i += 4)
-    acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_v128_load(a + i), wasm_v128_load(b + i)));
-  return wasm_f32x4_extract_lane(acc, 0) + wasm_f32x4_extract_lane(acc, 1) +
-         wasm_f32x4_extract_lane(acc, 2) + wasm_f32x4_extract_lane(acc, 3);
+// Heads j..j+3 of one kv head g (a head index past the group repeats the last: its lanes are
+// computed and dropped): their causal softmax attention over positions 0..p into out. The four
+// share each cached key's and value's loads, four dot products in flight; each head's numbers
+// come out as one head at a time gives them (the same sums in the same order).
+static void attend4(int layer, const float *q, const int *j, int m, int g, int p, float *out) {
+  int hd = cfg[C_HEAD_DIM], rows = cfg[C_ROPE_ROWS];
+  float top[4] = {-3.4e38f, -3.4e38f, -3.4e38f, -3.4e38f}, sum[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int t = 0; t <= p; t++) {
+    const float *kt = KV_AT(t, layer, 0) + g * hd;
+    v128_t acc[4] = {wasm_f32x4_splat(0.f), wasm_f32x4_splat(0.f), wasm_f32x4_splat(0.f),
+                     wasm_f32x4_splat(0.f)};
+    for (int i = 0; i < hd; i += 4) {
+      v128_t k4 = wasm_v128_load(kt + i);
+      for (int c = 0; c < 4; c++)
+        acc[c] = wasm_f32x4_add(acc[c], wasm_f32x4_mul(wasm_v128_load(q + j[c] * hd + i), k4));
+    }
+    for (int c = 0; c < m; c++) {
+      float s = (wasm_f32x4_extract_lane(acc[c], 0) + wasm_f32x4_extract_lane(acc[c], 1) +
+                 wasm_f32x4_extract_lane(acc[c], 2) + wasm_f32x4_extract_lane(acc[c], 3)) *
+                attn_scale;
+      scores[c * rows + t] = s;
+      top[c] = s > top[c] ? s : top[c];
+    }
+  }
+  for (int c = 0; c < m; c++) {
+    float *sc = scores + c * rows;
+    for (int t = 0; t <= p; t++) sum[c] += (sc[t] = expf_(sc[t] - top[c]));
+    for (int t = 0; t <= p; t++) sc[t] = sc[t] / sum[c];
+  }
+  for (int c = m; c < 4; c++) // the repeated head's weights: any numbers, its output is dropped
+    for (int t = 0; t <= p; t++) scores[c * rows + t] = 0.f;
+  for (int i = 0; i < hd; i += 8) { // 8 of head_dim at a time: 4 heads x 2 vectors in registers
+    v128_t o[8];
+    for (int c = 0; c < 8; c++) o[c] = wasm_f32x4_splat(0.f);
+    for (int t = 0; t <= p; t++) {
+      const float *vt = KV_AT(t, layer, 1) + g * hd + i;
+      v128_t v0 = wasm_v128_load(vt), v1 = wasm_v128_load(vt + 4);
+      for (int c = 0; c < 4; c++) {
+        v128_t w = wasm_f32x4_splat(scores[c * rows + t]);
+        o[2 * c] = MADD(w, v0, o[2 * c]), o[2 * c + 1] = MADD(w, v1, o[2 * c + 1]);
+      }
+    }
+    for (int c = 0; c < m; c++) {
+      wasm_v128_store(out + j[c] * hd + i, o[2 * c]);
+      wasm_v128_store(out + j[c] * hd + i + 4, o[2 * c + 1]);
+    }
+  }
 }
 
 // Row r (at position p) of the layer: q, k, v from qkv; k and v into the cache; causal softmax
@@ -409,22 +453,12 @@ static void attend(int layer, int r, int p) {
   for (int j = 0; j < nkv; j++) rope(k + j * hd, p);
   float *kc = KV_AT(p, layer, 0), *vc = KV_AT(p, layer, 1);
   for (int i = 0; i < nkv * hd; i++) kc[i] = k[i], vc[i] = v[i];
-  for (int j = 0; j < nh; j++) {
-    int g = j / group;
-    float top = -3.4e38f, sum = 0.f;
-    for (int t = 0; t <= p; t++) {
-      scores[t] = dot(q + j * hd, KV_AT(t, layer, 0) + g * hd, hd) * attn_scale;
-      top = scores[t] > top ? scores[t] : top;
+  for (int g = 0; g < nkv; g++)
+    for (int j0 = g * group; j0 < (g + 1) * group; j0 += 4) {
+      int m = (g + 1) * group - j0 < 4 ? (g + 1) * group - j0 : 4, j[4];
+      for (int c = 0; c < 4; c++) j[c] = j0 + (c < m ? c : m - 1);
+      attend4(layer, q, j, m, g, p, att + (usize)r * nh * hd);
     }
-    for (int t = 0; t <= p; t++) sum += (scores[t] = expf_(scores[t] - top));
-    float *o = att + (usize)r * nh * hd + j * hd;
-    for (int i = 0; i < hd; i++) o[i] = 0.f;
-    for (int t = 0; t <= p; t++) {
-      const float *vt = KV_AT(t, layer, 1) + g * hd;
-      float w = scores[t] / sum;
-      for (int i = 0; i < hd; i++) o[i] += w * vt[i];
-    }
-  }
 }
 
 // ------------------------------------------------------------------------------ a forward
