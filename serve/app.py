@@ -53,6 +53,7 @@ from doel.serve.protocol import (
 )
 from doel.serve.protocol_chat import MESSAGE_LIMIT, ChatCompletion, ChatCompletionRequest
 from doel.serve.protocol_responses import ResponsesRequest
+from doel.serve.ratelimit import DEFAULT_REQUEST_RATE
 from doel.serve.service import RequestError, Service
 from doel.serve.tenants import DEFAULT_MODE
 from doel.serve.verify import Damaged, Verification
@@ -83,6 +84,7 @@ class Settings:
     prefix_cache: str = DEFAULT_MODE  # per-tenant, shared or off (serve/tenants.py)
     max_messages: int = DEFAULT_MAX_MESSAGES  # in one chat request; more is a 400
     client_body_rate: int = DEFAULT_BODY_RATE  # body bytes a second a client sends; 0: any
+    client_request_rate: int = DEFAULT_REQUEST_RATE  # requests a second a client sends; 0: any
     verify: Verification | None = None  # the bundle's hashes being checked (serve/verify.py)
     exit_on_damage: bool = False  # doel-serve: a damaged bundle stops the server (cli.py)
 
@@ -308,6 +310,7 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
         max_headers=settings.max_headers,
         keys=settings.api_keys,
         body_rate=settings.client_body_rate,
+        request_rate=settings.client_request_rate,
     )
     if settings.cors_origins:
         app.add_middleware(

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from doel.serve.limits import DEFAULT_BODY_RATE, DEFAULT_MAX_MESSAGES  # stdlib only
+from doel.serve.ratelimit import BURST_SECONDS, DEFAULT_REQUEST_RATE  # stdlib only
 from doel.serve.tenants import DEFAULT_MODE, MODES, KeyFileError, parse_keys
 
 EXTRA_HINT = "pip install 'doel[serve]'"
@@ -76,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of request bodies one client (API key's tenant, else address) may send a "
         "second; a large body past it waits its turn, one that would wait over 10 s is 429 "
         "(default 1 MiB; 0: no limit)",
+    )
+    p.add_argument(
+        "--client-request-rate",
+        type=int,
+        default=DEFAULT_REQUEST_RATE,
+        metavar="N",
+        help=f"requests one client (API key's tenant, else address) may send a second, with a "
+        f"burst of {BURST_SECONDS:g} s of them; past it, 429 with Retry-After before the body is "
+        f"read (/health and /metrics count apart; default {DEFAULT_REQUEST_RATE}; 0: no limit)",
     )
     p.add_argument(
         "--cors-origin", action="append", default=[], help="allow this browser origin (repeat)"
@@ -256,7 +266,8 @@ def log_config(level: str, floods) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    for name in ("threads", "max_queue", "max_body_bytes", "client_body_rate"):
+    rates = ("client_body_rate", "client_request_rate")
+    for name in ("threads", "max_queue", "max_body_bytes", *rates):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
     for name in ("slots", "max_connections", "max_headers", "max_messages"):
@@ -304,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         prefix_cache=args.prefix_cache,
         max_messages=args.max_messages,
         client_body_rate=args.client_body_rate,
+        client_request_rate=args.client_request_rate,
         # Started now: the files are hashed while the port opens and the model loads.
         verify=None if args.no_verify else Verification(bundle),
         exit_on_damage=True,

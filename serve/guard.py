@@ -1,6 +1,8 @@
 """ASGI middleware in front of every route: the Host name (`AllowedHosts`); the header count, the
-API key and so the tenant (serve/tenants.py), the body-size limit and each client's body rate
-(`Guard`, with serve/limits.py's BodyBudget: a large body waits, unread, for its client's turn).
+API key and so the tenant (serve/tenants.py), each client's request rate (serve/ratelimit.py:
+past it, a 429 before anything is read or routed), the body-size limit and each client's body
+rate (`Guard`, with serve/limits.py's BodyBudget: a large body waits, unread, for its client's
+turn).
 
 It is plain ASGI rather than FastAPI dependencies so that it also covers 404s, the OpenAPI page
 and bodies sent without a Content-Length (chunked), which are read up to the limit and replayed.
@@ -13,6 +15,7 @@ import asyncio
 from doel.contracts.errors import error_body
 from doel.serve.limits import DEFAULT_BODY_RATE, BodyBudget
 from doel.serve.playground import FONT_PATH
+from doel.serve.ratelimit import DEFAULT_REQUEST_RATE, HOLD, RequestRate, bucket
 from doel.serve.tenants import Keys
 
 # Answered without a key: probes, and the playground page and its font (they hold no data; the
@@ -89,15 +92,18 @@ class Guard:
         max_headers: int = 256,
         keys: dict[str, str] | None = None,
         body_rate: int = DEFAULT_BODY_RATE,
+        request_rate: float = DEFAULT_REQUEST_RATE,
     ):
         """`api_key`: one key (one tenant); `keys`: {key: tenant} (serve/tenants.py);
-        `body_rate`: bytes of bodies a client may send a second, 0 for any."""
+        `body_rate`: bytes of bodies a client may send a second, 0 for any; `request_rate`:
+        requests a client may send a second (serve/ratelimit.py), 0 for any."""
         self.app, self.api_key, self.limit = app, api_key, max_body_bytes
         self.max_headers = max_headers
         table = keys or ({api_key: "#1"} if api_key else {})
         self.key = Keys(table) if table else None
         # A burst of the largest body accepted: one such body passes at once.
         self.budget = BodyBudget(body_rate, max(max_body_bytes, 1)) if body_rate > 0 else None
+        self.requests = RequestRate(request_rate) if request_rate > 0 else None
 
     def _refusal(self, scope) -> tuple[int, str, str, list] | None:
         """Why the request does not pass the key check (status, message, type, headers); None
@@ -125,7 +131,18 @@ class Guard:
             return await _reply(send, 431, why, "invalid_request_error")
         headers = dict(scope["headers"])
         guarded = scope["path"] not in OPEN_PATHS and scope["method"] not in OPEN_METHODS
-        if self.key and guarded and (refused := self._refusal(scope)):
+        refused = self._refusal(scope) if self.key and guarded else None
+        # Over its rate, a client's request (a wrong key's too: it counts for its address) is
+        # refused now, before its body is read or anything is routed.
+        if self.requests is not None and (after := self.requests.take(self._bucket(scope))):
+            why = (
+                f"this client sent over {self.requests.rate:g} requests a second "
+                f"(--client-request-rate); retry after {after} s"
+            )
+            retry = [(b"retry-after", str(after).encode())]
+            scope[HOLD] = after  # the connection reads no more until then (serve/ratelimit.py)
+            return await _reply(send, 429, why, "rate_limit_exceeded", retry)
+        if refused:
             return await _reply(send, *refused)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
@@ -147,10 +164,18 @@ class Guard:
                 return  # refused: a 429 was sent
         return await self.app(scope, receive, send)
 
+    @staticmethod
+    def _client(scope):
+        """Who sent the request: its key's tenant once the key check passed, else its address."""
+        return scope.get(TENANT) or ("address", (scope.get("client") or ("?",))[0])
+
+    def _bucket(self, scope):
+        return bucket(self._client(scope), scope["path"])
+
     async def _paced(self, scope, size: int, send) -> bool:
         """Wait for the client's body rate (serve/limits.py's BodyBudget): True once the body
         may be read, False when a 429 was sent for a body that would wait too long."""
-        client = scope.get(TENANT) or ("address", (scope.get("client") or ("?",))[0])
+        client = self._client(scope)
         wait = self.budget.charge(client, size)
         if wait is None:
             after = self.budget.retry_after(client, size)

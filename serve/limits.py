@@ -35,6 +35,7 @@ import time
 from collections import Counter
 
 from doel.contracts.errors import error_body
+from doel.serve.ratelimit import HOLD
 
 log = logging.getLogger("doel.serve")
 
@@ -201,7 +202,7 @@ def protocol_class(timeout_read: float, max_connections: int, refusals: Refusals
     class LimitedH11(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self.deadline = None
+            self.deadline = self.held = None
             self.busy = len(self.connections) > max_connections
             if refusals.metrics is not None:
                 refusals.metrics.connections_open += 1
@@ -216,6 +217,8 @@ def protocol_class(timeout_read: float, max_connections: int, refusals: Refusals
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self.held is not None:
+                self.held.cancel()
             if refusals.metrics is not None:
                 refusals.metrics.connections_open -= 1
             super().connection_lost(exc)
@@ -225,8 +228,25 @@ def protocol_class(timeout_read: float, max_connections: int, refusals: Refusals
             self._watch()
 
         def on_response_complete(self) -> None:
+            hold = self.cycle.scope.get(HOLD) if self.cycle is not None else None
+            if hold and not self.transport.is_closing():
+                # A 429 for the client's request rate: nothing more is read from it, pipelined
+                # requests included, until its Retry-After (serve/ratelimit.py). Past half the
+                # connections, it is closed instead: held ones must not crowd out other clients.
+                if len(self.connections) > max_connections // 2:
+                    self.transport.close()
+                    return
+                self.flow.pause_reading()
+                self.held = self.loop.call_later(hold, self._release)
+                return
             super().on_response_complete()
             self._watch()
+
+        def _release(self) -> None:
+            self.held = None
+            if not self.transport.is_closing():
+                super().on_response_complete()  # resumes reading, answers what was pipelined
+                self._watch()
 
         def handle_events(self) -> None:
             # Every head passes here before h11 parses it: a connection's first, each next

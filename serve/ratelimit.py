@@ -1,0 +1,80 @@
+"""Each client's rate of REQUESTS (--client-request-rate), asked by the Guard (serve/guard.py)
+before it reads a body or routes anything: a token bucket per client, and a request past it is
+refused at once with 429 and Retry-After, the cheapest answer the server has.
+
+Why: serve/limits.py's BodyBudget paces large bodies, but a flood of small requests (GET /health,
+tiny bad requests) costs the event loop that serves every client per request, not per byte.
+Four clients looping /health back to back slowed another client's chat several times over.
+
+A client is what BodyBudget's is (its API key's tenant, else its address). Probes (/health,
+/metrics) are counted in a bucket of their own, of the same size: an orchestrator polling
+/health from an address whose other requests are over the rate still sees the server up, and a
+flood of /health is bounded like any other.
+
+Refusing is not enough by itself: a client that sends its next request as soon as the 429
+arrives still costs the event loop its parsing and answer, and six such clients slowed another's
+7 ms chat to 70 ms though each was refused before routing. So the 429 is sent at once, and then
+the connection it went out on reads nothing more until its Retry-After (serve/limits.py's
+protocol, told by the Guard through scope[HOLD]): a client that honours Retry-After never sees
+the difference, one that does not waits anyway, unanswered and costing nothing. A client that
+opens a new connection for each request is held as often, and its held connections count
+towards --max-connections like any other (as idle ones already could, up to --timeout-read).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+# 50 requests a second, a burst of 10 s of them. No normal client meets it: a person, a chat
+# page or an agent waits for each answer, and the 0.4B model decodes tens of tokens a second on
+# a CPU, so even a client with several requests in flight sends a few a second. A scripted
+# client sending many at once (an evaluation harness, 200 concurrent requests in
+# tests/test_serve_live.py) fits in the burst. A flood meets it within seconds, and from then on
+# does work at 50 a second, the rest refused before routing.
+DEFAULT_REQUEST_RATE = 50
+BURST_SECONDS = 10.0
+PROBE_PATHS = ("/health", "/metrics")  # their own bucket per client: see the docstring
+# Where the Guard puts a refused request's Retry-After, in seconds: serve/limits.py's connection
+# then reads nothing more from that client for so long (see the docstring).
+HOLD = "doel.hold"
+
+
+class RequestRate:
+    """A token bucket of requests per client: `rate` a second, up to `burst` saved (default
+    BURST_SECONDS of rate). `take` passes a request (0) or says in whole seconds when the next
+    would pass (nothing taken)."""
+
+    def __init__(self, rate: float, burst: float | None = None, clock=None):
+        if rate <= 0:
+            raise ValueError(f"a request rate must be over 0, not {rate}")
+        self.rate = rate
+        self.burst = max(1.0, burst if burst is not None else BURST_SECONDS * rate)
+        self.clock = clock or time.monotonic
+        self.buckets: dict[object, tuple[float, float]] = {}  # client -> (requests, when)
+        self.prune_at = 4096  # clients remembered before those gone quiet are looked for
+
+    def take(self, client) -> int:
+        """0: the request passes (one taken from the client's bucket); else the whole seconds,
+        at least 1, until one would pass: its Retry-After."""
+        now = self.clock()
+        saved, when = self.buckets.get(client, (self.burst, now))
+        saved = min(self.burst, saved + (now - when) * self.rate)
+        if saved < 1:
+            self.buckets[client] = (saved, now)
+            return max(1, math.ceil((1 - saved) / self.rate))
+        self.buckets[client] = (saved - 1, now)
+        if len(self.buckets) > self.prune_at:  # clients gone quiet are full again: forget them
+            self._forget(now)
+            self.prune_at = max(4096, 2 * len(self.buckets))  # one scan per so many clients
+        return 0
+
+    def _forget(self, now: float) -> None:
+        full = [c for c, (n, w) in self.buckets.items() if n + (now - w) * self.rate >= self.burst]
+        for client in full:
+            del self.buckets[client]
+
+
+def bucket(client, path: str) -> tuple:
+    """The bucket a request of `client` to `path` is counted in."""
+    return (client, "probe" if path in PROBE_PATHS else "api")
