@@ -312,10 +312,10 @@ def graphs(work: Path, k: int, n: int) -> dict[str, tuple[Path, float]]:
     return out
 
 
-def kernel_rows(work: Path, k: int, n: int) -> dict[str, tuple[dict, float]]:
+def kernel_rows(work: Path, k: int, n: int, builds: Path) -> dict[str, tuple[dict, float]]:
     """doel's kernel on one shape: name -> (its listing entry but the name, bytes in memory).
     One file: MatMulNBits' 4-bit bytes then its scales, as the bundle's graph holds them; the
-    .wasm builds are copied into `work` once, so every host runs the same ones."""
+    .wasm builds are copied from `builds` into `work` once, so every host runs the same ones."""
     b, sc = nbits_weight(weight(k, n), 4, KERNEL_BLOCK)
     path = work / f"{k}x{n}-kernel.bin"
     path.write_bytes(b.tobytes() + sc.tobytes())
@@ -323,7 +323,7 @@ def kernel_rows(work: Path, k: int, n: int) -> dict[str, tuple[dict, float]]:
     for kind, label in KERNELS.items():
         wasm = work / WASM[kind]
         if not wasm.exists():
-            shutil.copyfile(KERNEL.parent / WASM[kind], wasm)
+            shutil.copyfile(builds / WASM[kind], wasm)
         entry = {"k": k, "n": n, "file": path, "wasm": wasm, "scales": b.size}
         out[f"doel kernel, 4-bit block {KERNEL_BLOCK} ({label})"] = (
             entry | {"block": KERNEL_BLOCK},
@@ -405,6 +405,13 @@ def run_chromium(mods: Path, models: list[dict], work: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--no-browser", action="store_true", help="Node.js rows only")
+    ap.add_argument(
+        "--kernel",
+        type=Path,
+        default=KERNEL.parent,
+        help="folder with doel's kernel builds (doel-kernel.wasm, doel-kernel-relaxed.wasm; "
+        "default export/web/, the working tree's); the result records their sha256",
+    )
     args = ap.parse_args(argv)
     import onnxruntime
 
@@ -415,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         models, memory = [], {}
         for shape, (k, n) in SHAPES.items():
-            kernel = kernel_rows(work, k, n)
+            kernel = kernel_rows(work, k, n, args.kernel)
             for name, (path, mem) in graphs(work, k, n).items():
                 models.append({"name": f"{shape}|{name}", "k": k, "file": path})
                 memory[f"{shape}|{name}"] = mem
