@@ -15,7 +15,7 @@ import asyncio
 from doel.contracts.errors import error_body
 from doel.serve.limits import DEFAULT_BODY_RATE, BodyBudget
 from doel.serve.playground import FONT_PATH
-from doel.serve.ratelimit import DEFAULT_REQUEST_RATE, HOLD, RequestRate, bucket
+from doel.serve.ratelimit import DEFAULT_REQUEST_RATE, HOLD, PROBE_PATHS, ClientRates
 from doel.serve.tenants import Keys
 
 # Answered without a key: probes, and the playground page and its font (they hold no data; the
@@ -103,7 +103,7 @@ class Guard:
         self.key = Keys(table) if table else None
         # A burst of the largest body accepted: one such body passes at once.
         self.budget = BodyBudget(body_rate, max(max_body_bytes, 1)) if body_rate > 0 else None
-        self.requests = RequestRate(request_rate) if request_rate > 0 else None
+        self.requests = ClientRates(request_rate) if request_rate > 0 else None
 
     def _refusal(self, scope) -> tuple[int, str, str, list] | None:
         """Why the request does not pass the key check (status, message, type, headers); None
@@ -134,9 +134,11 @@ class Guard:
         refused = self._refusal(scope) if self.key and guarded else None
         # Over its rate, a client's request (a wrong key's too: it counts for its address) is
         # refused now, before its body is read or anything is routed.
-        if self.requests is not None and (after := self.requests.take(self._bucket(scope))):
+        rate = self.requests.of(scope["path"]) if self.requests is not None else None
+        if rate is not None and (after := rate.take(self._client(scope))):
+            probe = f" to {scope['path']}" if scope["path"] in PROBE_PATHS else ""
             why = (
-                f"this client sent over {self.requests.rate:g} requests a second "
+                f"this client sent over {rate.rate:g} requests a second{probe} "
                 f"(--client-request-rate); retry after {after} s"
             )
             retry = [(b"retry-after", str(after).encode())]
@@ -168,9 +170,6 @@ class Guard:
     def _client(scope):
         """Who sent the request: its key's tenant once the key check passed, else its address."""
         return scope.get(TENANT) or ("address", (scope.get("client") or ("?",))[0])
-
-    def _bucket(self, scope):
-        return bucket(self._client(scope), scope["path"])
 
     async def _paced(self, scope, size: int, send) -> bool:
         """Wait for the client's body rate (serve/limits.py's BodyBudget): True once the body

@@ -7,9 +7,12 @@ tiny bad requests) costs the event loop that serves every client per request, no
 Four clients looping /health back to back slowed another client's chat several times over.
 
 A client is what BodyBudget's is (its API key's tenant, else its address). Probes (/health,
-/metrics) are counted in a bucket of their own, of the same size: an orchestrator polling
-/health from an address whose other requests are over the rate still sees the server up, and a
-flood of /health is bounded like any other.
+/metrics) are counted in a bucket of their own: an orchestrator polling /health from an address
+whose other requests are over the rate still sees the server up. Probes are the cheapest
+requests there are (no body, no model), and tools that measure a server's responsiveness poll
+/health every few milliseconds (tests/test_serve_abuse.py asks it every 2 ms), so their rate is
+PROBE_FACTOR times the API's, with a burst of one second of it: still bounded, and a flood of
+/health is held like any other (tests/test_serve_request_rate.py measures one beside a chat).
 
 Refusing is not enough by itself: a client that sends its next request as soon as the 429
 arrives still costs the event loop its parsing and answer, and six such clients slowed another's
@@ -35,6 +38,7 @@ import time
 DEFAULT_REQUEST_RATE = 50
 BURST_SECONDS = 10.0
 PROBE_PATHS = ("/health", "/metrics")  # their own bucket per client: see the docstring
+PROBE_FACTOR = 10  # a probe's rate, in API rates: 500 a second by default, one every 2 ms
 # Where the Guard puts a refused request's Retry-After, in seconds: serve/limits.py's connection
 # then reads nothing more from that client for so long (see the docstring).
 HOLD = "doel.hold"
@@ -75,6 +79,14 @@ class RequestRate:
             del self.buckets[client]
 
 
-def bucket(client, path: str) -> tuple:
-    """The bucket a request of `client` to `path` is counted in."""
-    return (client, "probe" if path in PROBE_PATHS else "api")
+class ClientRates:
+    """Each client's two buckets: its API requests at `rate` a second, its probes (PROBE_PATHS)
+    at PROBE_FACTOR times that, with a burst of one second of them."""
+
+    def __init__(self, rate: float, clock=None):
+        self.api = RequestRate(rate, clock=clock)
+        fast = PROBE_FACTOR * rate
+        self.probes = RequestRate(fast, burst=fast, clock=clock)
+
+    def of(self, path: str) -> RequestRate:
+        return self.probes if path in PROBE_PATHS else self.api

@@ -18,7 +18,13 @@ import pytest
 from live_server import live_server
 
 from doel.serve.guard import Guard
-from doel.serve.ratelimit import BURST_SECONDS, DEFAULT_REQUEST_RATE, RequestRate, bucket
+from doel.serve.ratelimit import (
+    BURST_SECONDS,
+    DEFAULT_REQUEST_RATE,
+    PROBE_FACTOR,
+    ClientRates,
+    RequestRate,
+)
 
 
 class Clock:
@@ -59,9 +65,13 @@ def test_clients_gone_quiet_are_forgotten():
     assert len(rate.buckets) <= 5000 and 9999 in rate.buckets
 
 
-def test_probes_count_apart_from_the_api():
-    assert bucket("x", "/health") == bucket("x", "/metrics") != bucket("x", "/v1/models")
-    assert bucket("x", "/health") != bucket("y", "/health")
+def test_probes_count_apart_at_ten_times_the_rate():
+    rates = ClientRates(rate=2, clock=Clock())
+    assert rates.of("/health") is rates.of("/metrics") is not rates.of("/v1/models")
+    assert rates.of("/health").rate == PROBE_FACTOR * 2 == rates.of("/health").burst
+    assert rates.of("/v1/models").burst == 2 * BURST_SECONDS
+    assert [rates.of("/health").take("a") for _ in range(21)] == [0] * 20 + [1]
+    assert rates.of("/v1/models").take("a") == 0  # the API bucket is untouched
 
 
 class Echo:
@@ -126,7 +136,7 @@ def test_without_keys_each_address_has_its_own_rate_and_0_turns_it_off():
     assert _statuses(_send(app, [("10.0.0.2", "GET", "/v1/models", None)] * 5)) == [200] * 5
     free = Guard(Echo(), request_rate=0)
     assert _statuses(_send(free, [("10.0.0.1", "GET", "/v1/models", None)] * 600)) == [200] * 600
-    assert Guard(Echo()).requests.rate == DEFAULT_REQUEST_RATE
+    assert Guard(Echo()).requests.api.rate == DEFAULT_REQUEST_RATE
 
 
 # Live: clients sending tiny requests back to back (probes, bad JSON, a wrong key), each thread
