@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from doel.serve.limits import DEFAULT_BODY_RATE, DEFAULT_MAX_MESSAGES  # stdlib only
-from doel.serve.ratelimit import BURST_SECONDS, DEFAULT_REQUEST_RATE  # stdlib only
+from doel.serve.ratelimit import BURST_SECONDS, DEFAULT_REQUEST_RATE, PROBE_FACTOR  # stdlib
 from doel.serve.tenants import DEFAULT_MODE, MODES, KeyFileError, parse_keys
 
 EXTRA_HINT = "pip install 'doel[serve]'"
@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"requests one client (API key's tenant, else address) may send a second, with a "
         f"burst of {BURST_SECONDS:g} s of them; past it, 429 with Retry-After before the body is "
-        f"read (/health and /metrics count apart; default {DEFAULT_REQUEST_RATE}; 0: no limit)",
+        f"read (/health and /metrics apart, at {PROBE_FACTOR}x; default {DEFAULT_REQUEST_RATE}; "
+        "0: no limit)",
     )
     p.add_argument(
         "--cors-origin", action="append", default=[], help="allow this browser origin (repeat)"

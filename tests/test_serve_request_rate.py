@@ -244,3 +244,11 @@ def test_a_refused_connection_reads_nothing_until_its_retry_after(server):
         assert time.perf_counter() - start < 0.5
         r = a.get("/v1/models")  # the same connection: read once the Retry-After has passed
         assert r.status_code == 200 and time.perf_counter() - start > 0.9 * after
+
+
+def test_a_negative_rate_is_refused_in_one_line_naming_the_flag(tmp_path):
+    from doel.serve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--client-request-rate", "-1"])
+    assert str(e.value) == "error: --client-request-rate must be 0 or more"
