@@ -47,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SHORT, LONG, NEW, REPEATS = 128, 512, 64, 2
 THREADS = (1, 2)
+# Text a user would type (a trained model's continuations of it have wide top-2 gaps, unlike
+# random ids): the greedy ids of each page path against the engine's.
+TEXT_PROMPTS = ("নদীর ধারে একটি ছোট গ্রাম ছিল।", "The river was quiet that morning.")
 CHROMIUM, DRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
@@ -72,8 +75,10 @@ def tree_cpu_s() -> float:
     return total
 
 
-def descendants_peak_rss_mb() -> float:
-    """The largest VmHWM among this process's descendants (Chromium's renderer, mostly)."""
+def descendants_peak_rss_mb(renderer: bool = False) -> float:
+    """The largest VmHWM among this process's descendants (Chromium's processes hang below
+    chromedriver); `renderer`: among its renderers only (`--type=renderer`: a tab, the page's
+    worker and its WebAssembly memory), not the browser process every tab shares."""
     parent = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -90,6 +95,9 @@ def descendants_peak_rss_mb() -> float:
         if p != os.getpid() or pid == os.getpid():
             continue
         try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if renderer and b"--type=renderer" not in f.read():
+                    continue
             for line in open(f"/proc/{pid}/status"):
                 if line.startswith("VmHWM:"):
                     best = max(best, int(line.split()[1]) / 1024)
@@ -196,18 +204,32 @@ def page_row(url: str, spec: dict, threads: int, weights: str) -> dict:
             for _ in range(REPEATS):
                 req = {"prompt_ids": spec["prompts"][name], "max_tokens": NEW}
                 req |= {"temperature": 0, "stop_ids": []}
-                r = settled(driver, "doel.generate(arguments[0])", req)
-                first = r["prefill_ms"] / 1000
-                runs.append({"ttft_s": first, "decode_tok_s": r["decode_tok_s"], "ids": r["ids"]})
+                last = settled(driver, "doel.generate(arguments[0])", req)
+                first = last["prefill_ms"] / 1000
+                runs.append(
+                    {"ttft_s": first, "decode_tok_s": last["decode_tok_s"], "ids": last["ids"]}
+                )
             row[name] = {
                 "ttft_s": min(r["ttft_s"] for r in runs),
                 "decode_tok_s": max(r["decode_tok_s"] for r in runs),
                 "ids": runs[0]["ids"],
             }
         row["browser_peak_rss_mb"] = descendants_peak_rss_mb()
+        row["tab_peak_rss_mb"] = descendants_peak_rss_mb(renderer=True)
+        row["kernel_memory_mb"] = (last.get("kernel_memory_bytes") or 0) / 2**20 or None
+        row["text_ids"] = text_ids(driver)
         return row
     finally:
         driver.quit()
+
+
+def text_ids(driver) -> list[list[int]]:
+    """The page's greedy ids for TEXT_PROMPTS (tokenized by the page, as a user's are)."""
+    out = []
+    for text in TEXT_PROMPTS:
+        req = {"prompt": text, "max_tokens": NEW, "temperature": 0, "stop_ids": []}
+        out.append(settled(driver, "doel.generate(arguments[0])", req)["ids"])
+    return out
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -229,7 +251,8 @@ def webgpu_row(url: str, prompt: list[int]) -> dict:
         req = {"prompt_ids": prompt, "max_tokens": NEW, "temperature": 0, "stop_ids": []}
         r = settled(driver, "doel.generate(arguments[0])", req)
         keep = ("adapter", "software_adapter", "why", "weights_in_memory")
-        return {"kind": "webgpu", **{k: facts[k] for k in keep}, "short": {"ids": r["ids"]}}
+        row = {"kind": "webgpu", **{k: facts[k] for k in keep}, "short": {"ids": r["ids"]}}
+        return row | {"text_ids": text_ids(driver)}
     finally:
         driver.quit()
 
@@ -246,6 +269,7 @@ def timed(kind: str, threads: int, run) -> dict:
 
 def measure_bundle(name: str, bundle: Path, work: Path, opts) -> dict:
     import numpy as np
+    from tokenizers import Tokenizer
 
     from doel.export.web import static_server, write_web
 
@@ -282,8 +306,14 @@ def measure_bundle(name: str, bundle: Path, work: Path, opts) -> dict:
         server.shutdown()
         server.server_close()
     want = {k: engine_ids(bundle, prompts[k]) for k in prompts}
+    tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    want_text = [engine_ids(bundle, tok.encode(t).ids) for t in TEXT_PROMPTS]
     for r in rows:
         if r["kind"] in ("page", "webgpu") and "error" not in r:
+            r["text_first_difference"] = [
+                {"at": (i := first_difference(got, w[0])), "gap": None if i is None else w[1][i]}
+                for got, w in zip(r.pop("text_ids"), want_text)
+            ]
             at = {k: first_difference(r[k].pop("ids"), want[k][0]) for k in want if k in r}
             r["greedy_first_difference"] = at
             r["engine_top2_gap_there"] = {

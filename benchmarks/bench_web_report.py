@@ -28,7 +28,8 @@ def default_mode(pages: dict) -> str:
 def speed_table(result: dict) -> list[str]:
     lines = [
         "| bundle | engine | threads | TTFT short (s) | decode tok/s, short | TTFT long (s) | "
-        "decode tok/s, long | page / engine, short | peak RSS MB | other CPU s |",
+        "decode tok/s, long | page / engine, short | peak RSS MB (engine; page: its tab) | "
+        "other CPU s |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in result["bundles"]:
@@ -36,7 +37,7 @@ def speed_table(result: dict) -> list[str]:
         tokens = f"{b['prompt_tokens']['short']}/{b['prompt_tokens']['long']}"
         for r in (r for r in b["rows"] if r["kind"] in ("engine", "page")):
             ratio = r["short"]["decode_tok_s"] / eng[r["threads"]]["short"]["decode_tok_s"]
-            rss = r.get("peak_rss_mb") or r.get("browser_peak_rss_mb")
+            rss = r.get("peak_rss_mb") or tab_mb(r)
             lines.append(
                 f"| {b['name']} ({tokens}) | {who(r)} | {r['threads']} | "
                 f"{r['short']['ttft_s']:.3f} | {r['short']['decode_tok_s']:.1f} | "
@@ -46,13 +47,29 @@ def speed_table(result: dict) -> list[str]:
     return lines
 
 
+def tab_mb(r: dict) -> float:
+    """A page row's peak: its tab's renderer (older results: Chromium's largest process)."""
+    return r.get("tab_peak_rss_mb") or r["browser_peak_rss_mb"]
+
+
+def text_ids_text(r: dict) -> str:
+    """The page's greedy ids on the typed prompts against the engine's."""
+    if "text_first_difference" not in r:
+        return ""
+    parts = [
+        "equal" if d["at"] is None else f"at {d['at']} (engine's top-2 gap {d['gap']:.3f})"
+        for d in r["text_first_difference"]
+    ]
+    return f"; typed prompts (bn, en): {', '.join(parts)}"
+
+
 def ids_text(r: dict) -> str:
     return ", ".join(
         f"{k} equal"
         if v is None
         else f"{k} at {v} (engine's top-2 gap {r['engine_top2_gap_there'][k]:.3f})"
         for k, v in r["greedy_first_difference"].items()
-    )
+    ) + text_ids_text(r)
 
 
 def ids_table(result: dict) -> list[str]:
@@ -134,7 +151,7 @@ def floor_mb(result: dict, mode: str) -> tuple[str, float] | None:
         return None
     small = min(result["bundles"], key=lambda b: b["weight_bytes"])
     rows = small["rows"]
-    peaks = [r["browser_peak_rss_mb"] for r in rows if r["kind"] == "page" and r["weights"] == mode]
+    peaks = [tab_mb(r) for r in rows if r["kind"] == "page" and r["weights"] == mode]
     return (small["name"], min(peaks)) if peaks else None
 
 
@@ -150,7 +167,7 @@ def verdicts(result: dict) -> list[str]:
             if w != default:
                 continue
             ratio = r["short"]["decode_tok_s"] / eng[t]["short"]["decode_tok_s"]
-            rss = r["browser_peak_rss_mb"]
+            rss = tab_mb(r)
             fp32 = pages.get(("fp32", t))
             vs = ""
             if fp32:
@@ -159,31 +176,37 @@ def verdicts(result: dict) -> list[str]:
                     f"; vs the fp32 mode {fast:.2f}x decode ("
                     f"{'at least as fast' if fast >= 1 else '**slower**'}), "
                     f"{r['long']['ttft_s'] / fp32['long']['ttft_s']:.2f}x long TTFT, "
-                    f"{rss / fp32['browser_peak_rss_mb']:.2f}x peak memory"
+                    f"{rss / tab_mb(fp32):.2f}x peak memory"
                 )
             former = pages.get(("int8", t)) if default != "int8" else None
             if former:
                 vs += (
                     f"; vs the former default (onnxruntime-web int8) "
                     f"{r['short']['decode_tok_s'] / former['short']['decode_tok_s']:.2f}x decode, "
-                    f"{rss / former['browser_peak_rss_mb']:.2f}x peak memory"
+                    f"{rss / tab_mb(former):.2f}x peak memory"
                 )
+            floor = floor_mb(result, default)
+            tab = (
+                f"the tab's floor in this run ({rss:.0f} MB)"
+                if floor and floor[0] == b["name"]
+                else f"the tab's peak {rss:.0f} MB vs {budget:.0f} MB ({MEMORY_TARGET}x (weights "
+                f"file + KV cache at {b['context_length']})): "
+                f"{'met' if rss <= budget else '**not met**'}"
+            )
             lines.append(
-                f"- {b['name']}, {t} thread(s), the default ({who(r)}): peak {rss:.0f} MB vs "
-                f"{budget:.0f} MB ({MEMORY_TARGET}x (weights file + KV cache at "
-                f"{b['context_length']})): {'met' if rss <= budget else '**not met**'}; decode "
+                f"- {b['name']}, {t} thread(s), the default ({who(r)}): {tab}; decode "
                 f"{ratio:.2f}x the engine's (target {DECODE_TARGET}x: "
                 f"{'met' if ratio >= DECODE_TARGET else '**not met**'}, aim {DECODE_AIM}x: "
                 f"{'met' if ratio >= DECODE_AIM else 'not met'}){vs}"
             )
-            floor = floor_mb(result, default)
             if floor and floor[0] != b["name"]:
                 above = rss - floor[1]
                 lines.append(
-                    f"  - the page's own memory, above its floor in this run (the same mode's "
-                    f"peak on {floor[0]}, {floor[1]:.0f} MB: Chromium's renderer, the page and "
-                    f"its runtime): {above:.0f} MB, {above / base:.2f}x (weights file + KV "
-                    f"cache): {'met' if above <= budget else '**not met**'}"
+                    f"  - the model's own memory, above the tab's floor in this run (the same "
+                    f"mode's tab on {floor[0]}, {floor[1]:.0f} MB: Chromium's renderer, the page "
+                    f"and its runtime with a model of a few MB): {above:.0f} MB, "
+                    f"{above / base:.2f}x (weights file + KV cache): "
+                    f"{'met' if above <= budget else '**not met**'}"
                 )
     return lines
 
@@ -201,7 +224,9 @@ def markdown(result: dict) -> str:
         "doel's own WebAssembly kernel on the bundle's int4 weights, the page's default; int8: "
         "onnxruntime-web's DynamicQuantizeMatMul, the default before it; fp32: the int4 "
         "integers folded to fp32 at load, the default before that; bundle: onnxruntime-web's "
-        "MatMulNBits). Peak RSS: the largest VmHWM among Chromium's processes (the renderer).",
+        "MatMulNBits). A page's peak: the VmHWM of its tab's renderer process (the page, its "
+        "worker and the WebAssembly memory; the browser process every tab shares is not "
+        "counted).",
         "",
         *speed_table(result),
         "",

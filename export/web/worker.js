@@ -57,11 +57,10 @@ async function pickBackend(want) {
     software: info.architecture === "swiftshader" || !!adapter.isFallbackAdapter };
 }
 
-// The graph's weights, from its pieces: straight into one buffer (`into(bytes)` makes it: the
-// kernel's memory, or a plain array), held once plus one piece.
-async function weights(graph, into = (n) => new Uint8Array(n)) {
+// The graph's weights, from its pieces: straight into one buffer, held once plus one piece.
+async function weights(graph) {
   const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
-  const data = into(graph.data_bytes);
+  const data = new Uint8Array(graph.data_bytes);
   let at = 0;
   for (const p of graph.data) {
     data.set(new Uint8Array(await piece(p, cache)), at);
@@ -87,14 +86,51 @@ async function kernelModule(simd) {
   return null;
 }
 
-// The bundle graph's weights copied into the kernel's memory, as they are in the file (4 bits),
-// and its layout (web.json's graphs.bundle.kernel) given to dk_init.
+// One piece streamed into `view` (its place in the kernel's memory), never whole in a buffer
+// of its own: the tab's peak is then the kernel's memory, not that plus pieces waiting for the
+// garbage collector. A fresh piece goes to Cache Storage first (the browser streams it there)
+// and is read back from it; it is checked against its sha256 where it landed, and dropped from
+// the cache if damaged. (A tee of the fetch into both held whole pieces in the tab while the
+// cache lagged: 0.4B's cold load peaked 260 MB above its steady memory.)
+async function pieceInto(p, cache, view) {
+  let resp = cache && (await cache.match(p.file));
+  const fresh = !resp;
+  if (fresh) {
+    resp = await fetch(p.file);
+    if (!resp.ok) throw new Error(`${p.file}: HTTP ${resp.status}`);
+    if (cache) {
+      const put = await cache.put(p.file, resp).then(() => true, () => false); // quota: fetch again
+      resp = put ? await cache.match(p.file) : await fetch(p.file);
+    }
+  }
+  const reader = resp.body.getReader();
+  let at = 0;
+  for (let r = await reader.read(); !r.done; r = await reader.read()) {
+    if (at + r.value.length > p.bytes) throw new Error(`${p.file} is longer than web.json says`);
+    view.set(r.value, at);
+    at += r.value.length;
+  }
+  if (at !== p.bytes) throw new Error(`${p.file} is ${at} bytes, not ${p.bytes}: reload the page`);
+  if (fresh && self.crypto && crypto.subtle && (await sha256(view)) !== p.sha256) {
+    if (cache) await cache.delete(p.file);
+    throw new Error(`${p.file} is damaged (sha256 differs): reload the page`);
+  }
+}
+
+// The bundle graph's weights streamed into the kernel's memory, as they are in the file (4
+// bits), and its layout (web.json's graphs.bundle.kernel) given to dk_init.
 async function openKernel(graph, mod) {
   const { k } = mod;
   const layout = graph.kernel;
   const base = k.dk_alloc(graph.data_bytes);
   if (!base) throw new Error(`no memory for the ${(graph.data_bytes / 1e6).toFixed(0)} MB of weights`);
-  await weights(graph, (n) => new Uint8Array(k.memory.buffer, base, n));
+  const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
+  let at = 0;
+  for (const p of graph.data) {
+    await pieceInto(p, cache, new Uint8Array(k.memory.buffer, base + at, p.bytes));
+    at += p.bytes;
+    post({ type: "progress", loaded: at, total: graph.data_bytes });
+  }
   const put = (Kind, xs) => {
     const at = k.dk_alloc(4 * xs.length);
     new Kind(k.memory.buffer, at, xs.length).set(xs);
@@ -164,6 +200,7 @@ async function load(threads, want, weightsIn, lowMemory, simd) {
     software_adapter: !!pick.software,
     threads: kernel ? 1 : ort.env.wasm.numThreads,
     kernel: kernel ? kernel.kind : null,
+    kernel_memory_bytes: kernel ? kernel.k.memory.buffer.byteLength : null,
     weights_in_memory: mode === "bundle" || mode === "kernel" ? spec.quant : mode,
     graph: mode,
     isolated: !!self.crossOriginIsolated,
@@ -443,6 +480,7 @@ async function generate(req) {
     decode_ms: t2 - t1,
     decode_tok_s: steps > 0 ? (1000 * steps) / (t2 - t1) : null,
     kv_cache_location: cacheAt,
+    kernel_memory_bytes: kernel ? kernel.k.memory.buffer.byteLength : null,
     prompt_logits: promptLogits,
   });
 }
