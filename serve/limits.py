@@ -10,6 +10,8 @@ that adds, per connection:
 - one read deadline per request, from the connection's opening (or the first byte after a
   keep-alive pause) to the body's last byte; past it, a 408 in the OpenAI error shape, then close;
 - over `max_connections` open, a 503 to its request, and only `BUSY_GRACE` to send it;
+- after a 429 for the client's request rate (serve/ratelimit.py), nothing more read from the
+  connection until its Retry-After (closed instead past half of `max_connections`);
 - the 400 for a request that is not HTTP, or whose head is over 16 KiB, in the error shape. h11
   refuses a head over 16 KiB only while it is incomplete: one sent whole in a single write (20-70
   KB were accepted) is measured here before h11 parses it.
