@@ -401,6 +401,39 @@ def test_the_kernel_in_node_gives_the_engines_loss(web_bundle):
         assert got == pytest.approx(want, rel=0.01), (w, got, want)
 
 
+def test_a_damaged_piece_is_refused_and_not_kept(page, web_bundle, tmp_path):
+    """The kernel streams each piece into its memory and checks its sha256 there: a piece
+    changed on the server fails the load in one line naming it, and is dropped from the
+    cache, so a reload fetches it again."""
+    from doel.export.web import static_server
+
+    driver, _ = page
+    web = tmp_path / "web"
+    shutil.copytree(web_bundle / "web", web)
+    first = json.loads((web / "web.json").read_text())["graphs"]["bundle"]["data"][0]["file"]
+    data = bytearray((web / first).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (web / first).write_bytes(bytes(data))
+    server = static_server(web)  # another port: another origin, an empty Cache Storage
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
+        out = driver.execute_async_script(
+            "const done = arguments[0];"
+            "doel.ready.then(() => done('loaded'), (e) => done(String(e)));"
+        )
+        assert first in out and "damaged (sha256 differs)" in out, out
+        kept = _script(
+            driver, f"return !!(await (await caches.open('doel-web-v1')).match('{first}'));"
+        )
+        assert kept is False
+    finally:
+        server.shutdown()
+        server.server_close()
+        driver.get(driver.doel_url)
+        _script(driver, "return await doel.ready;")
+
+
 # Every other way the page can run on WebAssembly: the kernel's plain-SIMD build (browsers
 # without relaxed SIMD), and onnxruntime-web with int8 weights (where the kernel cannot run).
 OTHER_PATHS = {
