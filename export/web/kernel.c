@@ -366,29 +366,40 @@ static void linear4(float *y, const float *a, int rows, int K, int N, const u8 *
   matmul4(y, rows, K, N, w, (const float *)s);
 }
 
-// 1 when matmul4 gives the integers' exact dot product on this engine: the worker loads the relaxed build only where this holds (an i8 x i7 dot whose
-// operands an engine swapped would give other numbers).
+// 1 when the matmuls give the integers' exact dot products on this engine (4-bit weights through
+// decode's tile, every byte value through the lm_head's 8-bit path): the worker loads the relaxed
+// build only where this holds (an i8 x i7 dot whose operands an engine swapped, or whose 7-bit
+// operand it read as signed, would give other numbers).
 __attribute__((export_name("dk_selftest"))) int dk_selftest(void) {
-  static float a[256], s[1] = {1.f}, y[1], sc[1];
-  static u8 w[128];
+  static float a[256], s[4] = {1.f, 1.f, 1.f, 1.f}, y[4], sc[1];
+  static u8 w[4 * 128], w8[256];
   static act_t q8[256];
   static int sm[1];
   act_t *keep_q = aq;
   float *keep_sc = asc;
   int *keep_sm = asum, bs = cfg[C_BLOCK];
   aq = q8, asc = sc, asum = sm, cfg[C_BLOCK] = 256; // callable before dk_init
-  int want = 0;
+  int want[4] = {0, 0, 0, 0}, want8 = 0, ok = 1;
   for (int k = 0; k < 256; k++) {
-    int q = (k * 37) % 255 - 127, nib = (k * 11) % 16;
+    int q = (k * 37) % 255 - 127;
     a[k] = (float)q;
-    w[k / 2] |= (u8)(nib << (4 * (k & 1)));
-    want += q * (nib - 8);
+    for (int n = 0; n < 4; n++) {
+      int nib = (k * 11 + n * 5) % 16;
+      w[n * 128 + k / 2] |= (u8)(nib << (4 * (k & 1)));
+      want[n] += q * (nib - 8);
+    }
+    w8[k] = (u8)(k * 73 + 5); // every byte once
+    want8 += q * ((int)w8[k] - 128);
   }
   quantize(a, 1, 256, 1); // amax 127: the scale is 1 and the integers are a's
-  matmul4(y, 1, 256, 1, w, s);
+  matmul4(y, 1, 256, 4, w, s);
+  for (int n = 0; n < 4; n++) ok &= y[n] == (float)want[n];
+  quantize(a, 1, 256, SPLIT8);
+  matmul8(y, 1, 256, 1, w8, s);
+  ok &= y[0] == (float)want8;
   aq = keep_q, asc = keep_sc, asum = keep_sm, cfg[C_BLOCK] = bs;
-  for (int i = 0; i < 128; i++) w[i] = 0;
-  return y[0] == (float)want;
+  for (int i = 0; i < 4 * 128; i++) w[i] = 0;
+  return ok;
 }
 
 // One 4-bit linear layer alone, y[rows][N] = a[rows][K] W (benchmarks/probe_web_matmul.py
