@@ -118,6 +118,26 @@ static float expf_(float v) { // e^v to ~1 ulp: 2^n * e^r, |r| <= ln2/2, a degre
   return u.f;
 }
 
+// expf_ on four lanes, the same operations unfused (as scalar WebAssembly computes expf_): the
+// same bits as four calls.
+static v128_t expf4(v128_t v) {
+  v128_t low = wasm_f32x4_lt(v, wasm_f32x4_splat(-87.f));
+  v = wasm_f32x4_min(v, wasm_f32x4_splat(88.f));
+#define MA(a, b, c) wasm_f32x4_add(wasm_f32x4_mul((a), (b)), (c))
+  v128_t n = wasm_f32x4_floor(MA(v, wasm_f32x4_splat(1.44269504f), wasm_f32x4_splat(0.5f)));
+  v128_t r = wasm_f32x4_sub(v, wasm_f32x4_mul(n, wasm_f32x4_splat(0.693359375f)));
+  r = MA(n, wasm_f32x4_splat(2.12194440e-4f), r);
+  v128_t p = MA(r, wasm_f32x4_splat(1.38888892e-3f), wasm_f32x4_splat(8.33333358e-3f));
+  p = MA(r, p, wasm_f32x4_splat(4.16666791e-2f));
+  p = MA(r, p, wasm_f32x4_splat(0.166666672f));
+  p = MA(r, p, wasm_f32x4_splat(0.5f));
+  p = MA(r, p, wasm_f32x4_splat(1.f));
+  p = MA(r, p, wasm_f32x4_splat(1.f));
+#undef MA
+  p = wasm_i32x4_add(p, wasm_i32x4_shl(wasm_i32x4_trunc_sat_f32x4(n), 23));
+  return wasm_v128_andnot(p, low);
+}
+
 static void rmsnorm(float *out, const float *in, const float *w, int n) {
   float ss = 0.f;
   for (int i = 0; i < n; i++) ss += in[i] * in[i];
@@ -476,7 +496,11 @@ static void attend4(int layer, const float *q, const int *j, int m, int g, int p
   }
   for (int c = 0; c < m; c++) {
     float *sc = scores + c * rows;
-    for (int t = 0; t <= p; t++) sum[c] += (sc[t] = expf_(sc[t] - top[c]));
+    int t = 0;
+    for (; t + 4 <= p + 1; t += 4)
+      wasm_v128_store(sc + t, expf4(wasm_f32x4_sub(wasm_v128_load(sc + t), wasm_f32x4_splat(top[c]))));
+    for (; t <= p; t++) sc[t] = expf_(sc[t] - top[c]);
+    for (t = 0; t <= p; t++) sum[c] += sc[t];
     for (int t = 0; t <= p; t++) sc[t] = sc[t] / sum[c];
   }
   for (int c = m; c < 4; c++) // the repeated head's weights: any numbers, its output is dropped
