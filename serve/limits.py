@@ -37,7 +37,7 @@ import time
 from collections import Counter
 
 from doel.contracts.errors import error_body
-from doel.serve.ratelimit import HOLD
+from doel.serve.ratelimit import HOLD, Buckets
 
 log = logging.getLogger("doel.serve")
 
@@ -108,41 +108,29 @@ class QuietFloods(logging.Filter):
         return kind is None
 
 
-class BodyBudget:
+class BodyBudget(Buckets):
     """A token bucket of body bytes per client: `rate` a second, up to `burst` saved. A body
     is charged at once (the bucket may go below zero: the bodies behind it wait their turn).
     `charge` returns the seconds to wait before the body is read, or None when that would be
     over `max_wait` (nothing charged: the caller refuses it)."""
 
     def __init__(self, rate: float, burst: int, max_wait: float = MAX_BODY_WAIT, clock=None):
-        self.rate, self.burst, self.max_wait = rate, burst, max_wait
-        self.clock = clock or time.monotonic
-        self.buckets: dict[object, tuple[float, float]] = {}  # client -> (bytes, when)
-        self.prune_at = 4096  # clients remembered before those gone quiet are looked for
+        super().__init__(rate, burst, clock)
+        self.max_wait = max_wait
 
     def charge(self, client, size: int) -> float | None:
         now = self.clock()
-        saved, when = self.buckets.get(client, (self.burst, now))
-        saved = min(self.burst, saved + (now - when) * self.rate)
+        saved = self.level(client, now)
         wait = 0.0 if size <= SMALL_BODY else max(0.0, (size - saved) / self.rate)
         if wait > self.max_wait:
             return None
-        self.buckets[client] = (saved - size, now)
-        if len(self.buckets) > self.prune_at:  # clients gone quiet are full again: forget them
-            self._forget(now)
-            self.prune_at = max(4096, 2 * len(self.buckets))  # one scan per so many clients
+        self.keep(client, saved - size, now)
         return wait
 
     def retry_after(self, client, size: int) -> int:
         """Whole seconds until `size` bytes would pass without waiting over max_wait."""
-        saved, when = self.buckets.get(client, (self.burst, self.clock()))
-        saved += (self.clock() - when) * self.rate
+        saved = self.level(client, self.clock())
         return max(1, math.ceil((size - saved) / self.rate - self.max_wait))
-
-    def _forget(self, now: float) -> None:
-        full = [c for c, (b, w) in self.buckets.items() if b + (now - w) * self.rate >= self.burst]
-        for client in full:
-            del self.buckets[client]
 
 
 def raise_open_files(resource=None) -> tuple[int, int]:

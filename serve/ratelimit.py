@@ -47,7 +47,35 @@ PROBE_FACTOR = 10  # a probe's rate, in API rates: 500 a second by default, one 
 HOLD = "doel.hold"
 
 
-class RequestRate:
+class Buckets:
+    """Token buckets, one a client: each refills at `rate` a second up to `burst`. Clients whose
+    bucket is full again are forgotten (one scan per so many remembered). The shared mechanism
+    of RequestRate and serve/limits.py's BodyBudget."""
+
+    def __init__(self, rate: float, burst: float, clock=None):
+        self.rate, self.burst = rate, burst
+        self.clock = clock or time.monotonic
+        self.buckets: dict[object, tuple[float, float]] = {}  # client -> (saved, when)
+        self.prune_at = 4096  # clients remembered before those gone quiet are looked for
+
+    def level(self, client, now: float) -> float:
+        """What the client's bucket holds at `now`."""
+        saved, when = self.buckets.get(client, (self.burst, now))
+        return min(self.burst, saved + (now - when) * self.rate)
+
+    def keep(self, client, level: float, now: float) -> None:
+        """The client's bucket holds `level` at `now` (below zero: a debt to wait out)."""
+        self.buckets[client] = (level, now)
+        if len(self.buckets) > self.prune_at:  # clients gone quiet are full again: forget them
+            full = [
+                c for c, (n, w) in self.buckets.items() if n + (now - w) * self.rate >= self.burst
+            ]
+            for c in full:
+                del self.buckets[c]
+            self.prune_at = max(4096, 2 * len(self.buckets))
+
+
+class RequestRate(Buckets):
     """A token bucket of requests per client: `rate` a second, up to `burst` saved (default
     BURST_SECONDS of rate). `take` passes a request (0) or says in whole seconds when the next
     would pass (nothing taken)."""
@@ -55,31 +83,19 @@ class RequestRate:
     def __init__(self, rate: float, burst: float | None = None, clock=None):
         if rate <= 0:
             raise ValueError(f"a request rate must be over 0, not {rate}")
-        self.rate = rate
-        self.burst = max(1.0, burst if burst is not None else BURST_SECONDS * rate)
-        self.clock = clock or time.monotonic
-        self.buckets: dict[object, tuple[float, float]] = {}  # client -> (requests, when)
-        self.prune_at = 4096  # clients remembered before those gone quiet are looked for
+        burst = max(1.0, burst if burst is not None else BURST_SECONDS * rate)
+        super().__init__(rate, burst, clock)
 
     def take(self, client) -> int:
         """0: the request passes (one taken from the client's bucket); else the whole seconds,
         at least 1, until one would pass: its Retry-After."""
         now = self.clock()
-        saved, when = self.buckets.get(client, (self.burst, now))
-        saved = min(self.burst, saved + (now - when) * self.rate)
+        saved = self.level(client, now)
         if saved < 1:
-            self.buckets[client] = (saved, now)
+            self.keep(client, saved, now)
             return max(1, math.ceil((1 - saved) / self.rate))
-        self.buckets[client] = (saved - 1, now)
-        if len(self.buckets) > self.prune_at:  # clients gone quiet are full again: forget them
-            self._forget(now)
-            self.prune_at = max(4096, 2 * len(self.buckets))  # one scan per so many clients
+        self.keep(client, saved - 1, now)
         return 0
-
-    def _forget(self, now: float) -> None:
-        full = [c for c, (n, w) in self.buckets.items() if n + (now - w) * self.rate >= self.burst]
-        for client in full:
-            del self.buckets[client]
 
 
 class ClientRates:
