@@ -22,20 +22,6 @@ async function sha256(buf) {
   return Array.from(d, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
-// One piece of the weights: from Cache Storage when it is there (offline), else fetched,
-// checked against its sha256 and kept. Without a secure context neither exists: fetch only.
-async function piece(p, cache) {
-  const hit = cache && (await cache.match(p.file));
-  if (hit) return hit.arrayBuffer();
-  const resp = await fetch(p.file);
-  if (!resp.ok) throw new Error(`${p.file}: HTTP ${resp.status}`);
-  const buf = await resp.arrayBuffer();
-  if (self.crypto && crypto.subtle && (await sha256(buf)) !== p.sha256)
-    throw new Error(`${p.file} is damaged (sha256 differs): reload the page`);
-  if (cache) await cache.put(p.file, new Response(buf));
-  return buf;
-}
-
 // Which backend: WebGPU where the browser gives an adapter (ONNX Runtime's WebGPU EP, the int4
 // graph's MatMulNBits kernels there), else WebAssembly; `want` ("webgpu"/"wasm") forces one.
 // Returns {backend, why, adapter}.
@@ -57,41 +43,13 @@ async function pickBackend(want) {
     software: info.architecture === "swiftshader" || !!adapter.isFallbackAdapter };
 }
 
-// The graph's weights, from its pieces: straight into one buffer, held once plus one piece.
-async function weights(graph) {
-  const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
-  const data = new Uint8Array(graph.data_bytes);
-  let at = 0;
-  for (const p of graph.data) {
-    data.set(new Uint8Array(await piece(p, cache)), at);
-    at += p.bytes;
-    post({ type: "progress", loaded: at, total: graph.data_bytes });
-  }
-  return data;
-}
-
-// ------------------------------------------ doel's kernel (export/web/kernel.c, web_kernel.py)
-
-// The relaxed-SIMD build where this engine computes its dot product right (dk_selftest), else
-// the plain-SIMD one (`simd` "plain" forces it: tests); null where the browser has no
-// WebAssembly SIMD.
-const KERNELS = [["relaxed", "doel-kernel-relaxed.wasm"], ["plain", "doel-kernel.wasm"]];
-async function kernelModule(simd) {
-  for (const [kind, file] of KERNELS.filter(([kind]) => !simd || kind === simd)) {
-    const bytes = await (await fetch(file)).arrayBuffer();
-    if (!WebAssembly.validate(bytes)) continue;
-    const { instance } = await WebAssembly.instantiate(bytes, {});
-    if (instance.exports.dk_selftest() === 1) return { kind, k: instance.exports };
-  }
-  return null;
-}
-
-// One piece streamed into `view` (its place in the kernel's memory), never whole in a buffer
-// of its own: the tab's peak is then the kernel's memory, not that plus pieces waiting for the
-// garbage collector. A fresh piece goes to Cache Storage first (the browser streams it there)
-// and is read back from it; it is checked against its sha256 where it landed, and dropped from
-// the cache if damaged. (A tee of the fetch into both held whole pieces in the tab while the
-// cache lagged: 0.4B's cold load peaked 260 MB above its steady memory.)
+// One piece streamed into `view` (its place in the weights' buffer: the kernel's memory, or
+// onnxruntime-web's external data), never whole in a buffer of its own: the tab's peak is then
+// the weights, not those plus pieces waiting for the garbage collector. Offline, from Cache
+// Storage. A fresh piece goes there first (the browser streams it) and is read back; it is
+// checked against its sha256 where it landed, and dropped from the cache if damaged. Without a
+// secure context (no cache, no crypto.subtle): fetched only. (A tee of the fetch into both held
+// whole pieces in the tab while the cache lagged: 0.4B's cold load peaked 260 MB higher.)
 async function pieceInto(p, cache, view) {
   let resp = cache && (await cache.match(p.file));
   const fresh = !resp;
@@ -117,6 +75,35 @@ async function pieceInto(p, cache, view) {
   }
 }
 
+// The graph's weights, from its pieces, into `data` (graph.data_bytes long; a new array unless
+// given: the kernel gives its memory).
+async function weights(graph, data = new Uint8Array(graph.data_bytes)) {
+  const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
+  let at = 0;
+  for (const p of graph.data) {
+    await pieceInto(p, cache, data.subarray(at, at + p.bytes));
+    at += p.bytes;
+    post({ type: "progress", loaded: at, total: graph.data_bytes });
+  }
+  return data;
+}
+
+// ------------------------------------------ doel's kernel (export/web/kernel.c, web_kernel.py)
+
+// The relaxed-SIMD build where this engine computes its dot product right (dk_selftest), else
+// the plain-SIMD one (`simd` "plain" forces it: tests); null where the browser has no
+// WebAssembly SIMD.
+const KERNELS = [["relaxed", "doel-kernel-relaxed.wasm"], ["plain", "doel-kernel.wasm"]];
+async function kernelModule(simd) {
+  for (const [kind, file] of KERNELS.filter(([kind]) => !simd || kind === simd)) {
+    const bytes = await (await fetch(file)).arrayBuffer();
+    if (!WebAssembly.validate(bytes)) continue;
+    const { instance } = await WebAssembly.instantiate(bytes, {});
+    if (instance.exports.dk_selftest() === 1) return { kind, k: instance.exports };
+  }
+  return null;
+}
+
 // The bundle graph's weights streamed into the kernel's memory, as they are in the file (4
 // bits), and its layout (web.json's graphs.bundle.kernel) given to dk_init.
 async function openKernel(graph, mod) {
@@ -124,13 +111,7 @@ async function openKernel(graph, mod) {
   const layout = graph.kernel;
   const base = k.dk_alloc(graph.data_bytes);
   if (!base) throw new Error(`no memory for the ${(graph.data_bytes / 1e6).toFixed(0)} MB of weights`);
-  const cache = self.caches ? await caches.open(CACHE).catch(() => null) : null;
-  let at = 0;
-  for (const p of graph.data) {
-    await pieceInto(p, cache, new Uint8Array(k.memory.buffer, base + at, p.bytes));
-    at += p.bytes;
-    post({ type: "progress", loaded: at, total: graph.data_bytes });
-  }
+  await weights(graph, new Uint8Array(k.memory.buffer, base, graph.data_bytes));
   const put = (Kind, xs) => {
     const at = k.dk_alloc(4 * xs.length);
     new Kind(k.memory.buffer, at, xs.length).set(xs);
