@@ -32,6 +32,10 @@ LAYER = ("ln1", "qkv_w", "qkv_s", "o_w", "o_s", "ln2", "gate_w", "gate_s", "up_w
 LAYER += ("down_w", "down_s")
 LINEAR = {"qkv_proj": "qkv", "o_proj": "o", "gate_proj": "gate", "up_proj": "up"}
 LINEAR |= {"down_proj": "down"}
+# Nodes the kernel does in its own way or not at all: SiLU (Sigmoid, Mul), the attention mask's
+# length (Constant ... Gather, Cast) and logits_to_keep (Neg, Slice).
+CARRIED = {"Sigmoid", "Mul", "Constant", "Cast", "ReduceSum", "Sub", "Shape", "Gather"}
+CARRIED |= {"Neg", "Slice"}
 
 
 class NotKernelShape(ValueError):
@@ -108,13 +112,16 @@ def kernel_layout(model_path: Path) -> dict:
             else:
                 _need(a["bits"] in (4, 8) and a["N"] == shape["vocab"], f"unexpected {w}")
                 glob["lm_w"], glob["lm_s"], shape["lm_bits"] = at(w), at(s), a["bits"]
-        elif op in ("Sigmoid", "Mul", "Constant", "Cast", "ReduceSum", "Sub", "Shape"):
-            continue
-        elif op in ("Gather", "Neg", "Slice"):
-            continue  # the mask's length, logits_to_keep
-        else:
+        elif op not in CARRIED:
             raise NotKernelShape(f"a {op} node ({node.name})")
+    return _assemble(glob, layers, shape, norms, {v: k for k, v in where.items()})
+
+
+def _assemble(glob: dict, layers: list[dict], shape: dict, norms: list, names: dict) -> dict:
+    """kernel_layout's answer from what its walk over the nodes found (`names`: offset ->
+    initializer)."""
     _need(len(norms) == 2 * len(layers) + 1 and layers, "norms do not match the layers")
+    _need(len({eps for _, eps in norms}) == 1, "norms with different epsilons")
     for i, layer in enumerate(layers):
         layer["ln1"], layer["ln2"] = norms[2 * i][0], norms[2 * i + 1][0]
         _need(set(layer) == set(LAYER), f"layer {i} lacks {sorted(set(LAYER) - set(layer))}")
@@ -127,7 +134,6 @@ def kernel_layout(model_path: Path) -> dict:
     config += [s["vocab"], s["block"], s["rope_rows"], MAX_ROWS, s["lm_bits"]]
     scale = s["scale"] or s["head_dim"] ** -0.5
     offsets = [glob[k] for k in GLOBAL] + [lay[k] for lay in layers for k in LAYER]
-    names = {v: k for k, v in where.items()}
     return {
         "config": config,
         "floats": [norms[0][1], scale],
