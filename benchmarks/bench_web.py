@@ -125,14 +125,11 @@ def engine_part(bundle: Path, spec: dict, threads: int, work: Path) -> dict:
     return out
 
 
-def engine_ids(bundle: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """The engine's greedy ids and, at each, the gap between its two largest logits (where the
-    gap is small, the page's WebAssembly kernels may round to the other token)."""
+def engine_ids(engine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """doel-serve's engine's greedy ids and, at each, the gap between its two largest logits
+    (where the gap is small, the page's WebAssembly kernels may round to the other token)."""
     import numpy as np
 
-    from doel.serve.engine import Engine, read_bundle
-
-    engine = Engine(read_bundle(bundle), threads=2)
     ids, gaps, logits = [], [], engine.forward(list(prompt), 0)
     for _ in range(NEW):
         top2 = np.sort(logits)[-2:]
@@ -272,6 +269,7 @@ def measure_bundle(name: str, bundle: Path, work: Path, opts) -> dict:
     from tokenizers import Tokenizer
 
     from doel.export.web import static_server, write_web
+    from doel.serve.engine import Engine, read_bundle
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     web_dir = work / f"web-{name}"  # the page's graphs and the fp32 one beside them
@@ -305,9 +303,10 @@ def measure_bundle(name: str, bundle: Path, work: Path, opts) -> dict:
     finally:
         server.shutdown()
         server.server_close()
-    want = {k: engine_ids(bundle, prompts[k]) for k in prompts}
+    engine = Engine(read_bundle(bundle), threads=2)  # one load for every prompt's ids
+    want = {k: engine_ids(engine, prompts[k]) for k in prompts}
     tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
-    want_text = [engine_ids(bundle, tok.encode(t).ids) for t in TEXT_PROMPTS]
+    want_text = [engine_ids(engine, tok.encode(t).ids) for t in TEXT_PROMPTS]
     for r in rows:
         if r["kind"] in ("page", "webgpu") and "error" not in r:
             r["text_first_difference"] = [
