@@ -14,7 +14,7 @@ per emulated CPU model (CPUS), and on this x86 machine. Compared, per model file
 BOUNDS were set from measurement. Emulated speed says nothing about a phone; only correctness
 is checked. It takes minutes at the demo's size and hours at 0.4B (see
 benchmarks/results/arm64_*.md), so CI runs only the comparison's unit tests
-(tests/test_check_arm64.py).
+(tests/benchmarks/test_check_arm64.py).
 
 The environment is built once and cached (DOEL_ARM64_CACHE, default ~/.cache/doel/arm64); after
 that the check needs no network. Run: `make check-arm64` (make demo's model, exported with

@@ -10,7 +10,7 @@ Llama architecture is accepted, node by node; anything else is refused, never gu
 
 The two .wasm files are committed beside kernel.c (export/web/) and rebuilt by
 `python -m export.web_kernel` with zig's clang (PyPI `ziglang`, pinned in pyproject's dev
-extra); tests/test_web_kernel.py checks a rebuild gives the same bytes.
+extra); tests/export/test_web_kernel.py checks a rebuild gives the same bytes.
 """
 
 from __future__ import annotations

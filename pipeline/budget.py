@@ -162,7 +162,8 @@ def projection(
 
 def hourly_cost(gpus: int, price: float) -> float:
     """Dollars an hour of the job: every GPU of every node, at `price` a GPU-hour (the launch
-    files in recipes/ quote it for the GPUs they rent; tests/test_recipe.py checks them)."""
+    files in recipes/ quote it for the GPUs they rent; tests/pipeline/test_recipe.py checks
+    them)."""
     return gpus * price
 
 

@@ -41,7 +41,7 @@ def logsumexp(logits: np.ndarray) -> np.ndarray:
     """log sum exp over the last axis, as float64. The max is taken out first, so every term
     is at most 1; the terms are taken in the logits' dtype (float32: each within 1.2e-7
     relative) and summed in float64, where a float32 sum over 32k terms would lose digits. Half
-    the time of a float64 softmax, and within 1e-6 of it (tests/test_serve_logprobs.py)."""
+    the time of a float64 softmax, and within 1e-6 of it (tests/serve/test_logprobs.py)."""
     x = np.atleast_2d(logits)
     m = x.max(axis=-1, keepdims=True)
     total = np.exp(x - m).sum(axis=-1, dtype=np.float64)

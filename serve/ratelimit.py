@@ -11,9 +11,9 @@ A client is what BodyBudget's is (its API key's tenant, else its address). Probe
 /metrics) are counted in a bucket of their own: an orchestrator polling /health from an address
 whose other requests are over the rate still sees the server up. Probes are the cheapest
 requests there are (no body, no model), and tools that measure a server's responsiveness poll
-/health every few milliseconds (tests/test_serve_abuse.py asks it every 2 ms), so their rate is
+/health every few milliseconds (tests/serve/test_abuse.py asks it every 2 ms), so their rate is
 PROBE_FACTOR times the API's, with a burst of one second of it: still bounded, and a flood of
-/health is held like any other (tests/test_serve_request_rate.py measures one beside a chat).
+/health is held like any other (tests/serve/test_ratelimit.py measures one beside a chat).
 
 Refusing is not enough by itself: a client that sends its next request as soon as the 429
 arrives still costs the event loop its parsing and answer, and six such clients slowed another's
@@ -36,7 +36,7 @@ import time
 # page or an agent waits for each answer, and the 0.4B model decodes tens of tokens a second on
 # a CPU, so even a client with several requests in flight sends a few a second. A scripted
 # client sending many at once (an evaluation harness, 200 concurrent requests in
-# tests/test_serve_live.py) fits in the burst. A flood meets it within seconds, and from then on
+# tests/serve/test_live.py) fits in the burst. A flood meets it within seconds, and from then on
 # does work at 50 a second, the rest refused before routing.
 DEFAULT_REQUEST_RATE = 50
 BURST_SECONDS = 10.0

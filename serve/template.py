@@ -10,7 +10,7 @@ control token, so a user could close their turn and write the assistant's; here 
 rendered as a placeholder, the template's own text is split at its special tokens, and the
 content goes in as text (checked: the content in the placeholders' places is what the template
 renders from it), which for content without such spellings gives transformers' ids
-exactly (tests/test_serve_chat.py). A template that does not place content verbatim (it trims
+exactly (tests/serve/test_chat.py). A template that does not place content verbatim (it trims
 or edits it) is rendered with the content itself, and content that spells a special token is
 then refused.
 

@@ -37,7 +37,7 @@ def sample_paths() -> list[str]:
 def tokenizer_path(tmp_path_factory, sample_paths) -> Path:
     out = tmp_path_factory.mktemp("tok")
     # The doel style, named: the session's tests check its split, its NFC and its refusal by the
-    # GGUF export (the default spm style has tests of its own: tests/test_spm.py).
+    # GGUF export (the default spm style has tests of its own: tests/train/test_spm.py).
     cfg = TokenizerConfig(vocab_size=2048, min_frequency=1, style="doel")
     return train_tokenizer(resolve_sources(sample_paths), cfg, out, progress=False)
 

@@ -3,7 +3,7 @@
 `doel-train fit` is the same command on one process and under `torchrun --nproc_per_node=N`
 (`--nnodes`, c10d rendezvous for several machines): `init_distributed` reads the variables
 torchrun sets. NCCL drives GPUs, gloo the CPU (how the tests run it, several processes on
-loopback, and two torchrun agents as two nodes: tests/test_multinode.py). Every collective has
+loopback, and two torchrun agents as two nodes: tests/train/test_multinode.py). Every collective has
 a timeout, so a rank that hangs ends the job with a message instead of hanging it forever.
 Across nodes the run folder must be one folder every node sees (`require_shared_folder`).
 

@@ -17,7 +17,7 @@ gradients). So a sharded matrix takes `_sharded_muon_step`: the momentum stays s
 ops are elementwise), the momentum-corrected gradient is all-gathered, every rank runs torch's
 own Newton-Schulz on the whole matrix and keeps its rows: the same numbers as one process, for
 one all-gather of the matrix a step (as much as FSDP's own gather of those weights) and the
-orthogonalization done on every rank (tests/test_dist.py compares it with one process).
+orthogonalization done on every rank (tests/train/test_dist.py compares it with one process).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """MkDocs hook: docs/cli.md rendered from the four command lines' own argparse parsers at build
-time, so the reference cannot drift from `--help`. tests/test_docs.py walks the same parsers and
-fails on a subcommand without a description or a flag without help."""
+time, so the reference cannot drift from `--help`. tests/cross/test_docs.py walks the same
+parsers and fails on a subcommand without a description or a flag without help."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What doel's stages agree on, in one place: the quantization table, the export bundle's
 manifest, the OpenAI error shape. Standard library only: every stage imports it, and it
-imports no stage (tests/test_imports.py), so a fact here is never restated in a stage.
+imports no stage (tests/cross/test_imports.py), so a fact here is never restated in a stage.
 """
 
 from doel.contracts.errors import error_body, error_dict

@@ -34,7 +34,7 @@ from doel.train.common import DoelError
 
 # llama.cpp's qwen35 pre-type (src/llama-vocab.cpp keeps this tokenizer.json regex beside its
 # own spelling, and runs a hand-written splitter for it). Changing one character here breaks the
-# id-for-id match, which tests/test_gguf.py checks.
+# id-for-id match, which tests/export/test_gguf.py checks.
 QWEN35 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

@@ -3,8 +3,8 @@ given the context, batched, on any device; accuracy, length-normalised accuracy 
 per character, lm-eval's acc_norm), bootstrap standard errors and the chance level.
 
 Tokenization is lm-evaluation-harness's (`HFLM._encode_pair`, read in lm-eval 0.4.13), so the two
-score the same tokens (tests/test_tasks.py checks it item by item): trailing spaces of the context
-move to the continuation; context and context + continuation are each encoded with the
+score the same tokens (tests/train/test_tasks.py checks it item by item): trailing spaces of the
+context move to the continuation; context and context + continuation are each encoded with the
 tokenizer's <|bos|>, and the continuation is what the whole has beyond the context's length; an
 input longer than the model's context is cut from the left.
 """

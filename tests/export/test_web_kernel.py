@@ -1,0 +1,105 @@
+"""doel's WebAssembly kernel for the page (export/web_kernel.py, export/web/kernel.c): the
+committed .wasm files are kernel.c's build, and kernel_layout finds every tensor of the
+builder's int4 graph where it lies in the weights file, or refuses any other graph by name.
+(The page's greedy ids and logits on it: tests/export/test_web.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from doel.export.web_kernel import WASM, NotKernelShape, build, kernel_layout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ziglang") is None, reason="pip install ziglang")
+def test_the_committed_wasm_files_are_kernel_c_built(tmp_path):
+    from doel.export.web_kernel import KERNEL
+
+    for made in build(tmp_path):
+        committed = KERNEL.parent / made.name
+        assert made.read_bytes() == committed.read_bytes(), (
+            f"{committed.name} is not kernel.c's build: run python -m export.web_kernel"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(WASM.values())
+
+
+@pytest.fixture(scope="module")
+def web_graph_dir(tiny_bundle, tmp_path_factory):
+    """tiny_bundle's checkpoint at int4, and the page's copy of its graph (export/web_graph)."""
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.export.web_graph import web_graph
+
+    root = tmp_path_factory.mktemp("kernel")
+    opts = ExportOptions(quant="int4", eval_tokens=32, log=lambda _m: None)
+    export_checkpoint(tiny_bundle.parent / "serve-ckpt", root / "bundle", opts)
+    web_graph(root / "bundle" / "model.onnx", root, "model.onnx", "model.web.data")
+    return root
+
+
+def test_the_layout_points_at_each_tensor_of_the_graph(web_graph_dir, tiny_model_config):
+    c = tiny_model_config
+    layout = kernel_layout(web_graph_dir / "model.onnx")
+    layers, d, heads, kv_heads, head_dim, ffn, vocab = layout["config"][:7]
+    assert (layers, d, heads, kv_heads, ffn) == (
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+    )
+    assert head_dim == d // heads and vocab >= c.vocab_size
+    assert len(layout["offsets"]) == len(layout["tensors"]) == 7 + 12 * layers
+    # each offset holds its tensor's bytes
+    data = (web_graph_dir / "model.web.data").read_bytes()
+    m = onnx.load(str(web_graph_dir / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    for name, at in zip(layout["tensors"], layout["offsets"]):
+        raw = inits[name].tobytes()
+        assert data[at : at + len(raw)] == raw, name
+    assert layout["tensors"][7 + 1].endswith("layers.0.attn.qkv_proj.MatMul.weight_Q4")
+    assert layout["floats"][1] == pytest.approx(head_dim**-0.5)
+
+
+def _edited(src, out, edit):
+    m = onnx.load(str(src), load_external_data=False)
+    edit(m.graph)
+    onnx.save(m, str(out))
+    return out
+
+
+def _first(g, op):
+    return next(n for n in g.node if n.op_type == op)
+
+
+def _zero_points(g):
+    node = _first(g, "MatMulNBits")
+    g.initializer.append(numpy_helper.from_array(np.zeros(4, np.uint8), "zp"))
+    node.input.append("zp")
+
+
+def _interleaved(g):
+    attr = next(a for a in _first(g, "GroupQueryAttention").attribute if a.name.startswith("rot"))
+    attr.i = 1
+
+
+def _unknown_op(g):
+    g.node.append(helper.make_node("Erf", ["logits"], ["erf_out"], name="extra_erf"))
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [(_zero_points, "zero points"), (_interleaved, "rotary"), (_unknown_op, "Erf node")],
+)
+def test_another_graph_is_refused_by_name(web_graph_dir, edit, says):
+    path = _edited(web_graph_dir / "model.onnx", web_graph_dir / f"{edit.__name__}.onnx", edit)
+    with pytest.raises(NotKernelShape, match=says):
+        kernel_layout(path)
+
+
+def test_an_fp32_graph_is_not_the_kernels(tiny_bundle):
+    with pytest.raises(NotKernelShape, match=r"^a \w+ node \("):
+        kernel_layout(tiny_bundle / "model.onnx")
