@@ -12,7 +12,6 @@ loop class (sft's validates on held-out conversations) and the card's extra inpu
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from doel.contracts import checksums
+from doel.contracts import checksums, read_json
 from doel.contracts.lock import FolderLock
 from doel.train.build import Run
 from doel.train.checkpoint import latest_checkpoint
@@ -206,7 +205,7 @@ class Job:
             gradient_gate(run, log)
             return
         key = verify_key(run.cfg, info, checks.inputs())
-        if self.resume_from is not None and not info.enabled and _read(out / VERIFIED) == key:
+        if self.resume_from is not None and not info.enabled and read_json(out / VERIFIED) == key:
             log(
                 f"verification: passed before step 1 of this unchanged run ({out / VERIFIED}); "
                 "not repeated on resume, the gradient-flow gate runs"
@@ -216,13 +215,6 @@ class Job:
         checks.run(out / "verify" if info.is_main else None)
         if info.is_main:
             atomic_write_json(out / VERIFIED, key)
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 def run_to_the_end(loop: RunLoop, run: Run, meta: dict, metrics, info: DistInfo) -> Path:

@@ -19,11 +19,10 @@ chat model of the old one (issue 38).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
-from doel.contracts import checksums
+from doel.contracts import checksums, read_json
 from doel.train.build import build_run
 from doel.train.checkpoint import latest_checkpoint
 from doel.train.checks.base import Setup, VerifyConfig, fresh_like
@@ -158,7 +157,7 @@ def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
         skipped="the checks before step 1 did not run (the loss mask among them)",
     )
     card = {"finetune": _card_info(base, base_sha, data, train.stats)}
-    meta = (_read_json(base / "model_card.json") or {}).get("meta") or {}
+    meta = (read_json(base / "model_card.json") or {}).get("meta") or {}
     return job.train(
         run,
         checks,
@@ -169,13 +168,6 @@ def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
         special=special,
         card_extra=card,
     )
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 def base_sha256(base: Path, verified: dict[str, str]) -> str:
@@ -193,14 +185,14 @@ def base_changed(out: Path, sha: str) -> str | None:
     from before base.json is read from its checks' key, which holds the same hash."""
     if latest_checkpoint(out) is None and not (out / "final").is_dir():
         return None
-    before = (_read_json(out / BASE) or {}).get("sha256")
+    before = (read_json(out / BASE) or {}).get("sha256")
     if before is None:
-        before = (_read_json(out / VERIFIED) or {}).get("base_sha256")
+        before = (read_json(out / VERIFIED) or {}).get("base_sha256")
     return before if isinstance(before, str) and before != sha else None
 
 
 def _card_info(base: Path, base_sha: str, data: list[str], stats: dict) -> dict:
-    repo = (_read_json(base / "model_card.json") or {}).get("repo_id")
+    repo = (read_json(base / "model_card.json") or {}).get("repo_id")
     return {
         "base_model": str(base),
         "base_sha256": base_sha,
