@@ -21,6 +21,7 @@ import math
 import struct
 from pathlib import Path
 
+from doel.contracts import read_json
 from doel.contracts.card import REPO_ID, front_matter, yaml_str
 from doel.train.common import SAMPLE_DIR, atomic_write_bytes, atomic_write_json
 from doel.train.data.fertility import fertility, load_any
@@ -65,10 +66,6 @@ def stored_parameters(folder: Path) -> int:
     return total
 
 
-def _read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
 def metadata_block(name: str, license: str, eval_result: dict | None) -> list[str]:
     """The YAML front matter; model-index holds the task accuracies when there are any."""
     tags = ["doel", "llama", "bangla", "text-generation"]
@@ -98,7 +95,7 @@ def model_index(name: str, eval_result: dict | None) -> list[str]:
 
 
 def architecture_section(folder: Path) -> list[str]:
-    cfg = _read_json(folder / "config.json") or {}
+    cfg = read_json(folder / "config.json", strict=True) or {}
     rows = [
         ("parameters (stored, tied once)", f"{stored_parameters(folder):,}"),
         ("layers", cfg.get("num_hidden_layers")),
@@ -186,7 +183,7 @@ def training_section(
     """Steps, tokens, the main settings, hardware, and the time and cost of every attempt (a
     resumed run paid for each, the steps it redid included)."""
 
-    cfg = (train_state or {}).get("config") or _read_json(folder / "train_config.json") or {}
+    cfg = (train_state or {}).get("config") or read_json(folder / "train_config.json", strict=True) or {}
     rows = []
     if train_state:
         rows += [("steps", f"{train_state.get('step', 0):,}")]
@@ -306,7 +303,7 @@ def write_model_card(
     (train/sft.py); `meta` is then the base model's pre-training data."""
     folder = Path(folder)
     if repo_id is None:
-        earlier = (_read_json(folder / CARD_INPUTS) or {}).get("repo_id")
+        earlier = (read_json(folder / CARD_INPUTS, strict=True) or {}).get("repo_id")
         repo_id = earlier if isinstance(earlier, str) and REPO_ID.fullmatch(earlier) else None
     else:
         check_repo_id(repo_id)
@@ -351,7 +348,7 @@ def refresh_model_card(
     earlier ones (cardeval.merge: rows for other texts stay). None, and nothing written, for a
     folder without doel's card."""
     folder = Path(folder)
-    inputs = _read_json(folder / CARD_INPUTS)
+    inputs = read_json(folder / CARD_INPUTS, strict=True)
     if inputs is None:
         return None
     ev = merge(inputs.get("eval_result"), card_eval(eval_result))
