@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from doel.contracts import read_json
 from doel.train.common import SAMPLE_DIR, DoelError, atomic_write_bytes, atomic_write_json
 from doel.train.config import resolved
 from doel.train.data.textio import iter_documents, with_field_fix
@@ -107,7 +108,7 @@ def fetch_source(src, target: int, root: Path, data, local=None, log=print, on_c
     folder, held = root / src.name, root / f"{src.name}-heldout"
     spec = resolved(src) | {"local": str(local) if local else None}
     marker = folder / PROGRESS
-    state = json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else None
+    state = read_json(marker, strict=True)
     if state is not None and state["source"] != spec:
         log(f"  {src.name}: the source changed since the last run; fetching it again")
         state = None
@@ -133,7 +134,7 @@ def fetch_source(src, target: int, root: Path, data, local=None, log=print, on_c
                     "recipe to continue from the last complete chunk"
                 ) from None
             log(f"  {src.name}: {type(e).__name__}: {e}; reopening the stream ({attempt})")
-            state = json.loads(marker.read_text(encoding="utf-8")) if marker.is_file() else state
+            state = read_json(marker, strict=True) or state
             _clean((folder, held), state["chunks"])
             time.sleep(10 * attempt)
     raise AssertionError("unreachable")

@@ -17,13 +17,13 @@ in a working folder of its own (RUN/nodes/node-K): the multi-node path, tried on
 
 from __future__ import annotations
 
-import json
 import secrets
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from doel.contracts import read_json
 from doel.train.common import DoelError, atomic_write_json
 
 LAUNCH = "train.launch.json"  # in RUN/stages: the first node's training, while it runs
@@ -120,7 +120,7 @@ def follow(cmd_for, nodes: Nodes, stages: Path, fingerprint: str, done, log, pol
     (an announcement a killed run left, a training that failed) waits for the next one."""
     marker, joined, said = stages / LAUNCH, None, 0.0
     while not done():
-        launch = _read(marker)
+        launch = read_json(marker)
         if launch and launch["fingerprint"] == fingerprint and launch["id"] != joined:
             joined = launch["id"]
             cmd = cmd_for(joined)
@@ -133,10 +133,3 @@ def follow(cmd_for, nodes: Nodes, stages: Path, fingerprint: str, done, log, pol
             said = time.monotonic()
         time.sleep(poll_s)
     log(f"node {nodes.rank}: training is complete; the first node runs the stages after it")
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from doel.contracts import checksums
+from doel.contracts import checksums, read_json
 from doel.pipeline.budget import (
     Need,
     check_stage,
@@ -44,10 +44,6 @@ from doel.pipeline.order import DEPENDS, STAGES
 from doel.pipeline.spec import load_recipe, make_plan, resolve_recipe
 from doel.pipeline.stages import STAGE_FUNCTIONS, gpu_slice, torchrun_command
 from doel.train.common import DoelError, atomic_write_json
-
-
-def _read(path: Path) -> dict | None:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _weights_sha256(folder: Path) -> str | None:
@@ -89,7 +85,7 @@ class RecipeRun:
         return self.chat / "final" if self.plan.recipe.sft.enabled else self.run / "final"
 
     def _fetched(self, name: str) -> int:
-        state = _read(self.plan.out / "data" / name / "progress.json") or {}
+        state = read_json(self.plan.out / "data" / name / "progress.json", strict=True) or {}
         return state.get("chars", 0)
 
     def fingerprint(self, stage: str) -> str:
@@ -112,7 +108,7 @@ class RecipeRun:
         """Finished with the current settings, and its outputs are still there."""
         if stage == "summary":
             return False  # cheap, and it reads every other stage
-        mark = _read(self.stages / f"{stage}.json")
+        mark = read_json(self.stages / f"{stage}.json", strict=True)
         if not mark or not mark["done"] or mark["fingerprint"] != self.fingerprint(stage):
             return False
         outputs = {
@@ -172,7 +168,7 @@ class RecipeRun:
 
     def stage(self, name: str, fn) -> None:
         path = self.stages / f"{name}.json"
-        mark = _read(path) or {"seconds": 0.0, "attempts": 0}
+        mark = read_json(path, strict=True) or {"seconds": 0.0, "attempts": 0}
         if self.complete(name):
             self.log(f"[{name}] complete ({mark['seconds']:.1f} s before): skipped")
             return
@@ -197,7 +193,7 @@ class RecipeRun:
     def corpus(self) -> dict:
 
         sources = self.plan.recipe.sources
-        progress = {s.name: _read(self.data / s.name / "progress.json") for s in sources}
+        progress = {s.name: read_json(self.data / s.name / "progress.json", strict=True) for s in sources}
         return corpus(self.plan.recipe, self.data, progress)
 
 
@@ -226,7 +222,7 @@ def run_recipe(plan, until: str = "summary", log=print, **kw) -> dict:
     atomic_write_json(plan.out / "recipe.json", plan.resolved() | {"nodes": nodes.count})
     for name in stages:
         r.stage(name, STAGE_FUNCTIONS[name])
-    return _read(plan.out / "summary.json") if until == "summary" else None
+    return read_json(plan.out / "summary.json", strict=True) if until == "summary" else None
 
 
 def main(args) -> None:

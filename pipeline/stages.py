@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from doel.contracts import read_json
 from doel.pipeline.budget import confirm, format_projection, measure_steps, projection
 from doel.pipeline.fetch import fetch_all, standins
 from doel.pipeline.nodes import Nodes, lead, rendezvous_args, run_agents
@@ -108,7 +109,7 @@ def train(r) -> None:
 
     plan, cfg = r.plan, r.plan.train_cfg
     started = r.stages / "train.started.json"
-    if (_read_json(started) or {}).get("fingerprint") != r.fingerprint("train"):
+    if (read_json(started, strict=True) or {}).get("fingerprint") != r.fingerprint("train"):
         for old in ("checkpoints", "final", "metrics.jsonl"):  # another recipe's run
             p = r.run / old
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
@@ -183,7 +184,7 @@ def chat(r) -> None:
     sets = [*spec.set, *(spec.dry_run_set if plan.dry_run else ())]
     cfg = load_config(SFTConfig, plan.preset, [*sets, f"hourly_price={plan.recipe.hourly_price}"])
     # Another recipe's run (or none) starts over; an interrupted one with these settings resumes.
-    mark = _read_json(r.stages / "sft.json") or {}
+    mark = read_json(r.stages / "sft.json", strict=True) or {}
     fresh = mark.get("fingerprint") != r.fingerprint("sft")
     sft(cfg, data, r.run / "final", r.chat, fresh=fresh, log=r.log)
 
@@ -267,11 +268,6 @@ STAGE_FUNCTIONS = {
     "export": export,
     "summary": summary,
 }
-
-
-def _read_json(path: Path) -> dict | None:
-
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def gpu_slice(cfg, preset: str, token_budget: int, seconds: float, out: Path, log=print) -> dict:

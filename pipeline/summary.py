@@ -8,9 +8,9 @@ the time of the runs before it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from doel.contracts import read_json
 from doel.pipeline.budget import hourly_cost
 from doel.pipeline.order import STAGES
 from doel.train.common import atomic_write_bytes, atomic_write_json
@@ -18,10 +18,6 @@ from doel.train.data.loader import read_meta
 from doel.train.evals.modelcard import write_model_card
 from doel.train.evals.scoring import format_tasks
 from doel.train.metrics import format_duration, read_metrics
-
-
-def _read(path: Path):
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _median(values: list[float]) -> float | None:
@@ -36,7 +32,7 @@ def _train_rows(run: Path) -> list[dict]:
 
 
 def _hardware(r) -> tuple[str, bool]:
-    measured = (_read(r.plan.out / "measure.json") or {}).get("measured", {})
+    measured = (read_json(r.plan.out / "measure.json") or {}).get("measured", {})
     device, nodes = measured.get("device", "cpu"), r.nodes.count
     if nodes > 1:
         return f"{nodes} nodes × {r.plan.gpus // nodes} × {device}", device != "cpu"
@@ -51,10 +47,10 @@ def write_card(r, eval_result: dict) -> Path:
     state = {
         "step": rows[-1]["step"] if rows else 0,
         "tokens_seen": rows[-1]["tokens"] if rows else 0,
-        "config": _read(final / "train_config.json"),
+        "config": read_json(final / "train_config.json"),
     }
     hardware, gpu = _hardware(r)
-    mark = _read(r.stages / "train.json") or {}  # every attempt's time, as in the summary
+    mark = read_json(r.stages / "train.json") or {}  # every attempt's time, as in the summary
     return write_model_card(
         final,
         meta=read_meta(r.shards),
@@ -90,7 +86,7 @@ def _data_table(r) -> dict:
     early (Bengali Wikipedia is small) changes the mix, and the summary says so."""
     out = {}
     for name, target in r.plan.recipe.corpus_chars.items():
-        p = _read(r.data / name / "progress.json") or {}
+        p = read_json(r.data / name / "progress.json") or {}
         got = p.get("chars", 0)
         out[name] = {"characters": got, "target": target, "short": got < target}
     return out
@@ -98,12 +94,12 @@ def _data_table(r) -> dict:
 
 def summary(r) -> dict:
     plan, price = r.plan, r.plan.train_cfg.hourly_price
-    marks = {s: _read(r.stages / f"{s}.json") for s in STAGES if s != "summary"}
+    marks = {s: read_json(r.stages / f"{s}.json") for s in STAGES if s != "summary"}
     stages = {s: m for s, m in marks.items() if m}
     wall = sum(m["seconds"] for m in stages.values())
     train_s = stages.get("train", {}).get("seconds", 0.0)
     rows = _train_rows(r.run)
-    measure = _read(plan.out / "measure.json") or {}
+    measure = read_json(plan.out / "measure.json") or {}
     hardware, gpu = _hardware(r)
     return {
         "recipe": plan.recipe.name,
@@ -130,8 +126,8 @@ def summary(r) -> dict:
             "on_gpu": gpu,
         },
         "data": _data_table(r),
-        "eval": _eval_table(_read(plan.out / "eval.json")),
-        "exports": _read(plan.out / "exports.json") or {},
+        "eval": _eval_table(read_json(plan.out / "eval.json")),
+        "exports": read_json(plan.out / "exports.json") or {},
         "artifacts": {
             "tokenizer": str(r.tok_path),
             "shards": str(r.shards),
