@@ -32,6 +32,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from doel.contracts import read_json
+
 END = "<|end|>"  # the end of a turn: the model closes its reply with it
 
 
@@ -57,11 +59,8 @@ def _token_text(value) -> str | None:
 
 def read_template(folder: Path) -> str | None:
     """The bundle's chat template, or None: a missing file, key, or unreadable config alike."""
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    template = config.get("chat_template") if isinstance(config, dict) else None
+    config = read_json(folder / "tokenizer_config.json")
+    template = config.get("chat_template") if config else None
     if isinstance(template, list):  # transformers' named templates: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -98,7 +97,7 @@ class ChatTemplate:
         source = read_template(folder)
         if source is None:
             return None
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config = read_json(folder / "tokenizer_config.json")
         return cls(source, folder / "tokenizer.json", config)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
