@@ -193,7 +193,9 @@ class RecipeRun:
     def corpus(self) -> dict:
 
         sources = self.plan.recipe.sources
-        progress = {s.name: read_json(self.data / s.name / "progress.json", strict=True) for s in sources}
+        progress = {
+            s.name: read_json(self.data / s.name / "progress.json", strict=True) for s in sources
+        }
         return corpus(self.plan.recipe, self.data, progress)
 
 

@@ -183,7 +183,11 @@ def training_section(
     """Steps, tokens, the main settings, hardware, and the time and cost of every attempt (a
     resumed run paid for each, the steps it redid included)."""
 
-    cfg = (train_state or {}).get("config") or read_json(folder / "train_config.json", strict=True) or {}
+    cfg = (
+        (train_state or {}).get("config")
+        or read_json(folder / "train_config.json", strict=True)
+        or {}
+    )
     rows = []
     if train_state:
         rows += [("steps", f"{train_state.get('step', 0):,}")]
