@@ -24,7 +24,6 @@ passed, so a failed export leaves nothing behind.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from doel.contracts import read_json
 from doel.contracts.manifest import KVCache, Manifest
 from doel.contracts.quant import DEFAULT_ONNX, QUANTS, names, quant
 from doel.export import card, graph, parity, web
@@ -221,15 +221,6 @@ def hf_files(ckpt: Checkpoint, stage: Path) -> None:
     # and some transformers versions warn when max_new_tokens is given beside it.
     gen.pop("max_length", None)
     write_json(stage / "generation_config.json", gen)
-
-
-def read_json(path: Path) -> dict | None:
-    """The JSON object in `path`, or None where there is no such file or it holds no object."""
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptions) -> dict:

@@ -14,10 +14,10 @@ rule for a repository id, the upload lines) is doel.contracts.card's.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from doel.contracts import read_json
 from doel.contracts.card import (
     DEFAULT_LICENSE,
     front_matter,
@@ -79,11 +79,7 @@ class Target:
 def source_card(folder: Path) -> dict:
     """What the checkpoint's doel card recorded (model_card.json): license, repo_id. Empty for a
     folder without one, or with a damaged one (the export does not depend on it)."""
-    try:
-        inputs = json.loads((folder / "model_card.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return inputs if isinstance(inputs, dict) else {}
+    return read_json(folder / "model_card.json") or {}
 
 
 def _fmt(x: float | None, spec: str) -> str:

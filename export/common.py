@@ -17,6 +17,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from doel.contracts import read_json
 from doel.contracts.checksums import sha256_file
 from doel.contracts.lock import FolderLock
 
@@ -66,11 +67,8 @@ def keep_umask(folder: Path) -> None:
 
 def is_bundle(folder: Path) -> bool:
     """Whether `folder` holds a manifest.json that doel-export wrote."""
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("format") == "doel-export"
+    manifest = read_json(folder / "manifest.json")
+    return manifest is not None and manifest.get("format") == "doel-export"
 
 
 def check_out(out: Path, force: bool) -> None:

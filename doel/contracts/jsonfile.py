@@ -2,11 +2,12 @@
 (run marks, cards, a checkpoint's side files), so "no such file" means one thing everywhere.
 
 A missing file is None. A file that is there but cannot be read, or holds anything but a JSON
-object, is None too by default: those records are hints or caches, and a damaged one costs a
-redone check, never a stopped run. `strict=True` makes it an error (a ValueError naming the file)
-for the records whose absence a caller acts on by deleting or redoing work (the pipeline's stage
-marks): there a damaged record must stop the run, not pass for one that was never written.
-"""
+object, is None too by default: those records are hints or caches (a checkpoint's side files, the
+verified-run record, the launch marker other nodes poll while it is rewritten), and a damaged one
+costs a default or a redone check, never a stopped run. `strict=True` makes it an error (a
+ValueError naming the file) for records a damaged copy must not pass for absent: the pipeline's
+stage marks, on whose absence it deletes or redoes work, and what a model card or the run's
+summary reports."""
 
 from __future__ import annotations
 
