@@ -31,6 +31,7 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
+from doel.contracts import read_json
 from doel.contracts.manifest import Manifest
 from doel.contracts.quant import DEFAULT_GGUF, Quant, at_bits
 from doel.contracts.quant import quant as quant_row
@@ -267,12 +268,11 @@ def write_gguf(ckpt: Checkpoint, path: Path, row: Quant, name: str) -> dict:
             add(ckpt.special_tokens[role]["id"])
     w.add_add_bos_token(add_bos)
     w.add_add_eos_token(add_eos)
-    side = ckpt.tokenizer.parent / "tokenizer_config.json"
-    template = None
-    if side.is_file():
-        template = json.loads(side.read_text(encoding="utf-8")).get("chat_template")
-        if isinstance(template, str):
-            w.add_chat_template(template)
+    template = (read_json(ckpt.tokenizer.parent / "tokenizer_config.json") or {}).get(
+        "chat_template"
+    )
+    if isinstance(template, str):
+        w.add_chat_template(template)
     types_written = {}
     for gname, arr in _tensors(ckpt):
         t = tensor_type(row, gname, arr.shape)
@@ -291,12 +291,10 @@ def write_gguf(ckpt: Checkpoint, path: Path, row: Quant, name: str) -> dict:
 def modelfile(gguf_name: str, ckpt: Checkpoint) -> str:
     """An Ollama Modelfile: the GGUF, its context, doel's sampling defaults and stop token."""
     lines = [f"FROM ./{gguf_name}", f"PARAMETER num_ctx {ckpt.context_length}"]
-    gen = ckpt.folder / "generation_config.json"
-    if gen.is_file():
-        g = json.loads(gen.read_text(encoding="utf-8"))
-        for key in ("temperature", "top_k", "top_p"):
-            if g.get(key) is not None:
-                lines.append(f"PARAMETER {key} {g[key]}")
+    g = read_json(ckpt.folder / "generation_config.json") or {}
+    for key in ("temperature", "top_k", "top_p"):
+        if g.get(key) is not None:
+            lines.append(f"PARAMETER {key} {g[key]}")
     if "eos" in ckpt.special_tokens:
         lines.append(f'PARAMETER stop "{ckpt.special_tokens["eos"]["token"]}"')
     return "\n".join(lines) + "\n"
