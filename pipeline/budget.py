@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from doel.contracts.quant import QUANTS
-from doel.train.build import build_run
+from doel.train.build import build_parts
 from doel.train.common import DoelError
 from doel.train.dist import resolve_device
 from doel.train.metrics import format_duration, mfu, peak_flops
-from doel.train.trainer import train_step
+from doel.train.step import train_step
 
 GB = 1e9
 BYTES_PER_CHAR = {"bn": 3.0}  # UTF-8: Bengali letters take 3 bytes; other languages ~1
@@ -196,7 +196,7 @@ def confirm(question: str, yes: bool, stdin=None) -> None:
 
 def measure_steps(cfg, next_batches, warmup: int, steps: int, seconds=None, log=print) -> dict:
     """Time `steps` optimizer steps (or as many as fit in `seconds`) of a fresh model built
-    by `build_run` as `fit` builds it (compiled when cfg.compile, eager where compilation
+    by `build_parts` as `fit` builds it (compiled when cfg.compile, eager where compilation
     fails), after `warmup` untimed ones (compilation, allocator). next_batches() gives one
     step's micro-batches on the device."""
     device = resolve_device(cfg.device)
@@ -204,45 +204,49 @@ def measure_steps(cfg, next_batches, warmup: int, steps: int, seconds=None, log=
         torch.cuda.reset_peak_memory_stats(device)
     try:
         first = next_batches()
-        run = build_run(cfg, None, device=device, example_batch=first[0], log=log)
-        warm_s, times = _timed(run, first, next_batches, warmup, steps, seconds)
+        parts = build_parts(cfg, None, device=device, example_batch=first[0], log=log)
+        warm_s, times = _timed(parts, first, next_batches, warmup, steps, seconds)
     except torch.OutOfMemoryError:
         raise DoelError(
             f"out of GPU memory at batch_size={cfg.batch_size} x seq_len={cfg.seq_len}: halve "
             "batch_size and double grad_accum (train.set in the recipe; same tokens a step)"
         ) from None
-    result = _throughput(run, times) | {"warmup_s": warm_s}
-    del run
+    result = _throughput(parts, times) | {"warmup_s": warm_s}
+    del parts
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
-def _timed(run, first, next_batches, warmup, steps, seconds):
+def _timed(parts, first, next_batches, warmup, steps, seconds):
     """(seconds of warm-up, each timed step's seconds), on the model as fit runs it."""
-    cfg, device = run.cfg, run.device
+    cfg, device = parts.cfg, parts.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    train_step(run.compiled, run.optimizer, first, cfg.lr, cfg.grad_clip, run.ctx)
+    train_step(parts.compiled, parts.optimizer, first, cfg.lr, cfg.grad_clip, parts.ctx)
     for _ in range(warmup - 1):
-        train_step(run.compiled, run.optimizer, next_batches(), cfg.lr, cfg.grad_clip, run.ctx)
+        train_step(
+            parts.compiled, parts.optimizer, next_batches(), cfg.lr, cfg.grad_clip, parts.ctx
+        )
     sync()
     warm_s, times = time.perf_counter() - t0, []
     while len(times) < steps or (seconds and sum(times) < seconds):
         t = time.perf_counter()
-        train_step(run.compiled, run.optimizer, next_batches(), cfg.lr, cfg.grad_clip, run.ctx)
+        train_step(
+            parts.compiled, parts.optimizer, next_batches(), cfg.lr, cfg.grad_clip, parts.ctx
+        )
         sync()
         times.append(time.perf_counter() - t)
     return warm_s, times
 
 
-def _throughput(run, times: list[float]) -> dict:
-    cfg, device, dtype = run.cfg, run.device, run.dtype
+def _throughput(parts, times: list[float]) -> dict:
+    cfg, device, dtype = parts.cfg, parts.device, parts.dtype
     cuda = device.type == "cuda"
     sec = sorted(times)[len(times) // 2]  # the median: robust to a stray slow step
     peak, source = peak_flops(device, dtype)
     tps = cfg.tokens_per_step / sec
-    util = mfu(tps, run.model.flops_per_token(cfg.seq_len)["total"], peak)
+    util = mfu(tps, parts.model.flops_per_token(cfg.seq_len)["total"], peak)
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "dtype": str(dtype).replace("torch.", ""),
@@ -252,7 +256,7 @@ def _throughput(run, times: list[float]) -> dict:
         "tokens_per_s": tps,
         "mfu": None if math.isnan(util) else util,
         "peak_source": source,
-        "parameters": run.model.num_parameters(),
+        "parameters": parts.model.num_parameters(),
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / GB if cuda else None,
         "gpu_memory_gb": torch.cuda.get_device_properties(device).total_memory / GB
         if cuda

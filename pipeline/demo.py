@@ -30,8 +30,8 @@ from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
 from doel.train.evals.heldout import evaluate_checkpoint, format_eval
 from doel.train.fit import fit
 from doel.train.plot import plot_run
+from doel.train.settings import TrainConfig
 from doel.train.sft import sft
-from doel.train.trainer import TrainConfig
 
 # The sample's ~25,000 training characters run out of merges a little past 2,600 tokens; at
 # 2,048 every token is a learned one, and the smaller embedding trains faster.

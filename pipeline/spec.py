@@ -35,7 +35,7 @@ from doel.train.config import (
 )
 from doel.train.data.prepare import PrepareConfig
 from doel.train.data.tokenizer import TokenizerConfig
-from doel.train.trainer import TrainConfig
+from doel.train.settings import TrainConfig
 
 RECIPE_DIRS = shipped_dirs("recipes", Path(__file__).resolve().parent)
 BOOKKEEPING = (  # TrainConfig fields that leave the trained weights as they are

@@ -14,7 +14,7 @@ from doel.train.data.prepare import PrepareConfig, prepare
 from doel.train.data.textio import resolve_sources
 from doel.train.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 from doel.train.model import ModelConfig
-from doel.train.trainer import TrainConfig
+from doel.train.settings import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "train" / "sample"

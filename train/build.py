@@ -1,6 +1,6 @@
 """Build a training run: the one place that turns a TrainConfig and a shard folder (or sft's
 conversations, through a loader factory) into the objects a run uses. `fit`, `sft`, `verify`,
-`check-gradients` and the recipe's step timing all call `build_run`, so what they check or
+`check-gradients` and the recipe's step timing all call `build_parts`, so what they check or
 measure is what training runs, and a run resumes one way whatever its loader.
 
 Order: device and dtype → the shards' vocabulary against the model's → loader at this rank
@@ -26,13 +26,13 @@ from doel.train.dist import DistInfo, autocast, resolve_device, resolve_dtype, w
 from doel.train.metrics import format_flops, peak_flops
 from doel.train.model import Llama
 from doel.train.optim import build_optimizer, describe_groups
-from doel.train.trainer import TrainConfig
+from doel.train.settings import TrainConfig
 
 Loader = TokenLoader | ChatLoader
 
 
 @dataclass(kw_only=True)
-class Run:
+class Parts:
     """What a run trains with. `model` is the eager module (what checkpoints, evaluation and
     the checks read), `wrapped` the DDP/FSDP module around it (or `model`), `compiled` what the
     step calls (torch.compile of `wrapped`, or `wrapped`). The factories make fresh copies built
@@ -117,7 +117,7 @@ def _tensors(batch, device) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.as_tensor(a, device=device) for a in batch)
 
 
-def build_run(
+def build_parts(
     cfg: TrainConfig,
     data,
     *,
@@ -131,8 +131,8 @@ def build_run(
     example_batch=None,
     describe_to=None,
     log=print,
-    verify: bool = True,
-) -> Run:
+    checksums: bool = True,
+) -> Parts:
     """Build what training `cfg` on the shards in `data` uses, resumed from `resume_from` (its
     loader too, whatever the loader). `data` None and no loader_factory: no loader (the caller
     brings its batches; `example_batch` then warms up compilation). `info`/`device`: the
@@ -140,8 +140,8 @@ def build_run(
     `compile` overrides cfg.compile. `describe_to`: a log that gets the model's size and FLOPs.
     The factories replace the defaults (sft: its base model and ChatLoader; tests: planted
     failures): model_factory(cfg) -> model (moved to the device here), optimizer_factory(model),
-    loader_factory(). `verify`: check the shards and the checkpoint against their recorded
-    hashes (--no-verify: not)."""
+    loader_factory(). `checksums`: check the shards and the checkpoint against their recorded
+    hashes (--no-checksums: not)."""
     info = info or DistInfo()
     device = device or resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -171,7 +171,7 @@ def build_run(
             cfg.seed,
             rank=info.rank,
             world_size=info.world_size,
-            verify=verify,
+            verify=checksums,
         )
 
     has_loader = data is not None or loader_factory is not None
@@ -183,7 +183,7 @@ def build_run(
     if describe_to is not None:  # the resolved groups, once at the start of a run
         for line in describe_groups(optimizer, model):
             describe_to(line)
-    run = Run(
+    parts = Parts(
         cfg=cfg,
         model=model,
         wrapped=wrapped,
@@ -199,13 +199,13 @@ def build_run(
         meta=meta,
     )
     if resume_from is not None:
-        _, state = load_checkpoint(resume_from, wrapped, optimizer, verify=verify)
+        _, state = load_checkpoint(resume_from, wrapped, optimizer, verify=checksums)
         loader.load_state_dict(state["loader"])
-        run.step, run.tokens_seen = state["step"], state.get("tokens_seen", 0)
-        log(f"resuming from {resume_from} (step {run.step})")
+        parts.step, parts.tokens_seen = state["step"], state.get("tokens_seen", 0)
+        log(f"resuming from {resume_from} (step {parts.step})")
     if describe_to is not None:
-        run.desc = describe(model, cfg, device, dtype, info, describe_to)
+        parts.desc = describe(model, cfg, device, dtype, info, describe_to)
     if cfg.compile if compile is None else compile:
         batch = example_batch if loader is None else loader.peek(1)[0]
-        run.compiled = compiled(wrapped, _tensors(batch, device), run.ctx, log)
-    return run
+        parts.compiled = compiled(wrapped, _tensors(batch, device), parts.ctx, log)
+    return parts

@@ -40,8 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from doel.contracts import checksums
 from doel.train.common import Damaged, DoelError, atomic_write_json
-from doel.train.dist import full_model_state, full_state, is_sharded, load_full_state
-from doel.train.gradflow import unwrap
+from doel.train.dist import full_model_state, full_state, is_sharded, load_full_state, unwrap
 from doel.train.hf import WEIGHTS, load_model, read_config, read_safetensors, save_model
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -266,7 +265,7 @@ def load_checkpoint(folder, model=None, optimizer=None, device="cpu", verify=Tru
     if not state_path.is_file():
         raise DoelError(f"{folder} is not a training checkpoint (no trainer_state.json)")
     if verify:
-        hint = f"{_damaged_hint(folder)}; or pass --no-verify to resume from it as it is"
+        hint = f"{_damaged_hint(folder)}; or pass --no-checksums to resume from it as it is"
         checksums.verify(folder, Damaged, hint=hint)
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))

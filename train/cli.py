@@ -114,7 +114,7 @@ def _cmd_fit(args) -> None:
         tokenizer=args.tokenizer,
         fresh=args.fresh,
         skip_verify=args.skip_verify,
-        no_verify=args.no_verify,
+        no_checksums=args.no_checksums,
     )
 
 
@@ -136,17 +136,17 @@ def _cmd_sft(args) -> None:
         args.out,
         fresh=args.fresh,
         skip_verify=args.skip_verify,
-        no_verify=args.no_verify,
+        no_checksums=args.no_checksums,
     )
 
 
 def _cmd_check_gradients(args) -> None:
     cfg = train_config(args)
-    from doel.train.build import build_run
-    from doel.train.run import gradient_gate
+    from doel.train.build import build_parts
+    from doel.train.job import gradient_gate
 
     # The eager model, as before any compilation: the gate alone, quickly.
-    gradient_gate(build_run(cfg, args.data, compile=False), print)
+    gradient_gate(build_parts(cfg, args.data, compile=False), print)
 
 
 def _cmd_verify(args) -> None:
@@ -247,13 +247,27 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _no_verify(p: argparse.ArgumentParser, what: str) -> None:
+class _Renamed(argparse.Action):
+    """An old spelling of a flag, refused in one line naming the new one (exit 2)."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.new} (--skip-verify skips the checks)")
+
+
+def _no_checksums(p: argparse.ArgumentParser, what: str) -> None:
+    """--no-checksums: the sha256 checks. Not --no-verify, its old spelling: "verify" is the
+    checks before step 1 (--skip-verify)."""
     p.add_argument(
-        "--no-verify",
+        "--no-checksums",
         action="store_true",
         help=f"use {what} without checking them against their recorded sha256 (a damaged file "
         "is otherwise refused, named)",
     )
+    p.add_argument("--no-verify", action=_Renamed, new="--no-checksums", dest="_renamed")
 
 
 MOVED = ("demo", "recipe")  # they use every stage: `doel demo`, `doel recipe` (pipeline/cli.py)
@@ -358,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the verification suite before step 1 (loudly; the gradient gate still runs)",
     )
-    _no_verify(fi, "the shards and the checkpoint resumed from")
+    _no_checksums(fi, "the shards and the checkpoint resumed from")
     fi.set_defaults(func=_cmd_fit)
 
     sf = sub.add_parser(
@@ -400,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the checks before step 1 (loudly; the gradient gate still runs)",
     )
-    _no_verify(sf, "the base model and the checkpoint resumed from")
+    _no_checksums(sf, "the base model and the checkpoint resumed from")
     sf.set_defaults(func=_cmd_sft)
 
     cg = sub.add_parser(

@@ -160,6 +160,15 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile (`_orig_mod`) and DDP-style (`module`) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 def wrap_model(
     model: nn.Module,
     strategy: str,

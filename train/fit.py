@@ -1,7 +1,7 @@
 """`doel-train fit`: shards → a trained model in Hugging Face layout, resumable exactly.
 
 Order of a run, on the skeleton it shares with sft (train/run.py): the shards' meta.json and
-tokenizer against the model → the run folder → `build_run` (train/build.py: device, dtype,
+tokenizer against the model → the run folder → `build_parts` (train/build.py: device, dtype,
 model, wrapper, optimizer, loader, resume from the latest checkpoint in RUN_DIR, compile) → the
 fast subset of the verification suite before step 1 (refuses to train on a failure; on an
 unchanged resume the gradient-flow gate alone) → steps with periodic logging, validation and
@@ -15,12 +15,12 @@ import hashlib
 import json
 from pathlib import Path
 
-from doel.train.build import build_run, check_vocab
+from doel.train.build import build_parts, check_vocab
 from doel.train.checks.suite import fit_subset, verify_before_training
 from doel.train.common import DoelError
 from doel.train.data.loader import check_tokenizer, read_meta
-from doel.train.run import Checks, Job, launch
-from doel.train.trainer import TrainConfig
+from doel.train.job import Checks, Job, launch
+from doel.train.settings import TrainConfig
 
 
 def _tokenizer_for(meta: dict, tokenizer, data_dir) -> Path | None:
@@ -58,17 +58,17 @@ def fit(
     log=print,
     step_hook=None,
     skip_verify=False,
-    no_verify=False,
+    no_checksums=False,
 ) -> Path:
     """Train per `cfg` on the shards in `data_dir`; returns the final model folder. Under
     torchrun every rank calls it; rank 0 logs and writes. `step_hook(step)` runs after each
-    step (tests use it to plant a hang or a crash). `no_verify`: the shards and the checkpoint
+    step (tests use it to plant a hang or a crash). `no_checksums`: the shards and the checkpoint
     resumed from are not checked against their recorded hashes."""
     asked = {
         "fresh": fresh,
         "step_hook": step_hook,
         "skip_verify": skip_verify,
-        "no_verify": no_verify,
+        "no_checksums": no_checksums,
     }
     return launch(
         cfg,
@@ -86,7 +86,7 @@ def _fit(job: Job, cfg: TrainConfig, data_dir, tokenizer) -> Path:
     tok_path = _tokenizer_for(meta, tokenizer, data_dir)
     job.prepare(cfg)
     log = job.log
-    run = build_run(
+    parts = build_parts(
         cfg,
         data_dir,
         info=job.info,
@@ -94,14 +94,14 @@ def _fit(job: Job, cfg: TrainConfig, data_dir, tokenizer) -> Path:
         resume_from=job.resume_from,
         describe_to=log,
         log=log,
-        verify=not job.no_verify,
+        checksums=not job.no_checksums,
     )
     checks = Checks(  # the fast subset, gradient flow included, on the run's own objects
-        run=lambda out: verify_before_training(
-            run, log, out_dir=out, names=fit_subset(job.info.enabled)
+        perform=lambda out: verify_before_training(
+            parts, log, out_dir=out, names=fit_subset(job.info.enabled)
         ),
         inputs=lambda: {"shards_sha256": shards_key(meta)},
         skipped="the verification suite did not run, so the silent failures it catches would "
         "go unnoticed",
     )
-    return job.train(run, checks, tok_path=tok_path, meta=meta)
+    return job.train(parts, checks, tok_path=tok_path, meta=meta)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from doel.train.dist import unwrap
+
 
 @dataclass
 class GradientReport:
@@ -43,13 +45,15 @@ class GradientReport:
         return "\n".join(lines)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside torch.compile (`_orig_mod`) and DDP-style (`module`) wrappers."""
-    while True:
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
+def step_loss(ctx) -> Callable[[nn.Module, object], torch.Tensor]:
+    """The `loss_fn` of the gate on a run's model: the training step's own call (the summed
+    loss over the batch's targets, under `ctx`'s autocast), so a compiled graph is reused."""
+
+    def loss_fn(m: nn.Module, batch) -> torch.Tensor:
+        with ctx():
+            return m(*batch, reduction="sum") / batch[1].numel()
+
+    return loss_fn
 
 
 def _default_loss(model: nn.Module, batch) -> torch.Tensor:

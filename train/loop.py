@@ -1,6 +1,6 @@
 """The step loop of a run and its bookkeeping: logging (tokens/s, MFU, ETA), the time and cost
 projection, periodic validation, checkpoints, and the non-finite-loss stop. `train/build.py`
-builds the run and `train/run.py` (the skeleton of fit and sft) hands it to `RunLoop`.
+builds the run and `train/run.py` (the skeleton of fit and sft) hands it to `StepLoop`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from doel.train.evals.modelcard import write_model_card
 from doel.train.evals.scoring import task_accuracy
 from doel.train.evals.tasks import load_task
 from doel.train.metrics import format_duration, mfu
-from doel.train.trainer import (
+from doel.train.step import (
     lr_at,
     micro_batches_per_update,
-    run_step,
+    take_step,
     updates_before,
     validation_loss,
 )
@@ -41,30 +41,35 @@ def batches_on(loader, device, n):
     ]
 
 
-class RunLoop:
+class StepLoop:
     """The step loop and its bookkeeping (kept apart so `fit` and `sft` read as recipes)."""
 
-    def __init__(self, *, run, metrics, out, tok_path, log, step_hook=None, card_extra=None):
+    def __init__(self, *, parts, metrics, out, tok_path, log, step_hook=None, card_extra=None):
         """`run`: what train/build.py built (model, compiled, optimizer, loader, device,
         dtype, info, desc); `metrics` the MetricsLog (None off rank 0); `tok_path` the
         tokenizer.json copied into checkpoints; `card_extra` more of write_model_card's
         inputs (sft: the base model and the data)."""
         self.cfg, self.model, self.fwd, self.optimizer = (
-            run.cfg,
-            run.model,
-            run.compiled,
-            run.optimizer,
+            parts.cfg,
+            parts.model,
+            parts.compiled,
+            parts.optimizer,
         )
-        self.loader, self.device, self.ctx, self.metrics = run.loader, run.device, run.ctx, metrics
-        self.out, self.tok_path, self.desc, self.log = out, tok_path, run.desc, log
-        self.info, self.step_hook = run.info, step_hook
+        self.loader, self.device, self.ctx, self.metrics = (
+            parts.loader,
+            parts.device,
+            parts.ctx,
+            metrics,
+        )
+        self.out, self.tok_path, self.desc, self.log = out, tok_path, parts.desc, log
+        self.info, self.step_hook = parts.info, step_hook
         self.write = metrics.write if metrics else (lambda row: None)
-        self.bad_step = torch.full((), -1, dtype=torch.long, device=run.device)
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=parts.device)
         self.last_ckpt = None
         self._task_items, self._task_tok, self._task_warned = None, None, False
         self.card_extra: dict = card_extra or {}
 
-    def loop(self, step: int, tokens_seen: int, meta: dict) -> None:
+    def train_from(self, step: int, tokens_seen: int, meta: dict) -> None:
         cfg = self.cfg
         t_train, t_mark, step_mark, start_step = 0.0, time.perf_counter(), step, step
         projected, self.meta = False, meta
@@ -78,7 +83,7 @@ class RunLoop:
             t0 = time.perf_counter()
             batches = batches_on(self.loader, self.device, cfg.grad_accum)
             per_update = micro_batches_per_update(step, cfg)
-            out = run_step(
+            out = take_step(
                 self.fwd,
                 self.optimizer,
                 batches,

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # renames them fails here, at import, not silently in a run).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from doel.train.gradflow import unwrap
+from doel.train.dist import unwrap
 from doel.train.settings import TrainConfig
 
 

@@ -4,10 +4,10 @@ Order of a run, on the skeleton it shares with fit (train/run.py): the base mode
 replaces the config's [model] → the run folder and its tokenizer (the base's, its
 <|reserved_0..3|> named as the turn markers if it predates them, so the chat template applies;
 train/data/chat.py) → conversations read and checked (train/data/conversations.py) and rendered
-(train/data/chat.py) → `build_run` with the base weights and a ChatLoader, resumed from the
+(train/data/chat.py) → `build_parts` with the base weights and a ChatLoader, resumed from the
 latest checkpoint in RUN_DIR (train/build.py) → the checks before step 1: gradient flow,
 parity, ties, causal, step, accumulation and the loss-mask check (train/checks/chat.py) →
-`RunLoop` steps (train/loop.py), validation on held-out conversations → RUN_DIR/final with a
+`StepLoop` steps (train/loop.py), validation on held-out conversations → RUN_DIR/final with a
 model card naming the base model (its path, and the sha256 of its weights) and the data.
 
 A run folder records the base it fine-tunes (RUN_DIR/base.json, by the sha256 of its weights):
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from doel.contracts import checksums, read_json
-from doel.train.build import build_run
+from doel.train.build import build_parts
 from doel.train.checkpoint import latest_checkpoint
 from doel.train.checks.base import Setup, VerifyConfig, fresh_like
 from doel.train.checks.chat import check_loss_mask
@@ -35,9 +35,9 @@ from doel.train.data.conversations import SFTConfig
 from doel.train.data.tokenizer import load_tokenizer
 from doel.train.dist import DistInfo
 from doel.train.hf import WEIGHTS, load_model, read_config
-from doel.train.loop import RunLoop
-from doel.train.run import VERIFIED, Checks, Job, launch
-from doel.train.trainer import validation_loss
+from doel.train.job import VERIFIED, Checks, Job, launch
+from doel.train.loop import StepLoop
+from doel.train.step import validation_loss
 
 # The fast subset's checks that run on chat batches; data and tokenizer read token shards.
 CHAT_CHECKS = ("gradient_flow", "parity", "ties", "causal", "step", "accumulation")
@@ -58,8 +58,8 @@ def with_base_model(cfg: SFTConfig, base: Path) -> SFTConfig:
         raise DoelError(f"invalid config with the model of {base}: {e}") from None
 
 
-class ChatLoop(RunLoop):
-    """RunLoop with validation on held-out conversations (assistant tokens only)."""
+class ChatLoop(StepLoop):
+    """StepLoop with validation on held-out conversations (assistant tokens only)."""
 
     def __init__(self, *, held: ChatData, special: dict, **kw):
         super().__init__(**kw)
@@ -87,16 +87,16 @@ def sft(
     log=print,
     step_hook=None,
     skip_verify: bool = False,
-    no_verify: bool = False,
+    no_checksums: bool = False,
 ) -> Path:
     """Fine-tune the model folder `base` on the conversations in `data` (files, folders,
     hf:NAME); returns RUN_DIR/final. Running it again on the same out_dir resumes (the
-    checkpoint checked against its recorded hashes first, unless `no_verify`)."""
+    checkpoint checked against its recorded hashes first, unless `no_checksums`)."""
     asked = {
         "fresh": fresh,
         "step_hook": step_hook,
         "skip_verify": skip_verify,
-        "no_verify": no_verify,
+        "no_checksums": no_checksums,
     }
     return launch(
         cfg, out_dir, lambda job: _sft(job, cfg, data, Path(base)), command="sft", log=log, **asked
@@ -106,8 +106,8 @@ def sft(
 def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
     cfg, log, info = with_base_model(cfg, base), job.log, job.info
     verified = {}
-    if not job.no_verify:  # the base as fit wrote it: RUN/final records its files' hashes
-        hint = "copy it again, or pass --no-verify to use it as is"
+    if not job.no_checksums:  # the base as fit wrote it: RUN/final records its files' hashes
+        hint = "copy it again, or pass --no-checksums to use it as is"
         verified = checksums.verify(base, Damaged, hint=hint)
     base_sha = base_sha256(base, verified)
     if not job.fresh and (before := base_changed(job.out, base_sha)):
@@ -134,7 +134,7 @@ def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
     train, held = load_chat_data(data, tok, cfg, log)
     pad_share = 1 - train.stats["tokens"] / (len(train.ids) * (cfg.seq_len + 1))
     log(f"batches: one conversation a row, padded to {cfg.seq_len} ({pad_share:.0%} padding)")
-    run = build_run(
+    parts = build_parts(
         cfg,
         None,
         model_factory=lambda c: load_model(base, job.device),
@@ -146,10 +146,10 @@ def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
         resume_from=job.resume_from,
         describe_to=log,
         log=log,
-        verify=not job.no_verify,
+        checksums=not job.no_checksums,
     )
     checks = Checks(
-        run=lambda out: verify_chat(run, cfg, tok_path, info, log, out_dir=out),
+        perform=lambda out: verify_chat(parts, cfg, tok_path, info, log, out_dir=out),
         inputs=lambda: {
             "base_sha256": base_sha,
             "data_sha256": train.fingerprint(),
@@ -159,7 +159,7 @@ def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
     card = {"finetune": _card_info(base, base_sha, data, train.stats)}
     meta = (read_json(base / "model_card.json") or {}).get("meta") or {}
     return job.train(
-        run,
+        parts,
         checks,
         tok_path=tok_path,
         meta=meta,
@@ -172,7 +172,7 @@ def _sft(job: Job, cfg: SFTConfig, data: list[str], base: Path) -> Path:
 
 def base_sha256(base: Path, verified: dict[str, str]) -> str:
     """The sha256 of the base's weights: as just verified, else as its checksums.json records
-    it (--no-verify), else hashed here (a base written before doel recorded hashes)."""
+    it (--no-checksums), else hashed here (a base written before doel recorded hashes)."""
     if WEIGHTS in verified:
         return verified[WEIGHTS]
     files = checksums.recorded(base, Damaged) or {}
@@ -202,16 +202,16 @@ def _card_info(base: Path, base_sha: str, data: list[str], stats: dict) -> dict:
     }
 
 
-def verify_chat(run, cfg, tok_path, info: DistInfo, log=print, out_dir=None) -> Report:
+def verify_chat(parts, cfg, tok_path, info: DistInfo, log=print, out_dir=None) -> Report:
     """The chat subset of the suite on the run's own objects, and the loss-mask check; the
     report is written to out_dir if given, and a failure raises VerificationError. The checks
     that train copies (step, the copy task) get fresh randomly initialised ones, as `fit`'s
     do: what they test is the training path, and a base's weights only slow a copy task down."""
-    setup = Setup.from_run(
-        run,
+    setup = Setup.from_parts(
+        parts,
         Path(tok_path).parent,
         cfg=cfg,
-        make_model=fresh_like(run.model, run.device),
+        make_model=fresh_like(parts.model, parts.device),
         tokenizer=Path(tok_path),
         # The causal check's copy task learns at a pre-training rate: at fine-tuning's (1e-4)
         # its 30 steps are too few to learn to copy, whatever the label shift.

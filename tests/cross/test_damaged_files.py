@@ -1,9 +1,9 @@
 """Files damaged after they were written are named, never used silently (issue 36, 6-8): shards
 whose bytes differ from meta.json's sha256, checkpoints whose model, optimizer or RNG file differs
 from their checksums.json (at resume and at export), an id outside the vocabulary in a shard, a
-disk that fills during a checkpoint; each in one line, with --no-verify for whoever needs it. And
-an unchanged resume skips the checks before step 1 even after prepare wrote meta.json again
-(issue 38, 7)."""
+disk that fills during a checkpoint; each in one line, with --no-checksums (training; export's
+and serve's --no-verify) for whoever needs it. And an unchanged resume skips the checks before
+step 1 even after prepare wrote meta.json again (issue 38, 7)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,9 @@ def test_doel_export_prints_the_damaged_file_in_one_line(tmp_path, tokenizer_pat
 
 
 @pytest.mark.slow  # trains
-def test_fit_refuses_damaged_shards_in_one_line_and_trains_with_no_verify(shards, tmp_path, capsys):
+def test_fit_refuses_damaged_shards_in_one_line_and_trains_with_no_checksums(
+    shards, tmp_path, capsys
+):
     data = shards_copy(shards, tmp_path)
     shard = train_shard(data)
     flip(shard, step=2)
@@ -134,7 +136,7 @@ def test_fit_refuses_damaged_shards_in_one_line_and_trains_with_no_verify(shards
     with pytest.raises(SystemExit) as e:
         train_main(args)
     assert str(e.value.code).startswith(f"error: {shard} does not match the sha256")
-    train_main([*args, "--no-verify"])
+    train_main([*args, "--no-checksums"])
     assert (tmp_path / "run" / "final" / checksums.NAME).is_file()
 
 
@@ -157,11 +159,11 @@ def test_a_resume_refuses_a_checkpoint_whose_files_differ_from_their_hashes(
         old = flip(step / name)
         with pytest.raises(Damaged, match=f"{step / name} does not match the sha256") as e:
             fit(cfg, shards, run, log=lambda s: None, skip_verify=True)
-        assert "--no-verify" in str(e.value) and "\n" not in str(e.value)
+        assert "--no-checksums" in str(e.value) and "\n" not in str(e.value)
         (step / name).write_bytes(old)
     flip(step / "rng.safetensors")
     lines = []
-    fit(cfg, shards, run, log=lines.append, skip_verify=True, no_verify=True)
+    fit(cfg, shards, run, log=lines.append, skip_verify=True, no_checksums=True)
     assert any("resuming from" in line and "step 2" in line for line in lines)
 
 

@@ -118,9 +118,9 @@ def offenders(prefix: str, banned: tuple[str, ...]) -> list[str]:
 
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     src = tmp_path / "probe.py"
-    src.write_text("def f():\n    from doel.train.loop import RunLoop\n    from . import fit\n")
+    src.write_text("def f():\n    from doel.train.loop import StepLoop\n    from . import fit\n")
     names = {target for target, _ in imported(src, "doel.train.probe")}
-    assert {"doel.train.loop", "doel.train.loop.RunLoop", "doel.train.fit"} <= names
+    assert {"doel.train.loop", "doel.train.loop.StepLoop", "doel.train.fit"} <= names
 
 
 def test_modules_are_named_as_installed():

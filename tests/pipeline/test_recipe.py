@@ -41,7 +41,7 @@ from doel.train.data.prepare import prepare
 from doel.train.data.textio import iter_documents
 from doel.train.model import Llama, ModelConfig
 from doel.train.optim import build_optimizer, hidden_matrices
-from doel.train.trainer import TrainConfig
+from doel.train.settings import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "bangla-0.4b" / "recipe.toml"

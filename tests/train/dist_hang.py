@@ -14,7 +14,7 @@ from pathlib import Path
 
 from doel.train.config import load_config
 from doel.train.fit import fit
-from doel.train.trainer import TrainConfig
+from doel.train.settings import TrainConfig
 
 PAUSE_STEP = 5
 

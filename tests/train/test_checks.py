@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from doel.train.build import build_run
+from doel.train.build import build_parts
 from doel.train.checks.base import VerifyConfig
 from doel.train.checks.suite import CHECKS, VerificationError, run_suite, verify_before_training
 from doel.train.data.loader import TokenLoader
@@ -21,8 +21,8 @@ from doel.train.data.prepare import PrepareConfig, prepare
 from doel.train.data.textio import resolve_sources
 from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
 from doel.train.model import IGNORE_INDEX, Llama
-from doel.train.optim import MuonAdamW
-from doel.train.trainer import build_optimizer, lr_at, train_step
+from doel.train.optim import MuonAdamW, build_optimizer
+from doel.train.step import lr_at, train_step
 
 pytestmark = pytest.mark.slow  # every test here runs the suite or trains (seconds to minutes)
 ALL = list(CHECKS)
@@ -79,19 +79,19 @@ def test_healthy_tiny_config_passes_every_check_and_writes_the_report(
     assert md.count("| **pass** |") == len(ALL) and "| check | status |" in md
 
 
-def eager_run(cfg, shards):
+def eager_parts(cfg, shards):
     """The Run `fit` builds (train/build.py), eager, on the CPU: what verify_before_training
     checks."""
-    return build_run(cfg, shards, device=torch.device("cpu"), compile=False, log=lambda s: None)
+    return build_parts(cfg, shards, device=torch.device("cpu"), compile=False, log=lambda s: None)
 
 
 def test_fast_subset_runs_before_training_and_leaves_no_trace(shards, tiny_config):
-    run = eager_run(tiny_config(), shards)
-    model, opt, loader = run.model, run.optimizer, run.loader
+    parts = eager_parts(tiny_config(), shards)
+    model, opt, loader = parts.model, parts.optimizer, parts.loader
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     lines = []
-    report = verify_before_training(run, lines.append)
+    report = verify_before_training(parts, lines.append)
     assert report.ok and "resume" not in [r.name for r in report.results]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert loader.state_dict()["cursor"] == 0 and not opt.state
@@ -101,11 +101,11 @@ def test_fast_subset_runs_before_training_and_leaves_no_trace(shards, tiny_confi
 
 
 def test_before_training_refuses_a_run_whose_optimizer_misses_a_parameter(shards, tiny_config):
-    run = eager_run(tiny_config(), shards)
-    opt = run.optimizer
+    parts = eager_parts(tiny_config(), shards)
+    opt = parts.optimizer
     opt.param_groups[1]["params"] = opt.param_groups[1]["params"][1:]  # a norm left out
     with pytest.raises(VerificationError, match="step"):
-        verify_before_training(run, lambda s: None)
+        verify_before_training(parts, lambda s: None)
 
 
 # ---------------------------------------------------------------- planted kernels
@@ -479,9 +479,9 @@ def test_muon_passes_the_groups_parity_and_step_checks_and_a_broken_muon_fails_p
 
 @pytest.mark.parametrize("plant", ["in no group", "in more than one group"])
 def test_a_hidden_matrix_in_no_group_or_in_both_is_caught_before_step_1(shards, tiny_config, plant):
-    run = eager_run(tiny_config("optimizer=muon"), shards)
-    opt = run.optimizer
-    w = run.model.model.layers[1].mlp.up_proj.weight
+    parts = eager_parts(tiny_config("optimizer=muon"), shards)
+    opt = parts.optimizer
+    w = parts.model.model.layers[1].mlp.up_proj.weight
     muon = next(g for g in opt.param_groups if g["kind"] == "muon")
     muon["params"] = [p for p in muon["params"] if p is not w]
     if plant == "in more than one group":  # Muon's and AdamW's: two updates a step
@@ -489,6 +489,6 @@ def test_a_hidden_matrix_in_no_group_or_in_both_is_caught_before_step_1(shards, 
         opt.param_groups[-1]["params"].append(w)
     lines = []
     with pytest.raises(VerificationError, match="groups"):
-        verify_before_training(run, lines.append)
+        verify_before_training(parts, lines.append)
     row = next(line for line in lines if "FAIL groups" in line)
     assert plant in row and "model.layers.1.mlp.up_proj.weight" in row

@@ -12,7 +12,7 @@ from doel.train.cliparse import closest
 from doel.train.common import DoelError
 from doel.train.config import load_config
 from doel.train.data.textio import iter_documents
-from doel.train.trainer import TrainConfig
+from doel.train.settings import TrainConfig
 
 
 def test_a_folder_holding_tokenizer_json_is_taken_as_the_tokenizer(
@@ -73,3 +73,19 @@ def test_fertility_on_an_empty_text_is_a_one_line_error(tokenizer_path, tmp_path
     message = str(e.value.code)
     assert message.startswith(f"error: {empty}: no text to measure"), message
     assert "\n" not in message and capsys.readouterr().out == ""  # no table, no JSON
+
+
+@pytest.mark.parametrize("command", ["fit", "sft"])
+def test_the_hash_flag_is_no_checksums_and_no_verify_is_refused_naming_it(command, capsys):
+    argv = {
+        "fit": ["fit", "--config", "tiny", "--data", "d", "--out", "o"],
+        "sft": ["sft", "--config", "tiny", "--data", "d", "--from", "b", "--out", "o"],
+    }[command]
+    assert build_parser().parse_args([*argv, "--no-checksums"]).no_checksums
+    assert not build_parser().parse_args(argv).no_checksums
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--no-verify"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("error: --no-verify is now --no-checksums (--skip-verify skips the checks)")
+    assert "--no-verify" not in build_parser().format_help()

@@ -12,7 +12,7 @@ from doel.train.common import DoelError
 from doel.train.config import load_config
 from doel.train.hf import load_model, save_model
 from doel.train.model import Llama, ModelConfig
-from doel.train.trainer import TrainConfig
+from doel.train.settings import TrainConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from doel.train.dist import autocast
-from doel.train.gradflow import check_gradient_flow, unwrap
+from doel.train.dist import autocast, unwrap
+from doel.train.gradflow import check_gradient_flow, step_loss
 from doel.train.model import Llama, RMSNorm
-from doel.train.trainer import TrainConfig
+from doel.train.settings import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -99,21 +99,21 @@ class Setup:
     vcfg: VerifyConfig = field(default_factory=VerifyConfig)
 
     @classmethod
-    def from_run(cls, run, data_dir, **overrides) -> Setup:
+    def from_parts(cls, parts, data_dir, **overrides) -> Setup:
         """The Setup of a train/build.py Run: its objects and its factories, `overrides` taking
         the place of any field (a fresh-model factory, the tokenizer, thresholds)."""
         fields = dict(
-            cfg=run.cfg,
-            device=run.device,
-            dtype=run.dtype,
-            model=run.model,
-            fwd=run.compiled,
-            optimizer=run.optimizer,
-            loader=run.loader,
+            cfg=parts.cfg,
+            device=parts.device,
+            dtype=parts.dtype,
+            model=parts.model,
+            fwd=parts.compiled,
+            optimizer=parts.optimizer,
+            loader=parts.loader,
             data_dir=Path(data_dir),
-            make_model=run.make_model,
-            make_optimizer=run.make_optimizer,
-            make_loader=run.make_loader,
+            make_model=parts.make_model,
+            make_optimizer=parts.make_optimizer,
+            make_loader=parts.make_loader,
         )
         return cls(**(fields | overrides))
 
@@ -222,13 +222,8 @@ def loss_pass(model, x, y, ctx, backend=None) -> dict[str, torch.Tensor]:
 
 def check_gradients(s: Setup) -> CheckResult:
     x, y = s.batch()
-
-    def loss_fn(m, batch):  # the training step's own call, so a compiled graph is reused
-        with s.ctx():
-            return m(*batch, reduction="sum") / batch[1].numel()
-
     # ties=[]: tie identity is the `ties` check's job, so each failure has one owner.
-    r = check_gradient_flow(s.fwd, (x, y), loss_fn=loss_fn, ties=[])
+    r = check_gradient_flow(s.fwd, (x, y), loss_fn=step_loss(s.ctx), ties=[])
     norms = list(r.norms.values())
     return CheckResult(
         "gradient_flow",

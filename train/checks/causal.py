@@ -11,8 +11,8 @@ import math
 import torch
 
 from doel.train.checks.base import CheckResult, Setup, low_precision, param_dtype
+from doel.train.dist import unwrap
 from doel.train.evals.heldout import causal_leak
-from doel.train.gradflow import unwrap
 from doel.train.model import IGNORE_INDEX
 
 

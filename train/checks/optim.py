@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 import torch
 
 from doel.train.checks.base import CheckResult, Setup
-from doel.train.gradflow import unwrap
+from doel.train.dist import unwrap
 from doel.train.optim import hidden_matrices
 
 # Keller Jordan's quintic Newton-Schulz coefficients, torch.optim.Muon's default; a run whose

@@ -26,7 +26,7 @@ from doel.train.checks.base import (
     rel_err,
 )
 from doel.train.checks.optim import muon_parity
-from doel.train.gradflow import unwrap
+from doel.train.dist import unwrap
 from doel.train.optim import MuonAdamW
 
 

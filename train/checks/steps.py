@@ -15,11 +15,11 @@ import torch
 
 from doel.train.checkpoint import load_checkpoint, save_checkpoint
 from doel.train.checks.base import CheckResult, Setup, low_precision, param_dtype, rel_err
-from doel.train.gradflow import unwrap
+from doel.train.dist import unwrap
 from doel.train.metrics import mfu, peak_flops
 from doel.train.model import IGNORE_INDEX
 from doel.train.optim import set_lr
-from doel.train.trainer import lr_at, micro_batches_per_update, run_step, train_step
+from doel.train.step import lr_at, micro_batches_per_update, take_step, train_step
 
 # ------------------------------------------------------------------ 5. one step moves everything
 
@@ -169,7 +169,7 @@ def _train(s: Setup, model, opt, loader, start: int, steps: int):
             for x, y in raw
         ]
         per_update = micro_batches_per_update(step, s.cfg)  # the run's, ramp included
-        out = run_step(model, opt, mbs, per_update, lr_at(step, s.cfg), s.cfg.grad_clip, s.ctx)
+        out = take_step(model, opt, mbs, per_update, lr_at(step, s.cfg), s.cfg.grad_clip, s.ctx)
         losses.append(float(out["loss"]))
     return losses, seen
 

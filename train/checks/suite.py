@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from doel.train.build import Run, build_run
+from doel.train.build import Parts, build_parts
 from doel.train.checks.base import (
     CheckResult,
     Setup,
@@ -42,8 +42,8 @@ from doel.train.checks.steps import (
 from doel.train.checks.ties import check_ties
 from doel.train.common import DoelError, atomic_write_bytes, atomic_write_json
 from doel.train.config import resolved
-from doel.train.gradflow import unwrap
-from doel.train.trainer import TrainConfig
+from doel.train.dist import unwrap
+from doel.train.settings import TrainConfig
 
 # name -> (check, in the fast subset). The fast subset is what `fit` runs before step 1: a few
 # seconds on the tiny preset on CPU. Resume (a checkpoint of the full model written and read)
@@ -264,7 +264,7 @@ def run_suite(
     verify.json to out_dir. The factories let tests plant failures: model_factory(cfg) -> model
     (moved to the device here), optimizer_factory(model), loader_factory()."""
     names = select(subset, checks)
-    run = build_run(
+    parts = build_parts(
         cfg,
         data_dir,
         model_factory=model_factory,
@@ -272,7 +272,9 @@ def run_suite(
         loader_factory=loader_factory,
         log=log,
     )
-    setup = Setup.from_run(run, data_dir, cfg=cfg, tokenizer=tokenizer, vcfg=vcfg or VerifyConfig())
+    setup = Setup.from_parts(
+        parts, data_dir, cfg=cfg, tokenizer=tokenizer, vcfg=vcfg or VerifyConfig()
+    )
     report = run_checks(setup, names, subset if not checks else "custom")
     if out_dir is not None:
         md, js = report.write(out_dir)
@@ -282,7 +284,7 @@ def run_suite(
 
 
 def verify_before_training(
-    run: Run,
+    parts: Parts,
     log=print,
     out_dir=None,
     subset: str = "fast",
@@ -294,11 +296,11 @@ def verify_before_training(
     loader. The checks that step or train get fresh copies made like the run's: the same model
     class and config, the same optimizer recipe mirrored group by group (so a parameter the
     run's optimizer misses is missed here too) and the run's loader factory."""
-    setup = Setup.from_run(
-        run,
-        run.loader.data_dir,
-        make_model=fresh_like(run.model, run.device),
-        make_optimizer=lambda m: mirror_optimizer(run.optimizer, run.model, m),
+    setup = Setup.from_parts(
+        parts,
+        parts.loader.data_dir,
+        make_model=fresh_like(parts.model, parts.device),
+        make_optimizer=lambda m: mirror_optimizer(parts.optimizer, parts.model, m),
         vcfg=vcfg or VerifyConfig(),
     )
     log(f"verifying before step 1 ({subset} subset; --skip-verify skips it)")

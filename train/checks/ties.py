@@ -28,7 +28,7 @@ from doel.train.checks.base import (
     rel_err,
     strip_prefix,
 )
-from doel.train.gradflow import unwrap
+from doel.train.dist import unwrap
 
 CHECKED = (
     "declared ties are one tensor through every wrapper (compile, DDP, FSDP) and the shared "

@@ -105,7 +105,7 @@ def verify_shards(paths: list[Path], digests: list[str]) -> None:
         if got != want:
             raise Damaged(
                 f"{path} does not match the sha256 meta.json records for it: damaged since "
-                "`doel-train prepare` wrote it; prepare it again, or pass --no-verify to train "
+                "`doel-train prepare` wrote it; prepare it again, or pass --no-checksums to train "
                 "on it as it is"
             )
         _VERIFIED.add(key)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from doel.train.common import DoelError
+from doel.train.dist import unwrap
 from doel.train.evals.tasks import Item, load_task
-from doel.train.gradflow import unwrap
 from doel.train.model import Llama
 
 Request = tuple[str, str]

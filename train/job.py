@@ -2,7 +2,7 @@
 
 `launch` (process group, the run folder locked, rank-0 logging; Ctrl-C and a time-out: one line) →
 `Job.prepare` (--fresh, train_config.json, the latest checkpoint to resume from) → the caller
-builds its Run with `build_run` (train/build.py), which resumes model, optimizer, RNG and loader,
+builds its Run with `build_parts` (train/build.py), which resumes model, optimizer, RNG and loader,
 whatever the loader → `Job.train`: the checks before step 1, not repeated on an unchanged resume
 (`verify_key`), or with --skip-verify the gradient-flow gate alone → metrics.jsonl → the step
 loop (train/loop.py) → RUN_DIR/final and its card. What differs between fit and sft comes in as
@@ -21,7 +21,7 @@ import torch
 
 from doel.contracts import checksums, read_json
 from doel.contracts.lock import FolderLock
-from doel.train.build import Run
+from doel.train.build import Parts
 from doel.train.checkpoint import latest_checkpoint
 from doel.train.common import DoelError, Interrupted, atomic_write_json
 from doel.train.config import resolved
@@ -33,9 +33,9 @@ from doel.train.dist import (
     require_shared_folder,
     shutdown,
 )
-from doel.train.gradflow import check_gradient_flow
+from doel.train.gradflow import check_gradient_flow, step_loss
 from doel.train.hf import save_model
-from doel.train.loop import RunLoop
+from doel.train.loop import StepLoop
 from doel.train.metrics import MetricsLog
 from doel.train.threads import thread_hook
 
@@ -50,7 +50,7 @@ class GradientFlowError(DoelError):
 def launch(cfg, out_dir, body: Callable[[Job], Path], *, command: str, log=print, **asked) -> Path:
     """Run `body(job)` in the process group torchrun set up (or one process), with the run
     folder locked (`command` names the holder to a second process); rank 0 alone logs.
-    `asked`: fresh, skip_verify, no_verify, step_hook (Job's fields). Ctrl-C before the steps
+    `asked`: fresh, skip_verify, no_checksums, step_hook (Job's fields). Ctrl-C before the steps
     or while saving the final model, and a collective that timed out, end in one line that
     says what to do."""
     out = Path(out_dir)
@@ -101,7 +101,7 @@ class Checks:
     besides the config, world size and torch (hashes of the data, of the base model), called
     only when the checks are not skipped; `skipped` names what --skip-verify leaves out."""
 
-    run: Callable[[Path | None], object]
+    perform: Callable[[Path | None], object]
     inputs: Callable[[], dict]
     skipped: str
 
@@ -124,16 +124,11 @@ def resume_note(out: Path) -> str:
     return f"the last checkpoint is {last}; run the same command to resume from it"
 
 
-def gradient_gate(run: Run, log) -> None:
+def gradient_gate(parts: Parts, log) -> None:
     """Run the gate on the exact model the step calls (wrapped, compiled) and the loader's next
     batch, without consuming it."""
-    x, y = (torch.as_tensor(a, device=run.device) for a in run.loader.peek(1)[0])
-
-    def loss_fn(m, batch):  # the training step's own call, so a compiled graph is reused
-        with run.ctx():
-            return m(*batch, reduction="sum") / batch[1].numel()
-
-    report = check_gradient_flow(run.compiled, (x, y), loss_fn=loss_fn)
+    x, y = (torch.as_tensor(a, device=parts.device) for a in parts.loader.peek(1)[0])
+    report = check_gradient_flow(parts.compiled, (x, y), loss_fn=step_loss(parts.ctx))
     log(report.format())
     if not report.ok:
         raise GradientFlowError("refusing to train: the gradient-flow gate failed (above)")
@@ -150,7 +145,7 @@ class Job:
     log: Callable[[str], object]
     fresh: bool = False
     skip_verify: bool = False
-    no_verify: bool = False  # the recorded hashes of shards and checkpoints go unchecked
+    no_checksums: bool = False  # the recorded hashes of shards and checkpoints go unchecked
     step_hook: Callable[[int], object] | None = None
     resume_from: Path | None = None
 
@@ -173,28 +168,30 @@ class Job:
         self.resume_from = latest_checkpoint(out)
         return self.resume_from
 
-    def train(self, run: Run, checks: Checks, *, tok_path, meta, loop=RunLoop, **loop_kw) -> Path:
-        """The checks before step 1, then the steps to RUN_DIR/final. `loop` is the RunLoop
+    def train(
+        self, parts: Parts, checks: Checks, *, tok_path, meta, loop=StepLoop, **loop_kw
+    ) -> Path:
+        """The checks before step 1, then the steps to RUN_DIR/final. `loop` is the StepLoop
         class (sft's ChatLoop) and `loop_kw` its own arguments; `meta` is what the card says
         about the data. Returns the final model folder."""
-        self.verify(run, checks)
+        self.verify(parts, checks)
         metrics = None
         if self.info.is_main:  # a resumed run's file goes on from its step
-            resume_step = run.step if self.resume_from is not None else None
+            resume_step = parts.step if self.resume_from is not None else None
             metrics = MetricsLog(self.out / "metrics.jsonl", resume_step=resume_step)
         steps = loop(
-            run=run,
+            parts=parts,
             metrics=metrics,
             out=self.out,
             tok_path=tok_path,
             log=self.log,
             # on a CPU, the thread count measured on the steps themselves (train/threads.py)
-            step_hook=thread_hook(run.device, self.info.enabled, self.log, self.step_hook),
+            step_hook=thread_hook(parts.device, self.info.enabled, self.log, self.step_hook),
             **loop_kw,
         )
-        return run_to_the_end(steps, run, meta, metrics, self.info)
+        return train_to_the_end(steps, parts, meta, metrics, self.info)
 
-    def verify(self, run: Run, checks: Checks) -> None:
+    def verify(self, parts: Parts, checks: Checks) -> None:
         """The checks, unless --skip-verify or an unchanged resume: then the gradient-flow gate
         alone, on the exact model the step calls. Under torchrun the checks always run: each
         rank would read its own copy of the key, and ranks that disagreed would wait forever
@@ -202,51 +199,51 @@ class Job:
         out, info, log = self.out, self.info, self.log
         if self.skip_verify:
             log(f"WARNING: --skip-verify: {checks.skipped}; only the gradient-flow gate runs")
-            gradient_gate(run, log)
+            gradient_gate(parts, log)
             return
-        key = verify_key(run.cfg, info, checks.inputs())
+        key = verify_key(parts.cfg, info, checks.inputs())
         if self.resume_from is not None and not info.enabled and read_json(out / VERIFIED) == key:
             log(
                 f"verification: passed before step 1 of this unchanged run ({out / VERIFIED}); "
                 "not repeated on resume, the gradient-flow gate runs"
             )
-            gradient_gate(run, log)
+            gradient_gate(parts, log)
             return
-        checks.run(out / "verify" if info.is_main else None)
+        checks.perform(out / "verify" if info.is_main else None)
         if info.is_main:
             atomic_write_json(out / VERIFIED, key)
 
 
-def run_to_the_end(loop: RunLoop, run: Run, meta: dict, metrics, info: DistInfo) -> Path:
+def train_to_the_end(loop: StepLoop, parts: Parts, meta: dict, metrics, info: DistInfo) -> Path:
     """The steps from the run's own, then the final model and its card; Ctrl-C is one line
     naming how to resume (checkpoints are atomic, so the last one is whole)."""
     out = loop.out
     try:
-        loop.loop(run.step, run.tokens_seen, meta)
+        loop.train_from(parts.step, parts.tokens_seen, meta)
     except KeyboardInterrupt:
-        step = getattr(loop, "step", run.step)
+        step = getattr(loop, "step", parts.step)
         raise Interrupted(f"interrupted at step {step}; {resume_note(out)}") from None
     finally:
         if metrics:
             metrics.close()
-    final = _save_final(run, out, loop.tok_path, info, loop.log)
+    final = _save_final(parts, out, loop.tok_path, info, loop.log)
     loop.card(final)
     return final
 
 
-def _save_final(run: Run, out: Path, tok_path, info: DistInfo, log) -> Path:
+def _save_final(parts: Parts, out: Path, tok_path, info: DistInfo, log) -> Path:
     """The full model, gathered to rank 0, written atomically to RUN_DIR/final."""
-    model_sd = full_model_state(run.wrapped)
+    model_sd = full_model_state(parts.wrapped)
     final = out / "final"
     if info.is_main:
         tmp = out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
         save_model(
-            run.model,
+            parts.model,
             tmp,
             tokenizer=tok_path,
             state_dict=model_sd,
-            extra_json={"train_config.json": resolved(run.cfg)},
+            extra_json={"train_config.json": resolved(parts.cfg)},
         )
         atomic_write_json(tmp / checksums.NAME, checksums.record(tmp))  # doel-export checks it
         shutil.rmtree(final, ignore_errors=True)

@@ -10,7 +10,7 @@ avoids).
 A batch-size ramp (`batch_ramp_fraction`) splits a step, never the data: every step is still
 grad_accum micro-batches, read in the same order, but over the first fraction of the steps they
 make several optimizer updates of fewer micro-batches each (`micro_batches_per_update`,
-`run_step`). A step is thus a fixed number of tokens, not one update: steps, warmup_steps, the
+`take_step`). A step is thus a fixed number of tokens, not one update: steps, warmup_steps, the
 lr schedule, log_every, eval_every, checkpoint_every and the checkpoints' names count these
 steps, so a ramp changes neither a run's tokens nor where it resumes.
 """
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from doel.train.dist import all_reduce_sum
 from doel.train.model import IGNORE_INDEX
-from doel.train.optim import build_optimizer, set_lr  # noqa: F401 (build_optimizer: re-exported)
+from doel.train.optim import set_lr
 from doel.train.settings import TrainConfig
 
 
@@ -67,7 +67,7 @@ def updates_before(step: int, cfg: TrainConfig) -> int:
     return ramped + step - ramp
 
 
-def run_step(
+def take_step(
     model, optimizer, micro_batches, per_update: int, lr: float, grad_clip=1.0, ctx=None
 ) -> dict:
     """One step of a run: its micro-batches in consecutive optimizer updates of `per_update`

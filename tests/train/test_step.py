@@ -5,28 +5,20 @@ fit's does, and both runs' checks before step 1 are cached by one key."""
 from __future__ import annotations
 
 import copy
-import json
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from doel.train.build import build_run
-from doel.train.checkpoint import latest_checkpoint, save_checkpoint
 from doel.train.common import DoelError
 from doel.train.config import load_config
-from doel.train.data.chat import ChatData, ChatLoader
-from doel.train.dist import DistInfo
 from doel.train.model import Llama, ModelConfig
-from doel.train.optim import MuonAdamW, describe_groups
-from doel.train.run import VERIFIED, Checks, Job, verify_key
-from doel.train.trainer import (
-    TrainConfig,
-    build_optimizer,
+from doel.train.optim import MuonAdamW, build_optimizer, describe_groups
+from doel.train.settings import TrainConfig
+from doel.train.step import (
     lr_at,
     micro_batches_per_update,
-    run_step,
+    take_step,
     train_step,
     updates_before,
 )
@@ -130,7 +122,7 @@ def test_run_step_updates_once_per_group_of_micro_batches():
     a = Llama(MODEL)
     b, c = copy.deepcopy(a), copy.deepcopy(a)
     opts = [build_optimizer(m, cfg(optimizer="muon"), torch.device("cpu")) for m in (a, b, c)]
-    ramped = run_step(a, opts[0], micro, 1, lr=1e-2)
+    ramped = take_step(a, opts[0], micro, 1, lr=1e-2)
     one = train_step(b, opts[1], micro[:1], lr=1e-2)
     two = train_step(b, opts[1], micro[1:], lr=1e-2)
     assert ramped["updates"] == 2 and int(ramped["tokens"]) == 64 - 10
@@ -138,7 +130,7 @@ def test_run_step_updates_once_per_group_of_micro_batches():
     mean = (float(one["loss"]) * 22 + float(two["loss"]) * 32) / 54
     assert float(ramped["loss"]) == pytest.approx(mean, rel=1e-6)
     assert torch.equal(ramped["grad_norm"], two["grad_norm"])
-    whole = run_step(c, opts[2], micro, 2, lr=1e-2)  # no ramp: exactly train_step
+    whole = take_step(c, opts[2], micro, 2, lr=1e-2)  # no ramp: exactly train_step
     assert whole["updates"] == 1 and float(whole["loss"]) != float(ramped["loss"])
     assert not torch.equal(c.lm_head.weight, a.lm_head.weight)
 
@@ -227,79 +219,3 @@ def test_a_muon_step_matches_a_float64_reference_of_the_update():
         moved, want = p.detach().double() - w0[s].double(), ref[s] - w0[s].double()
         # bf16 Newton-Schulz: a few bf16 epsilons (2^-8) of the update, not a wrong formula
         assert float((moved - want).norm() / want.norm()) < 0.03, s
-
-
-def chat_run(resume_from=None, log=lambda s: None):
-    """What sft builds: build_run with a ChatLoader (5 conversations, 2 a batch) and no shards."""
-    rng = np.random.default_rng(0)
-    ids = [rng.integers(7, MODEL.vocab_size, size=n) for n in (9, 12, 17, 5, 20)]
-    data = ChatData(ids=ids, masks=[np.arange(len(a)) % 2 == 1 for a in ids])
-    c = cfg(batch_size=2, dtype="float32")
-    return build_run(
-        c,
-        None,
-        loader_factory=lambda: ChatLoader(data, 2, c.seq_len, c.seed, {"pad": 0}),
-        device=torch.device("cpu"),
-        compile=False,
-        resume_from=resume_from,
-        log=log,
-    )
-
-
-def test_sft_s_chat_loader_resumes_through_build_run_as_fit_s_shards_do(tmp_path):
-    run = chat_run()
-    for _ in range(3):  # into the second epoch: 2 batches of 2 use 4 of the 5 conversations
-        run.loader.next_batch()
-    state = {"loader": run.loader.state_dict(), "tokens_seen": 99}
-    save_checkpoint(tmp_path, 3, run.wrapped, run.optimizer, state)
-    expected = [run.loader.next_batch() for _ in range(3)]
-    lines = []
-    resumed = chat_run(latest_checkpoint(tmp_path), lines.append)
-    assert (resumed.step, resumed.tokens_seen) == (3, 99)
-    assert any(line.startswith("resuming from") and "(step 3)" in line for line in lines)
-    got = [resumed.loader.next_batch() for _ in range(3)]
-    assert all(np.array_equal(a, b) for e, g in zip(expected, got) for a, b in zip(e, g))
-    assert not np.array_equal(chat_run().loader.next_batch()[0], expected[0][0])  # not a fresh one
-
-
-def test_the_checks_before_step_1_are_cached_by_one_key_of_each_run_s_inputs(tmp_path):
-    run, calls = chat_run(), []
-
-    def checks(data_hash):  # sft's inputs; fit's are the shards' meta.json hash
-        def run_them(out):
-            calls.append(out)
-            out.mkdir(parents=True, exist_ok=True)
-
-        inputs = {"data_sha256": data_hash}
-        return Checks(run=run_them, inputs=lambda: inputs, skipped="the chat checks did not run")
-
-    def verify(data_hash, resumed=True, skip_verify=False):
-        lines = []
-        ckpt = tmp_path / "checkpoints" / "step-000002" if resumed else None
-        cpu = torch.device("cpu")
-        # resume_from: what prepare() finds; only whether there is one matters to verify()
-        job = Job(
-            out=tmp_path,
-            info=DistInfo(),
-            device=cpu,
-            log=lines.append,
-            resume_from=ckpt,
-            skip_verify=skip_verify,
-        )
-        job.verify(run, checks(data_hash))
-        return lines
-
-    verify("a", resumed=False)
-    assert calls == [tmp_path / "verify"]
-    key = json.loads((tmp_path / VERIFIED).read_text())
-    assert key == verify_key(run.cfg, DistInfo(), {"data_sha256": "a"})
-    assert list(key) == ["config", "data_sha256", "world_size", "torch"]
-    lines = verify("a")  # an unchanged resume: the gate alone
-    assert len(calls) == 1 and any("not repeated on resume" in line for line in lines)
-    assert any("every one has a finite, nonzero gradient" in line for line in lines)
-    verify("b")  # other data: checked again
-    assert len(calls) == 2
-    lines = verify("c", skip_verify=True)
-    assert len(calls) == 2 and lines[0] == (
-        "WARNING: --skip-verify: the chat checks did not run; only the gradient-flow gate runs"
-    )
