@@ -1,4 +1,4 @@
-"""`doel-serve BUNDLE` (or `python -m serve`): the HTTP server on an export bundle.
+"""`doel-serve BUNDLE` (or `python -m doel.serve`): the HTTP server on an export bundle.
 
 It binds 127.0.0.1 unless told otherwise; an API key (`--api-key-file`, DOEL_API_KEY or
 `--api-key`) guards every route but /health and the playground page; binding another address
