@@ -310,7 +310,7 @@ def summary(out: Path, m: dict) -> str:
     if "web" in m:
         lines.append(
             f"  browser page: {out / 'web'} ({m['web']['bytes'] / 1e6:.1f} MB); try it with "
-            f"python -m export.web serve {out / 'web'}"
+            f"python -m doel.export.web serve {out / 'web'}"
         )
     if "ort_format_vs_onnx" in p:
         ort = p["ort_format_vs_onnx"]

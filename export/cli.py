@@ -1,4 +1,4 @@
-"""`doel-export` (or `python -m export`): a thin command line over `export_checkpoint`.
+"""`doel-export` (or `python -m doel.export`): a thin command line over `export_checkpoint`.
 
 Heavy imports happen inside `main`, so a missing extra is reported with the `pip install` line
 that fixes it.

@@ -32,7 +32,7 @@ Why so:
 - The weights are pieces named by their hash, so the page keeps each in Cache Storage and a new
   export never reads a stale one; the worker checks each fresh piece's sha256.
 - Threads: a browser gives WebAssembly threads only to a cross-origin isolated page (two response
-  headers). `python -m export.web serve` sends them; on a host that cannot (GitHub Pages), the
+  headers). `python -m doel.export.web serve` sends them; on a host that cannot (GitHub Pages), the
   page's service worker (sw.js) adds them and the page reloads once. Without either: one thread.
 - The runtime comes from the npm registry at export time (export/web/package-lock.json pins it),
   installed once into a cache folder (DOEL_WEB_RUNTIME names a node_modules folder instead).
@@ -278,7 +278,7 @@ def static_server(folder: Path, port: int = 0, host: str = "127.0.0.1", isolated
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m export.web",
+        prog="python -m doel.export.web",
         description="write BUNDLE/web for an existing bundle, or serve a web folder locally",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)

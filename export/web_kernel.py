@@ -9,12 +9,13 @@ the page uses onnxruntime-web). Only the graph ONNX Runtime's model builder writ
 Llama architecture is accepted, node by node; anything else is refused, never guessed.
 
 The two .wasm files are committed beside kernel.c (export/web/) and rebuilt by
-`python -m export.web_kernel` with zig's clang (PyPI `ziglang`, pinned in pyproject's dev
+`python -m doel.export.web_kernel` with zig's clang (PyPI `ziglang`, pinned in pyproject's dev
 extra); tests/export/test_web_kernel.py checks a rebuild gives the same bytes.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -154,6 +155,15 @@ def build(out_dir: Path = KERNEL.parent) -> list[Path]:
     return made
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m doel.export.web_kernel",
+        description="rebuild the page's two kernel .wasm files from kernel.c (zig's clang)",
+    )
+    ap.parse_args(argv)
     for path in build():
         print(f"wrote {path} ({path.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -102,7 +102,7 @@ def live_server(
     tries: int = 3,
     nofile: tuple[int, int] | None = None,
 ) -> Iterator[LiveServer]:
-    """`python -m serve BUNDLE --port P --threads 1 ARGS...`, healthy, stopped on exit;
+    """`python -m doel.serve BUNDLE --port P --threads 1 ARGS...`, healthy, stopped on exit;
     `nofile`: the server's open-file limit (soft, hard) as it starts."""
     env = {k: v for k, v in os.environ.items() if k != "DOEL_API_KEY"}
     for attempt in range(1, tries + 1):

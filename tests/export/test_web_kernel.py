@@ -22,7 +22,7 @@ def test_the_committed_wasm_files_are_kernel_c_built(tmp_path):
     for made in build(tmp_path):
         committed = KERNEL.parent / made.name
         assert made.read_bytes() == committed.read_bytes(), (
-            f"{committed.name} is not kernel.c's build: run python -m export.web_kernel"
+            f"{committed.name} is not kernel.c's build: run python -m doel.export.web_kernel"
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(WASM.values())
 
