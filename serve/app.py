@@ -22,21 +22,19 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from doel.contracts.errors import error_dict
+from doel.contracts.errors import error_body
 from doel.serve import chat, playground, responses
 from doel.serve import completions as completion
-from doel.serve.completions import respond
+from doel.serve.answer import respond
 from doel.serve.guard import AllowedHosts, Guard
 from doel.serve.jsonbody import decode_error, parse_failure
-from doel.serve.limits import DEFAULT_BODY_RATE, DEFAULT_MAX_MESSAGES
 from doel.serve.metrics import CountRequests, Metrics
 from doel.serve.protocol import (
     CONTEXT_LENGTH,
@@ -53,10 +51,9 @@ from doel.serve.protocol import (
 )
 from doel.serve.protocol_chat import MESSAGE_LIMIT, ChatCompletion, ChatCompletionRequest
 from doel.serve.protocol_responses import ResponsesRequest
-from doel.serve.ratelimit import DEFAULT_REQUEST_RATE
 from doel.serve.service import RequestError, Service
-from doel.serve.tenants import DEFAULT_MODE
-from doel.serve.verify import Damaged, Verification
+from doel.serve.settings import Settings
+from doel.serve.verify import Damaged
 
 log = logging.getLogger("doel.serve")
 ERRORS = {
@@ -66,35 +63,10 @@ ERRORS = {
 }
 
 
-@dataclass(frozen=True)
-class Settings:
-    bundle: str
-    model_name: str | None = None  # default: the bundle folder's name
-    threads: int = 0  # ONNX Runtime intra-op threads; 0: one per core
-    api_key: str | None = None  # when set, `Authorization: Bearer KEY` on all but /health
-    max_queue: int = 16  # requests waiting for a slot before 429
-    slots: int = 4  # sequences decoded together (each holds a full-context KV cache)
-    max_body_bytes: int = 1 << 20
-    cors_origins: tuple[str, ...] = ()  # none: CORS off
-    max_headers: int = 256  # as vLLM; more is refused with 431
-    allowed_hosts: tuple[str, ...] | None = None  # Host names answered (any port); None: any
-    docs: bool = False  # /docs, /redoc, /openapi.json (the pages load their scripts from a CDN)
-    url: str | None = None  # the server's address, printed in one line once the model is ready
-    api_keys: dict[str, str] | None = None  # {key: tenant} (serve/tenants.py); with api_key: both
-    prefix_cache: str = DEFAULT_MODE  # per-tenant, shared or off (serve/tenants.py)
-    max_messages: int = DEFAULT_MAX_MESSAGES  # in one chat request; more is a 400
-    client_body_rate: int = DEFAULT_BODY_RATE  # body bytes a second a client sends; 0: any
-    client_request_rate: int = DEFAULT_REQUEST_RATE  # requests a second a client sends; 0: any
-    verify: Verification | None = None  # the bundle's hashes being checked (serve/verify.py)
-    exit_on_damage: bool = False  # doel-serve: a damaged bundle stops the server (cli.py)
-
-
 def error(status: int, message: str, kind: str, param: str | None = None, headers=None):
-    """A refusal in OpenAI's error shape (doel.contracts.errors, which the middleware and the
-    connection limits answer with too)."""
-    return JSONResponse(
-        error_dict(status, message, kind, param), status_code=status, headers=headers
-    )
+    """A refusal as a response, its body the one the middleware and the connection write too."""
+    body = error_body(status, message, kind, param)
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -270,7 +242,7 @@ class ModelContext:
     (protocol.CONTEXT_LENGTH), and a chat's messages by --max-messages (MESSAGE_LIMIT), which
     the body's validation reads."""
 
-    def __init__(self, app, state, max_messages: int = DEFAULT_MAX_MESSAGES):
+    def __init__(self, app, state, max_messages: int = Settings.max_messages):
         self.app, self.state, self.max_messages = app, state, max_messages
 
     async def __call__(self, scope, receive, send):
@@ -294,7 +266,7 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
         **{k: v if settings.docs else None for k, v in pages.items()},
     )
     app.state.metrics = Metrics()
-    app.state.prefix_cache = settings.prefix_cache  # read by completions.respond
+    app.state.prefix_cache = settings.prefix_cache  # read by `respond`
     install_errors(app)
     add_routes(app, settings)
     # Innermost: only the routes read it.

@@ -1,9 +1,9 @@
-"""Serving a chat completion: messages rendered with the bundle's chat template
-(serve/template.py), the reply generated as completions are (the same scheduler, limits,
-disconnect watch and answer skeleton, serve/completions.py) until the end-of-turn token or EOS,
+"""Serving a chat completion: messages rendered with the bundle's chat template (`ChatTemplate`),
+the reply generated as completions are (the same scheduler, limits, disconnect watch and answer
+skeleton, `doel.serve.answer`) until the end-of-turn token or EOS,
 and answered in OpenAI's chat shapes: one `chat.completion`, or `chat.completion.chunk` events
 whose first delta names the role and whose last carries the finish reason (then, with
-`stream_options.include_usage`, a chunk with the usage and no choices). Tools (serve/tools.py)
+`stream_options.include_usage`, a chunk with the usage and no choices). Tools (`tools.plan`)
 decide what the prompt shows, what the reply is constrained to and how its text is read: as
 content, or as tool calls (deltas in a stream, assembled in a whole answer).
 """
@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 
 from doel.serve import tools
-from doel.serve.completions import envelope, events, joined, usage_of
+from doel.serve.answer import envelope, events, joined, usage_of
 from doel.serve.protocol_chat import (
     AssistantMessage,
     ChatChoice,

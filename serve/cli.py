@@ -26,13 +26,18 @@ import socket
 import sys
 from pathlib import Path
 
-from doel.serve.limits import DEFAULT_BODY_RATE, DEFAULT_MAX_MESSAGES  # stdlib only
-from doel.serve.ratelimit import BURST_SECONDS, DEFAULT_REQUEST_RATE, PROBE_FACTOR  # stdlib
-from doel.serve.tenants import DEFAULT_MODE, MODES, KeyFileError, parse_keys
+from doel.serve.ratelimit import BURST_SECONDS, MAX_BODY_WAIT, PROBE_FACTOR  # stdlib
+from doel.serve.settings import Settings  # stdlib only: every default below is its field's
+from doel.serve.tenants import MODES, KeyFileError, parse_keys
 
 EXTRA_HINT = "pip install 'doel[serve]'"
 KEY_ENV = "DOEL_API_KEY"
 FD_RESERVE = 64  # descriptors kept for the model's files, the log and the listening socket
+
+
+def mib(n: int) -> str:
+    """A byte count as help shows it: '1 MiB' for a whole number of MiB, else the bytes."""
+    return f"{n >> 20} MiB" if n and n % (1 << 20) == 0 else f"{n} bytes"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bundle", help="a folder written by doel-export")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: per core)")
+    p.add_argument(
+        "--threads", type=int, default=Settings.threads, help="ONNX Runtime threads (0: per core)"
+    )
     p.add_argument(
         "--api-key-file",
         metavar="PATH",
@@ -57,35 +64,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--slots",
         type=int,
-        default=4,
-        help="requests decoded together, each holding a KV cache (default 4)",
+        default=Settings.slots,
+        help=f"requests decoded together, each holding a KV cache (default {Settings.slots})",
     )
     p.add_argument(
-        "--max-queue", type=int, default=16, help="waiting requests before 429 (default 16)"
+        "--max-queue",
+        type=int,
+        default=Settings.max_queue,
+        help=f"waiting requests before 429 (default {Settings.max_queue})",
     )
     p.add_argument(
         "--max-body-bytes",
         type=int,
-        default=1 << 20,
-        help="request body size; more is 413 (default 1 MiB)",
+        default=Settings.max_body_bytes,
+        help=f"request body size; more is 413 (default {mib(Settings.max_body_bytes)})",
     )
     p.add_argument(
         "--client-body-rate",
         type=int,
-        default=DEFAULT_BODY_RATE,
+        default=Settings.client_body_rate,
         metavar="BYTES",
-        help="bytes of request bodies one client (API key's tenant, else address) may send a "
-        "second; a large body past it waits its turn, one that would wait over 10 s is 429 "
-        "(default 1 MiB; 0: no limit)",
+        help=f"bytes of request bodies one client (API key's tenant, else address) may send a "
+        f"second; a large body past it waits its turn, one that would wait over "
+        f"{MAX_BODY_WAIT:g} s is 429 (default {mib(Settings.client_body_rate)}; 0: no limit)",
     )
     p.add_argument(
         "--client-request-rate",
         type=int,
-        default=DEFAULT_REQUEST_RATE,
+        default=Settings.client_request_rate,
         metavar="N",
         help=f"requests one client (API key's tenant, else address) may send a second, with a "
         f"burst of {BURST_SECONDS:g} s of them; past it, 429 with Retry-After before the body is "
-        f"read (/health and /metrics apart, at {PROBE_FACTOR}x; default {DEFAULT_REQUEST_RATE}; "
+        f"read (/health and /metrics apart, at {PROBE_FACTOR}x; default "
+        f"{Settings.client_request_rate}; "
         "0: no limit)",
     )
     p.add_argument(
@@ -107,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefix-cache",
         choices=MODES,
-        default=DEFAULT_MODE,
+        default=Settings.prefix_cache,
         help="per-tenant: a cached prompt prefix is reused only for the tenant (API key) that "
         "sent it, and a request's cache_salt; shared: for every tenant; off: never (default "
         "per-tenant; without keys there is one tenant)",
@@ -115,10 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-messages",
         type=int,
-        default=DEFAULT_MAX_MESSAGES,
+        default=Settings.max_messages,
         metavar="N",
         help=f"messages in one chat request; more is refused with 400 (default "
-        f"{DEFAULT_MAX_MESSAGES})",
+        f"{Settings.max_messages})",
     )
     p.add_argument(
         "--no-verify",
@@ -132,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("debug", "info", "warning", "error"),
         help="the server's log level (default info)",
     )
-    limits = p.add_argument_group("connection limits (see serve/limits.py)")
+    limits = p.add_argument_group("connection limits")
     limits.add_argument(
         "--timeout-read",
         type=float,
@@ -158,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument(
         "--max-headers",
         type=int,
-        default=256,
+        default=Settings.max_headers,
         metavar="N",
-        help="headers in a request; more is refused with 431 (default 256)",
+        help=f"headers in a request; more is refused with 431 (default {Settings.max_headers})",
     )
     return p
 
@@ -280,9 +291,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvicorn
 
-        from doel.serve.app import Settings, create_app
+        from doel.serve.app import create_app
+        from doel.serve.connection import protocol_class
         from doel.serve.engine import BundleError, read_bundle
-        from doel.serve.limits import QuietFloods, Refusals, protocol_class, raise_open_files
+        from doel.serve.limits import QuietFloods, Refusals, raise_open_files
         from doel.serve.verify import Verification
     except ModuleNotFoundError as e:
         sys.exit(f"doel-serve needs the {e.name!r} package, part of the serve extra: {EXTRA_HINT}")

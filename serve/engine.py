@@ -123,7 +123,7 @@ class Engine:
     def __init__(
         self,
         bundle: Bundle,
-        threads: int = 0,
+        threads: int,
         slots: int = 1,
         profile: bool = False,
         session_config: dict[str, str] | None = None,

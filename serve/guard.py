@@ -1,8 +1,7 @@
 """ASGI middleware in front of every route: the Host name (`AllowedHosts`); the header count, the
-API key and so the tenant (serve/tenants.py), each client's request rate (serve/ratelimit.py:
-past it, a 429 before anything is read or routed), the body-size limit and each client's body
-rate (`Guard`, with serve/limits.py's BodyBudget: a large body waits, unread, for its client's
-turn).
+API key and so the tenant (`Keys`), each client's request rate (`ClientRates`: past it, a 429
+before anything is read or routed), the body-size limit and each client's body rate (`Guard`,
+with `BodyBudget`: a large body waits, unread, for its client's turn).
 
 It is plain ASGI rather than FastAPI dependencies so that it also covers 404s, the OpenAPI page
 and bodies sent without a Content-Length (chunked), which are read up to the limit and replayed.
@@ -12,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
-from doel.contracts.errors import error_body
-from doel.serve.limits import DEFAULT_BODY_RATE, BodyBudget
 from doel.serve.playground import FONT_PATH
-from doel.serve.ratelimit import DEFAULT_REQUEST_RATE, HOLD, PROBE_PATHS, ClientRates
+from doel.serve.ratelimit import HOLD, PROBE_PATHS, BodyBudget, ClientRates
+from doel.serve.refusal import send_error
+from doel.serve.settings import Settings
 from doel.serve.tenants import Keys
 
 # Answered without a key: probes, and the playground page and its font (they hold no data; the
@@ -25,16 +24,8 @@ OPEN_PATHS = ("/health", "/", FONT_PATH)
 # CORS middleware, outside this one, answers it when --cors-origin is set); no route answers
 # OPTIONS otherwise (405).
 OPEN_METHODS = ("OPTIONS",)
-# Where the Guard puts the tenant of a request that passed the key check (serve/tenants.py);
-# absent without keys.
+# Where the Guard puts the tenant of a request that passed the key check; absent without keys.
 TENANT = "doel.tenant"
-
-
-async def _reply(send, status: int, message: str, kind: str, headers=()) -> None:
-    data = error_body(status, message, kind)
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
-    await send({"type": "http.response.body", "body": data})
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -71,7 +62,7 @@ class AllowedHosts:
         given = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
         if len(given) > 1:
             why = f"the request has {len(given)} Host headers; send one"
-            return await _reply(send, 400, why, "invalid_request_error")
+            return await send_error(send, 400, why, "invalid_request_error")
         name = host_name(given[0]) if given else None  # none: HTTP/1.0, never a browser's
         if name is not None and name not in self.hosts:
             shown = ", ".join(sorted(self.hosts))
@@ -79,7 +70,7 @@ class AllowedHosts:
                 f"this server does not answer for the host {name[:100]!r}, only for {shown}; "
                 f"start it with --allowed-host {name[:100]} to add it"
             )
-            return await _reply(send, 421, why, "invalid_request_error")
+            return await send_error(send, 421, why, "invalid_request_error")
         return await self.app(scope, receive, send)
 
 
@@ -88,15 +79,15 @@ class Guard:
         self,
         app,
         api_key: str | None = None,
-        max_body_bytes: int = 1 << 20,
-        max_headers: int = 256,
+        max_body_bytes: int = Settings.max_body_bytes,
+        max_headers: int = Settings.max_headers,
         keys: dict[str, str] | None = None,
-        body_rate: int = DEFAULT_BODY_RATE,
-        request_rate: float = DEFAULT_REQUEST_RATE,
+        body_rate: int = Settings.client_body_rate,
+        request_rate: float = Settings.client_request_rate,
     ):
-        """`api_key`: one key (one tenant); `keys`: {key: tenant} (serve/tenants.py);
-        `body_rate`: bytes of bodies a client may send a second, 0 for any; `request_rate`:
-        requests a client may send a second (serve/ratelimit.py), 0 for any."""
+        """`api_key`: one key (one tenant); `keys`: {key: tenant}; `body_rate`: bytes of bodies
+        a client may send a second, 0 for any; `request_rate`: requests a client may send a
+        second, 0 for any."""
         self.app, self.api_key, self.limit = app, api_key, max_body_bytes
         self.max_headers = max_headers
         table = keys or ({api_key: "#1"} if api_key else {})
@@ -128,7 +119,7 @@ class Guard:
         if len(scope["headers"]) > self.max_headers:  # h11 caps their bytes (16 KiB), not count
             n = len(scope["headers"])
             why = f"the request has {n} headers; at most {self.max_headers} are accepted"
-            return await _reply(send, 431, why, "invalid_request_error")
+            return await send_error(send, 431, why, "invalid_request_error")
         headers = dict(scope["headers"])
         guarded = scope["path"] not in OPEN_PATHS and scope["method"] not in OPEN_METHODS
         refused = self._refusal(scope) if self.key and guarded else None
@@ -142,13 +133,13 @@ class Guard:
                 f"(--client-request-rate); retry after {after} s"
             )
             retry = [(b"retry-after", str(after).encode())]
-            scope[HOLD] = after  # the connection reads no more until then (serve/ratelimit.py)
-            return await _reply(send, 429, why, "rate_limit_exceeded", retry)
+            scope[HOLD] = after  # the connection reads no more until then
+            return await send_error(send, 429, why, "rate_limit_exceeded", retry)
         if refused:
-            return await _reply(send, *refused)
+            return await send_error(send, *refused)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await _reply(send, 413, self._too_big(), "invalid_request_error")
+            return await send_error(send, 413, self._too_big(), "invalid_request_error")
         if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
             body, more = b"", True
             while more:
@@ -158,7 +149,7 @@ class Guard:
                 body += msg.get("body", b"")
                 more = msg.get("more_body", False)
                 if len(body) > self.limit:
-                    return await _reply(send, 413, self._too_big(), "invalid_request_error")
+                    return await send_error(send, 413, self._too_big(), "invalid_request_error")
             receive = _replay(body, receive)
             length = b"%d" % len(body)
         if self.budget is not None and length is not None and guarded:
@@ -172,8 +163,8 @@ class Guard:
         return scope.get(TENANT) or ("address", (scope.get("client") or ("?",))[0])
 
     async def _paced(self, scope, size: int, send) -> bool:
-        """Wait for the client's body rate (serve/limits.py's BodyBudget): True once the body
-        may be read, False when a 429 was sent for a body that would wait too long."""
+        """Wait for the client's body rate (`BodyBudget`): True once the body may be read,
+        False when a 429 was sent for a body that would wait too long."""
         client = self._client(scope)
         wait = self.budget.charge(client, size)
         if wait is None:
@@ -183,7 +174,7 @@ class Guard:
                 f"(--client-body-rate); retry after {after} s"
             )
             headers = [(b"retry-after", str(after).encode())]
-            await _reply(send, 429, why, "rate_limit_exceeded", headers)
+            await send_error(send, 429, why, "rate_limit_exceeded", headers)
             return False
         if wait > 0:
             await asyncio.sleep(wait)

@@ -14,7 +14,6 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from doel.serve.limits import DEFAULT_MAX_MESSAGES
 from doel.serve.logprobs import MAX_TOP
 from doel.serve.protocol import (
     MAX_TOKENS,
@@ -25,12 +24,13 @@ from doel.serve.protocol import (
     of_kinds,
     unicode_text,
 )
+from doel.serve.settings import Settings
 
 # Messages in one chat request: each renders to 2 tokens at least (its role and end markers),
 # so more than this cannot fit any context a doel model has. The schema's bound; the server's
 # own (`--max-messages`, set by the app for each request) is lower.
 MAX_MESSAGES = 1 << 12
-MESSAGE_LIMIT: ContextVar[int] = ContextVar("doel_message_limit", default=DEFAULT_MAX_MESSAGES)
+MESSAGE_LIMIT: ContextVar[int] = ContextVar("doel_message_limit", default=Settings.max_messages)
 MAX_TOOLS = 128  # as OpenAI
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # as OpenAI: a name that needs no quoting anywhere
 MAX_ID_CHARS = 256

@@ -1,30 +1,17 @@
-"""Each client's rate of REQUESTS (--client-request-rate), asked by the Guard (serve/guard.py)
-before it reads a body or routes anything: a token bucket per client, and a request past it is
-refused at once with 429 and Retry-After, the cheapest answer the server has.
+"""Each client's rates, as token buckets (`Buckets`): its REQUESTS (`RequestRate`,
+--client-request-rate), refused past it with 429 and Retry-After before a body is read or
+anything routed, the cheapest answer the server has; and its BODY BYTES (`BodyBudget`,
+--client-body-rate), a large body past it waiting, unread, for the client's turn. The Guard asks
+both; a client is its API key's tenant, else its address.
 
-Why: serve/limits.py's BodyBudget paces large bodies, but a flood of small requests (GET /health,
-tiny bad requests) costs the event loop that serves every client per request, not per byte:
-six clients looping /health, bad JSON and a wrong key back to back slowed another's 7 ms chat
-to 81-89 ms.
-
-A client is what BodyBudget's is (its API key's tenant, else its address). Probes (/health,
-/metrics) are counted in a bucket of their own: an orchestrator polling /health from an address
-whose other requests are over the rate still sees the server up. Probes are the cheapest
-requests there are (no body, no model), and tools that measure a server's responsiveness poll
-/health every few milliseconds (tests/serve/test_abuse.py asks it every 2 ms), so their rate is
-PROBE_FACTOR times the API's, with a burst of one second of it: still bounded, and a flood of
-/health is held like any other (tests/serve/test_ratelimit.py measures one beside a chat).
-
-Refusing is not enough by itself: a client that sends its next request as soon as the 429
-arrives still costs the event loop its parsing and answer, and six such clients slowed another's
-7 ms chat to 70 ms though each was refused before routing. So the 429 is sent at once, and then
-the connection it went out on reads nothing more until its Retry-After (serve/limits.py's
-protocol, told by the Guard through scope[HOLD]): a client that honours Retry-After never sees
-the difference, one that does not waits anyway, unanswered and costing nothing (8.6 ms beside
-the same flood). Held connections count towards --max-connections (as idle ones already could,
-up to --timeout-read), so past half of it a refused connection is closed instead. A client that
-opens a new connection for every request is not slowed by the hold, and still costs an accept
-and a parse each (57 ms beside the chat): that is for a firewall's or a proxy's connection rate.
+Why: the event loop serves every client, and a flood costs it per request (small ones) or per
+byte (JSON bodies are parsed on it), so one client's flood would slow everyone's chat. Probes
+(/health, /metrics) have a bucket of their own, PROBE_FACTOR times faster, so that an
+orchestrator polling from a flooding address still sees the server up. A refused client's
+connection then reads nothing until its Retry-After (scope[HOLD], which the connection reads),
+so one that does not honour it waits anyway, costing nothing. Bodies up to SMALL_BODY never
+wait: a client's chats are not held behind its own large bodies. The figures behind these
+choices: tests/serve/test_ratelimit.py and tests/serve/test_shared.py measure them.
 """
 
 from __future__ import annotations
@@ -32,25 +19,20 @@ from __future__ import annotations
 import math
 import time
 
-# 50 requests a second, a burst of 10 s of them. No normal client meets it: a person, a chat
-# page or an agent waits for each answer, and the 0.4B model decodes tens of tokens a second on
-# a CPU, so even a client with several requests in flight sends a few a second. A scripted
-# client sending many at once (an evaluation harness, 200 concurrent requests in
-# tests/serve/test_live.py) fits in the burst. A flood meets it within seconds, and from then on
-# does work at 50 a second, the rest refused before routing.
-DEFAULT_REQUEST_RATE = 50
-BURST_SECONDS = 10.0
+BURST_SECONDS = 10.0  # a request rate's burst, in seconds of it: a harness's batch fits in it
 PROBE_PATHS = ("/health", "/metrics")  # their own bucket per client: see the docstring
-PROBE_FACTOR = 10  # a probe's rate, in API rates: 500 a second by default, one every 2 ms
-# Where the Guard puts a refused request's Retry-After, in seconds: serve/limits.py's connection
-# then reads nothing more from that client for so long (see the docstring).
+PROBE_FACTOR = 10  # a probe's rate, in API rates: tools poll /health every few milliseconds
+# Where the Guard puts a refused request's Retry-After, in seconds: the connection then reads
+# nothing more from that client for so long.
 HOLD = "doel.hold"
+SMALL_BODY = 16 * 1024  # bytes of a body that never waits: a chat's, which costs no parsing
+MAX_BODY_WAIT = 10.0  # seconds a body may wait for its client's rate; longer: 429
 
 
 class Buckets:
     """Token buckets, one a client: each refills at `rate` a second up to `burst`. Clients whose
     bucket is full again are forgotten (one scan per so many remembered). The shared mechanism
-    of RequestRate and serve/limits.py's BodyBudget."""
+    of RequestRate and BodyBudget."""
 
     def __init__(self, rate: float, burst: float, clock=None):
         self.rate, self.burst = rate, burst
@@ -109,3 +91,28 @@ class ClientRates:
 
     def of(self, path: str) -> RequestRate:
         return self.probes if path in PROBE_PATHS else self.api
+
+
+class BodyBudget(Buckets):
+    """A token bucket of body bytes per client: `rate` a second, up to `burst` saved. A body
+    is charged at once (the bucket may go below zero: the bodies behind it wait their turn).
+    `charge` returns the seconds to wait before the body is read, or None when that would be
+    over `max_wait` (nothing charged: the caller refuses it)."""
+
+    def __init__(self, rate: float, burst: int, max_wait: float = MAX_BODY_WAIT, clock=None):
+        super().__init__(rate, burst, clock)
+        self.max_wait = max_wait
+
+    def charge(self, client, size: int) -> float | None:
+        now = self.clock()
+        saved = self.level(client, now)
+        wait = 0.0 if size <= SMALL_BODY else max(0.0, (size - saved) / self.rate)
+        if wait > self.max_wait:
+            return None
+        self.keep(client, saved - size, now)
+        return wait
+
+    def retry_after(self, client, size: int) -> int:
+        """Whole seconds until `size` bytes would pass without waiting over max_wait."""
+        saved = self.level(client, self.clock())
+        return max(1, math.ceil((size - saved) / self.rate - self.max_wait))

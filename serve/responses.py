@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from pydantic import ValidationError
 
 from doel.serve import chat, tools
-from doel.serve.completions import joined
+from doel.serve.answer import joined
 from doel.serve.protocol_chat import ChatCompletionRequest
 from doel.serve.protocol_responses import (
     ResponsesRequest,

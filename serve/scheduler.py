@@ -30,6 +30,7 @@ from doel.serve.engine import Engine
 from doel.serve.logprobs import Record, Scored, score_rows
 from doel.serve.prefix import Hit, Prefixes
 from doel.serve.sampling import SamplingParams, sample
+from doel.serve.settings import Settings
 from doel.serve.structured import Constraint, fill_all
 from doel.serve.tenants import ONE
 
@@ -68,7 +69,7 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_queue: int = 16, park: bool = True):
+    def __init__(self, engine: Engine, max_queue: int = Settings.max_queue, park: bool = True):
         self.engine, self.max_queue = engine, max_queue
         self.park = park and engine.bundle.share_buffer  # held prefixes out of a step's span
         self.waiting: collections.deque[Seq] = collections.deque()

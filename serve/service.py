@@ -26,6 +26,7 @@ from doel.serve.protocol import CompletionRequest
 from doel.serve.refusal import RequestError
 from doel.serve.sampling import SamplingParams
 from doel.serve.scheduler import QueueFull, Scheduler
+from doel.serve.settings import Settings
 from doel.serve.structured import Format, Grammars
 from doel.serve.template import ChatTemplate
 from doel.serve.tenants import ONE
@@ -61,7 +62,7 @@ class Piece:
 
 
 class Service:
-    def __init__(self, engine: Engine, tokenizer, name: str, max_queue: int = 16):
+    def __init__(self, engine: Engine, tokenizer, name: str, max_queue: int = Settings.max_queue):
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.scheduler = Scheduler(engine, max_queue)
         self.metrics = Metrics()  # the app puts its own here, shared with its middleware
@@ -76,10 +77,10 @@ class Service:
     def load(
         cls,
         bundle: str,
-        threads: int = 0,
+        threads: int = Settings.threads,
         name: str | None = None,
-        max_queue: int = 16,
-        slots: int = 1,
+        max_queue: int = Settings.max_queue,
+        slots: int = Settings.slots,
     ):
         b = read_bundle(bundle)
         tok = Tokenizer.from_file(str(b.tokenizer))

@@ -5,10 +5,10 @@ as a different model, without a word.
 Only the files serve reads are checked: the graph and its external data, the tokenizer and its
 config (a bundle's model card or its browser page does not change an answer). Sizes first, at
 no cost; then contents, hashed on threads of their own while the model loads (hashlib lets go
-of the GIL), so a ready server has spent max(load, hash) rather than their sum: sha256 runs at
-0.7-1.1 GB/s a core here, ~0.4-0.6 s for a 0.4B int4 bundle's 400 MB. Requests wait (503,
-"Loading") until both are done; a mismatch is one line naming the file. A bundle written
-before doel recorded hashes is served unchecked. `doel-serve --no-verify` skips the check.
+of the GIL), so a ready server has spent the longer of the load and the hashing rather than
+their sum. Requests wait (503, "Loading") until both are done; a mismatch is one line naming
+the file. A bundle written before doel recorded hashes is served unchecked. `doel-serve
+--no-verify` skips the check.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ theirs.
 
 Paths are relative to the folder, "/"-separated; the record does not list itself, nor files
 written after it (a checkpoint's model card). Hashing runs on several threads (hashlib lets go
-of the GIL on large buffers): sha256 is ~1.1 GB/s a core here, and reading from the page cache
-faster still, so a folder of a few GB is checked in seconds.
+of the GIL on large buffers), so a folder is checked at the disk's speed or the cores', not
+one core's.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_a_bundle_that_fails_to_load_is_reported_on_health(tmp_path):
 
 
 def test_the_routes_the_middleware_and_the_connection_limits_answer_one_error_shape(tmp_path):
-    from doel.serve.limits import _raw
+    from doel.serve.refusal import raw_error as _raw
 
     key = {"Authorization": "Bearer k"}
     with TestClient(create_app(Settings(bundle=str(tmp_path), api_key="k"))) as c:

@@ -12,7 +12,7 @@ import httpx2
 import pytest
 
 from doel.serve.guard import Guard
-from doel.serve.limits import SMALL_BODY, BodyBudget
+from doel.serve.ratelimit import SMALL_BODY, BodyBudget
 
 
 class Clock:

@@ -18,13 +18,10 @@ import pytest
 from live_server import live_server
 
 from doel.serve.guard import Guard
-from doel.serve.ratelimit import (
-    BURST_SECONDS,
-    DEFAULT_REQUEST_RATE,
-    PROBE_FACTOR,
-    ClientRates,
-    RequestRate,
-)
+from doel.serve.ratelimit import BURST_SECONDS, PROBE_FACTOR, ClientRates, RequestRate
+from doel.serve.settings import Settings
+
+DEFAULT_REQUEST_RATE = Settings.client_request_rate
 
 
 class Clock:

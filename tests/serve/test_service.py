@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from doel.serve import chat, completions
+from doel.serve.answer import first_piece
 from doel.serve.app import Settings, create_app
-from doel.serve.completions import first_piece
 from doel.serve.protocol import CompletionRequest
 from doel.serve.protocol_chat import ChatCompletionRequest
 from doel.serve.sampling import SamplingParams

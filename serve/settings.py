@@ -1,0 +1,47 @@
+"""`Settings`: what a server is started with, and the one home of every serve default.
+
+doel-serve's flags, `create_app`, `Service`, the `Scheduler` and the `Guard` take their defaults
+from these fields (`Settings.max_queue`, or `dataclasses.fields(Settings)`), as torchtitan and
+vLLM derive their command lines from one config, so that no default is written twice (a test
+reads the parser and every serve signature against it). Standard library only: the command line
+reads it before the serve extra is imported, to say which package is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from doel.serve.tenants import DEFAULT_MODE
+
+if TYPE_CHECKING:  # it loads onnxruntime, which the command line imports later
+    from doel.serve.verify import Verification
+
+
+@dataclass(frozen=True)
+class Settings:
+    bundle: str
+    model_name: str | None = None  # default: the bundle folder's name
+    threads: int = 0  # ONNX Runtime intra-op threads; 0: one per core
+    api_key: str | None = None  # when set, `Authorization: Bearer KEY` on all but /health
+    max_queue: int = 16  # requests waiting for a slot before 429
+    slots: int = 4  # sequences decoded together (each holds a full-context KV cache)
+    max_body_bytes: int = 1 << 20  # a request body; more is 413
+    cors_origins: tuple[str, ...] = ()  # none: CORS off
+    max_headers: int = 256  # as vLLM; more is refused with 431
+    allowed_hosts: tuple[str, ...] | None = None  # Host names answered (any port); None: any
+    docs: bool = False  # /docs, /redoc, /openapi.json (the pages load their scripts from a CDN)
+    url: str | None = None  # the server's address, printed in one line once the model is ready
+    api_keys: dict[str, str] | None = None  # {key: tenant} (tenants.parse_keys); with api_key: both
+    prefix_cache: str = DEFAULT_MODE  # per-tenant, shared or off (tenants.MODES)
+    # Messages in one chat request; more is a 400. A long conversation has a few hundred turns,
+    # and each costs validation and rendering.
+    max_messages: int = 512
+    # Body bytes a client may send a second (ratelimit.BodyBudget); 0: any.
+    client_body_rate: int = 1 << 20
+    # Requests a client may send a second (ratelimit.RequestRate); 0: any. No person, chat page
+    # or agent meets it (each waits for its answers); a harness sending many at once fits in the
+    # burst; a flood meets it within seconds and is then refused before routing.
+    client_request_rate: int = 50
+    verify: Verification | None = None  # the bundle's hashes being checked, while it loads
+    exit_on_damage: bool = False  # doel-serve: a damaged bundle stops the server
