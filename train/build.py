@@ -1,7 +1,7 @@
-"""Build a training run: the one place that turns a TrainConfig and a shard folder (or sft's
-conversations, through a loader factory) into the objects a run uses. `fit`, `sft`, `verify`,
-`check-gradients` and the recipe's step timing all call `build_parts`, so what they check or
-measure is what training runs, and a run resumes one way whatever its loader.
+"""Build what a run trains with (`Parts`): the one place that turns a TrainConfig and a shard
+folder (or sft's conversations, through a loader factory) into the objects a run uses. `fit`,
+`sft`, `verify`, `check-gradients` and the recipe's step timing all call `build_parts`, so what
+they check or measure is what training runs, and a run resumes one way whatever its loader.
 
 Order: device and dtype → the shards' vocabulary against the model's → loader at this rank
 (first: a loader that refuses its data does so before a model is built) → seed → model on the

@@ -1,11 +1,11 @@
 """`doel-train fit`: shards → a trained model in Hugging Face layout, resumable exactly.
 
-Order of a run, on the skeleton it shares with sft (train/run.py): the shards' meta.json and
-tokenizer against the model → the run folder → `build_parts` (train/build.py: device, dtype,
-model, wrapper, optimizer, loader, resume from the latest checkpoint in RUN_DIR, compile) → the
-fast subset of the verification suite before step 1 (refuses to train on a failure; on an
-unchanged resume the gradient-flow gate alone) → steps with periodic logging, validation and
-atomic checkpoints → RUN_DIR/final. Running the same command again continues from the last
+Order of a run, on the skeleton it shares with sft (`Job`): the shards' meta.json and tokenizer
+against the model → the run folder → `build_parts` (device, dtype, model, wrapper, optimizer,
+loader, resume from the latest checkpoint in RUN_DIR, compile) → the fast subset of the
+verification suite before step 1 (refuses to train on a failure; on an unchanged resume the
+gradient-flow gate alone) → steps with periodic logging, validation and atomic checkpoints →
+RUN_DIR/final. Running the same command again continues from the last
 checkpoint; `fresh=True` starts over.
 """
 

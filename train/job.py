@@ -2,12 +2,13 @@
 
 `launch` (process group, the run folder locked, rank-0 logging; Ctrl-C and a time-out: one line) →
 `Job.prepare` (--fresh, train_config.json, the latest checkpoint to resume from) → the caller
-builds its Run with `build_parts` (train/build.py), which resumes model, optimizer, RNG and loader,
-whatever the loader → `Job.train`: the checks before step 1, not repeated on an unchanged resume
-(`verify_key`), or with --skip-verify the gradient-flow gate alone → metrics.jsonl → the step
-loop (train/loop.py) → RUN_DIR/final and its card. What differs between fit and sft comes in as
-arguments: the model and loader (in the Run), the `Checks` and what their key depends on, the
-loop class (sft's validates on held-out conversations) and the card's extra inputs.
+builds its `Parts` with `build_parts`, which resumes model, optimizer, RNG and loader, whatever
+the loader → `Job.train`: the checks before step 1, not repeated on an unchanged resume
+(`verify_key`), or with --skip-verify the gradient-flow gate alone → metrics.jsonl → the
+`StepLoop` → RUN_DIR/final and its card. What differs between fit and sft comes in as
+arguments: the model and loader (in the Parts), the `Checks` and what their key depends on, the
+loop class (sft's validates on held-out conversations) and the card's extra inputs. One
+skeleton, so that a resume, a Ctrl-C and a cached check behave alike in both commands.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def launch(cfg, out_dir, body: Callable[[Job], Path], *, command: str, log=print
 
 
 def lock_run(out: Path, what: str, info: DistInfo) -> FolderLock | None:
-    """Rank 0 locks the run folder (doel/contracts/lock.py) and every rank learns whether it
+    """Rank 0 locks the run folder (`FolderLock`) and every rank learns whether it
     could: a refused run ends on all ranks at once, none left waiting in a collective."""
     lock, problem = None, None
     if info.is_main:
@@ -96,7 +97,7 @@ def lock_run(out: Path, what: str, info: DistInfo) -> FolderLock | None:
 
 @dataclass(frozen=True)
 class Checks:
-    """A run's checks before step 1. `run(out_dir)` runs them, writes the report to out_dir
+    """A run's checks before step 1. `perform(out_dir)` runs them, writes the report to out_dir
     when given (rank 0) and raises on a failure; `inputs()` is what their result depends on
     besides the config, world size and torch (hashes of the data, of the base model), called
     only when the checks are not skipped; `skipped` names what --skip-verify leaves out."""
@@ -185,7 +186,7 @@ class Job:
             out=self.out,
             tok_path=tok_path,
             log=self.log,
-            # on a CPU, the thread count measured on the steps themselves (train/threads.py)
+            # on a CPU, the thread count measured on the steps themselves
             step_hook=thread_hook(parts.device, self.info.enabled, self.log, self.step_hook),
             **loop_kw,
         )

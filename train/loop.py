@@ -1,6 +1,8 @@
 """The step loop of a run and its bookkeeping: logging (tokens/s, MFU, ETA), the time and cost
-projection, periodic validation, checkpoints, and the non-finite-loss stop. `train/build.py`
-builds the run and `train/run.py` (the skeleton of fit and sft) hands it to `StepLoop`.
+projection, periodic validation, checkpoints, and the non-finite-loss stop. It steps the
+`Parts` that `build_parts` built and `Job.train` hands it; kept apart from them so that `fit`
+and `sft` read as recipes. The loss is checked for NaN only where it is logged or saved: a
+check each step would make the host wait for the device each step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class StepLoop:
     """The step loop and its bookkeeping (kept apart so `fit` and `sft` read as recipes)."""
 
     def __init__(self, *, parts, metrics, out, tok_path, log, step_hook=None, card_extra=None):
-        """`run`: what train/build.py built (model, compiled, optimizer, loader, device,
+        """`parts`: what `build_parts` built (model, compiled, optimizer, loader, device,
         dtype, info, desc); `metrics` the MetricsLog (None off rank 0); `tok_path` the
         tokenizer.json copied into checkpoints; `card_extra` more of write_model_card's
         inputs (sft: the base model and the data)."""

@@ -1,9 +1,9 @@
 """The settings of a run as frozen dataclasses: the model's hyper-parameters (`ModelConfig`,
-named as in `transformers.LlamaConfig`) and the trainer's (`TrainConfig`, with a [model] table).
+named as in `transformers.LlamaConfig`) and training's (`TrainConfig`, with a [model] table).
 
 Standard library only, so the command line validates a config (a preset, a TOML file, --set
-overrides) before it imports torch: a typo fails in a fraction of a second. They are still
-importable as `train.model.ModelConfig` and `train.trainer.TrainConfig`.
+overrides) before it imports torch: a typo fails before the seconds torch takes to load.
+Import them from here (`ModelConfig` is also importable as `doel.train.model.ModelConfig`).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class TrainConfig:
     batch_size: int = 8  # rows per micro-batch
     grad_accum: int = 1  # micro-batches per step (per optimizer update, after any ramp)
     # The first fraction of the steps updates on fewer micro-batches (1 growing to grad_accum),
-    # several updates a step: same tokens, same data order (train/trainer.py). 0: no ramp.
+    # several updates a step: same tokens, same data order (`take_step`). 0: no ramp.
     batch_ramp_fraction: float = 0.0
     steps: int = 1000
     lr: float = 3e-4

@@ -1,14 +1,14 @@
 """`doel-train sft`: chat fine-tuning of a base checkpoint on conversations, resumable exactly.
 
-Order of a run, on the skeleton it shares with fit (train/run.py): the base model's config.json
+Order of a run, on the skeleton it shares with fit (`Job`): the base model's config.json
 replaces the config's [model] → the run folder and its tokenizer (the base's, its
-<|reserved_0..3|> named as the turn markers if it predates them, so the chat template applies;
-train/data/chat.py) → conversations read and checked (train/data/conversations.py) and rendered
-(train/data/chat.py) → `build_parts` with the base weights and a ChatLoader, resumed from the
-latest checkpoint in RUN_DIR (train/build.py) → the checks before step 1: gradient flow,
-parity, ties, causal, step, accumulation and the loss-mask check (train/checks/chat.py) →
-`StepLoop` steps (train/loop.py), validation on held-out conversations → RUN_DIR/final with a
-model card naming the base model (its path, and the sha256 of its weights) and the data.
+<|reserved_0..3|> named as the turn markers if it predates them, so the chat template applies:
+`chat_tokenizer`) → conversations read, checked and rendered (`load_chat_data`) →
+`build_parts` with the base weights and a ChatLoader, resumed from the latest checkpoint in
+RUN_DIR → the checks before step 1: gradient flow, parity, ties, causal, step, accumulation
+and the loss-mask check (`check_loss_mask`) → the `StepLoop`'s steps (`ChatLoop`: validation
+on held-out conversations) → RUN_DIR/final with a model card naming the base model (its path,
+and the sha256 of its weights) and the data.
 
 A run folder records the base it fine-tunes (RUN_DIR/base.json, by the sha256 of its weights):
 when the base changed since (trained further, as a time-limited `fit` resumed later is), the

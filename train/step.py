@@ -1,6 +1,7 @@
-"""The trainer's parts as small functions: learning-rate schedule, one training step,
-validation loss. The config, `TrainConfig`, is in train/settings.py, the optimizer in
-train/optim.py; `train/fit.py` strings them into a run.
+"""One step of training as small functions: the learning-rate schedule, one optimizer update
+(`train_step`), one step of a run (`take_step`: one update, or several in a batch ramp), the
+validation loss. They take a `TrainConfig` and an optimizer built elsewhere; the step loop calls
+them.
 
 Gradient accumulation normalises by tokens, not by micro-batches: the loss of a step is the sum
 of every micro-batch's token losses divided by the step's total target tokens, so k micro-

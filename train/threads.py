@@ -3,8 +3,8 @@
 torch starts one OpenMP thread per core. On a quiet machine that is the fastest; on a busy one
 (a laptop with a browser open, a shared 2-core box) it can be several times slower than one
 thread: every parallel region waits until all its threads are scheduled, and a thread that
-spins waiting for a descheduled peer burns the slice it was given (issue 38: 577 tok/s with
-two threads against 2,669 with one, on 2 cores under a load of 5). Which count wins depends on
+spins waiting for a descheduled peer burns the slice it was given (the demo's training beside a
+busy neighbour: benchmarks/results/demo_load_intel-avx512-amx.md). Which count wins depends on
 the load, so it is measured on the run's own steps, not guessed: a few steps at each count,
 the faster kept, measured again when the step time drifts (the load changed) and now and then.
 No step is wasted: the probe steps are training steps.

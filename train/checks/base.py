@@ -100,7 +100,7 @@ class Setup:
 
     @classmethod
     def from_parts(cls, parts, data_dir, **overrides) -> Setup:
-        """The Setup of a train/build.py Run: its objects and its factories, `overrides` taking
+        """The Setup of what `build_parts` built: its objects and its factories, `overrides` taking
         the place of any field (a fresh-model factory, the tokenizer, thresholds)."""
         fields = dict(
             cfg=parts.cfg,

@@ -5,7 +5,7 @@ through `verify_before_training` and refuses to train on a failure.
 
 The checks live beside this file: base.py (gradient flow), ties.py, parity.py, causal.py,
 steps.py (step, accumulation, resume, throughput) and inputs.py (data, tokenizer); what they
-run on is what train/build.py builds for the run.
+run on is what `build_parts` builds for the run.
 None leaves a trace: the run's loader is peeked, never consumed; its model is never stepped;
 the RNG is forked, so a run with the suite is the run without it.
 """
@@ -259,7 +259,7 @@ def run_suite(
     checks: list[str] | None = None,
     log=print,
 ) -> Report:
-    """Build what `fit` would build from `cfg` (train/build.py: device, dtype, model,
+    """Build what `fit` would build from `cfg` (`build_parts`: device, dtype, model,
     optimizer, loader, compile) and run the subset (or the named `checks`); write verify.md and
     verify.json to out_dir. The factories let tests plant failures: model_factory(cfg) -> model
     (moved to the device here), optimizer_factory(model), loader_factory()."""
@@ -291,7 +291,7 @@ def verify_before_training(
     vcfg: VerifyConfig | None = None,
     names: list[str] | None = None,
 ) -> Report:
-    """The fast subset (or `names`) on a train/build.py Run's own objects, for `fit` before
+    """The fast subset (or `names`) on the `Parts` of a run (its own objects), for `fit` before
     step 1: its eager model, what its step calls (compiled when cfg.compile), its optimizer and
     loader. The checks that step or train get fresh copies made like the run's: the same model
     class and config, the same optimizer recipe mirrored group by group (so a parameter the
