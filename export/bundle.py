@@ -11,12 +11,12 @@
     BUNDLE/generation_config.json
     BUNDLE/genai_config.json                (builder engine) lets onnxruntime-genai run it too
     BUNDLE/README.md                        the model card: the folder is a Hub model repo as it
-                                            is (export/card.py)
+                                            is (card)
     BUNDLE/manifest.json                    I/O names and shapes, vocabulary, special ids, context
                                             length, quantization, sha256 of every file, the
                                             source config's hash and the parity figures
     BUNDLE/web/                             with --web: a static page that runs the model in a
-                                            browser, and the weights in hashed pieces (web.py)
+                                            browser, and the weights in hashed pieces (web)
 
 Everything is written into a hidden folder beside BUNDLE and renamed at the end, after every check
 passed, so a failed export leaves nothing behind.
@@ -54,12 +54,12 @@ class ExportOptions:
     texts: tuple[str, ...] = ()
     max_loss_increase: float | None = None  # nats/token; None: the default bound per quant
     eval_tokens: int = 4096
-    kv_cache: str = "fp32"  # fp16: half the cache's memory (builder graphs; see export/kvcache.py)
+    kv_cache: str = "fp32"  # fp16: half the cache's memory (builder graphs only)
     head_bits: int | None = None  # the head (builder graphs); None: the table's head_bits
     force: bool = False
     tokenizer: str | None = None
     repo_id: str | None = None  # the bundle's Hub repository, for its card
-    web: bool = False  # also BUNDLE/web: the static page that runs it in a browser (export/web.py)
+    web: bool = False  # also BUNDLE/web: the static page that runs it in a browser
     verify: bool = True  # check the checkpoint's files against its checksums.json, if it has one
     log: object = field(default=print, compare=False)
 
@@ -115,7 +115,7 @@ def io_table(lm: OnnxLM) -> dict:
 
     return {
         "inputs": rows(lm.session.get_inputs()),
-        # Inputs with a default that a caller may override (logits_to_keep: see graph.py).
+        # Inputs with a default that a caller may override (logits_to_keep).
         "optional_inputs": rows(lm.session.get_overridable_initializers()),
         "outputs": rows(lm.session.get_outputs()),
     }

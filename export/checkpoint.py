@@ -1,6 +1,6 @@
 """Read and check the checkpoint folder before any work: Hugging Face layout, safetensors weights
-whose headers parse and whose sizes match the files' lengths (a truncated copy is refused in a
-second, naming the file), a causal-LM architecture, and a tokenizer whose ids fit the model's
+whose headers parse and whose sizes match the files' lengths (a truncated copy is refused at
+once, naming the file), a causal-LM architecture, and a tokenizer whose ids fit the model's
 vocabulary. A folder that records its files' hashes (checksums.json: a checkpoint or RUN/final
 that `doel-train` wrote) has the files the export reads checked against them: damaged weights are
 refused, naming the file, instead of being exported and then matched by parity against

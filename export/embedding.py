@@ -1,16 +1,15 @@
 """The token embedding table of a quantized bundle, stored in 8 bits.
 
-Builders leave the table fp32 (onnxruntime-genai's keeps it apart from the head: see graph.py),
-and at 0.4B with a 32,768-token vocabulary that is 134 MB of a 541 MB int8 model, resident in a
-server for nothing: a token reads one row. Here the table's Gather becomes ONNX Runtime's
-contrib op GatherBlockQuantized (CPU kernel for 8-bit data since 1.2x): symmetric int8 in blocks
-of `block_size` along the hidden axis, one fp32 scale per block, stored as uint8 with the op's
-default zero point of 128. At 0.4B: 33.5 + 4.2 MB instead of 134. Prefill gathers a few hundred
-rows and decode one, so the dequantization costs no measurable time.
+Builders leave the table fp32 (onnxruntime-genai keeps it apart from the head), and a token reads
+one row of it: in fp32 it is a large share of a quantized model's memory, resident in a server for
+nothing. Here the table's Gather becomes ONNX Runtime's contrib op GatherBlockQuantized:
+symmetric int8 in blocks of `block_size` along the hidden axis, one fp32 scale per block, stored as
+uint8 with the op's default zero point of 128, a quarter of the fp32 bytes and its scales. A step
+gathers a few rows, so the dequantization costs no measurable time.
 
-8 bits at int4 too: llama.cpp's q4_0 stores its table in 4 bits, but the table is not where
-memory or speed is lost at int4, and 8 bits keep its error far below the weights'. The export's
-parity checks and loss bound run on the graph after this step.
+8 bits at int4 too: the table is not where int4 loses memory or speed, and 8 bits keep its error
+far below the weights' (the embedding column of benchmarks/results/quant_quality_small.md). The
+export's parity checks and loss bound run on the graph after this step.
 """
 
 from __future__ import annotations

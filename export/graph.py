@@ -13,11 +13,10 @@ Both quantize the same way, as the format's row of doel.contracts.quant says: we
 MatMulNBits (symmetric, one fp32 scale per block of `block_size` weights, activations quantized
 to int8 per block inside the kernel, accuracy_level 4) for every linear layer including the
 head; the embedding table, read one row per token, goes to 8 bits (GatherBlockQuantized,
-export/embedding.py): it saves no decode time, but a large share of a server's memory.
-Quantized builder graphs can keep their KV cache in fp16 (`--kv-cache fp16`,
-export/kvcache.py): half its memory (benchmarks/results/phone_memory_0.4b.md), but on x86 ONNX
-Runtime's attention converts an fp16 cache to fp32 as it reads it, which costs batched decoding
-most, so fp32 is the default.
+`embedding`): it saves no decode time, but a large share of a server's memory. Quantized builder
+graphs can keep their KV cache in fp16 (`--kv-cache fp16`, `kvcache`): half its memory
+(benchmarks/results/phone_memory_0.4b.md), but on x86 ONNX Runtime's attention converts an fp16
+cache to fp32 as it reads it, which costs batched decoding most, so fp32 is the default.
 """
 
 from __future__ import annotations
@@ -136,8 +135,7 @@ def build_genai(
     options.append("shared_embeddings=0")
     if row.quantized and head and head > row.bits:
         # The head finer than the body, as llama.cpp's q4_0 keeps its output matrix at 6 or 8:
-        # it is where 4 bits cost most (benchmarks/results/quant_quality_small.md), and at 0.4B
-        # it is 33.5M of the 360M weights read per token.
+        # it is where 4 bits cost most (benchmarks/results/quant_quality_small.md).
         options.append(f"matmul_mixed_precision=last_matmul:int{head}")
     with _quiet("onnxruntime-genai's model builder"):
         args = (None, str(ckpt.folder), str(work), quant, "cpu", str(cache))
@@ -268,7 +266,7 @@ def convert_to_ort(model: Path, out: Path) -> Path:
         raise ExportError(f"ORT-format conversion failed (exit {proc.returncode}):\n{tail}")
     shutil.move(str(made), str(out / made.name))
     # The tool heads the config with the path of the model it read, a folder of this machine's
-    # (see export/bundle.py's manifest, which names none): the bundle's file names its model.
+    # (the manifest names none): the bundle's file names its model.
     lines = configs[0].read_text(encoding="utf-8").splitlines()
     ops = [line for line in lines if line.strip() and not line.startswith("#")]
     head = [f"# Operators and types of {made.name}: ONNX Runtime's --include_ops_by_config"]

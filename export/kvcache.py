@@ -1,12 +1,12 @@
-"""The KV cache of a quantized builder graph in fp16 (half the cache's memory and reads).
+"""The KV cache of a quantized builder graph in fp16: half the cache's memory and reads
+(benchmarks/results/phone_memory_0.4b.md).
 
-The builder's CPU graphs keep the cache in fp32. GroupQueryAttention also runs in fp16 on the
-CPU (ONNX Runtime 1.2x+: the cache's type is the query's), so each attention node gets a Cast
-of its packed QKV input to fp16 and a Cast of its output back to fp32, fp16 copies of the
-rotary tables, and the graph's `past_key_values.*` inputs and `present.*` outputs become fp16.
-Everything else (MatMulNBits, norms, the head) stays fp32. llama.cpp keeps its cache in f16
-too; at 0.4B and 2,048 positions it is 50 MB instead of 100. fp32 bundles keep an fp32 cache:
-they are the exact reference. The export's parity checks and loss bound run after this step.
+GroupQueryAttention runs in fp16 on the CPU too (the cache's type is the query's), so each
+attention node gets a Cast of its packed QKV input to fp16 and a Cast of its output back to fp32,
+fp16 copies of the rotary tables, and the graph's `past_key_values.*` inputs and `present.*`
+outputs become fp16. Everything else (MatMulNBits, norms, the head) stays fp32, and fp32 bundles
+keep an fp32 cache: they are the exact reference. The export's parity checks and loss bound run
+after this step.
 """
 
 from __future__ import annotations

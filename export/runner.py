@@ -29,13 +29,13 @@ class OnnxLM:
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # Errors only: ONNX Runtime warns at every load that an overridable input (the graph's
-        # logits_to_keep, see export/graph.py) is not folded as a constant, which is its point.
+        # logits_to_keep) is not folded as a constant, which is its point.
         opts.log_severity_level = 3
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.past_names = [n for n in self.input_names if n.startswith("past_key_values.")]
-        # fp32, or fp16 where the export halved the cache (export/kvcache.py)
+        # fp32, or fp16 where the export halved the cache (--kv-cache fp16)
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.kv_dtype = np.float16 if types[self.past_names[0]] == "tensor(float16)" else np.float32
         self.kv_heads, self.head_dim = kv_heads, head_dim

@@ -1,41 +1,29 @@
-"""`doel-export --web`: BUNDLE/web/, a static page that runs the bundle inside a browser.
+"""`doel-export --web`: BUNDLE/web/, a static page that runs the bundle in a browser, offline once
+loaded, with no server beyond static files.
 
-Any phone or laptop with a current browser opens it, offline once loaded, with no app store and
-no server beyond static files: the model runs in a Web Worker on onnxruntime-web, WebGPU where
-the browser gives an adapter, else WebAssembly (SIMD; threads where the page is cross-origin
-isolated); the text is tokenized by tokenizers.js reading the bundle's tokenizer.json, and
-whole Bengali clusters stream into the page (export/web/worker.js ports serve/textstream.py's
-rule).
-
-    web/index.html, worker.js, sw.js    doel's page, its worker, its service worker (export/web/)
+    web/index.html, worker.js, sw.js    the page, its Web Worker and its service worker (PAGE)
     web/web.json                        what the worker loads: its graphs and their pieces
-    web/model.onnx, model.int8.onnx     the page's graphs (export/web_graph.py: bundle, int8)
-    web/model-<sha256[:16]>.bin ...     each graph's weights cut into pieces of at most CHUNK_BYTES
+    web/model.onnx, model.int8.onnx     the page's graphs (GRAPHS, made by web_graph)
+    web/model-<sha256[:16]>.bin ...     each graph's weights in pieces of at most CHUNK_BYTES
     web/tokenizer.json, tokenizer_config.json
-    web/ort.wasm.min.js, ort-wasm-simd-threaded.{mjs,wasm}   onnxruntime-web (npm, MIT)
-    web/ort.webgpu.min.js, ort-wasm-simd-threaded.asyncify.{mjs,wasm}   its WebGPU build
-    web/tokenizers.min.js               @huggingface/tokenizers (npm, Apache-2.0; CommonJS build)
+    web/ort*.{js,mjs,wasm}, tokenizers.min.js   onnxruntime-web and @huggingface/tokenizers
+                                        from npm (RUNTIME_FILES)
 
-Why so:
-- WebGPU: ONNX Runtime's WebGPU EP runs the bundle's own graph, MatMulNBits on its int4 kernels
-  (the `bundle` graph). WebAssembly: onnxruntime-web's MatMulNBits has no fast WebAssembly path (the
-  0.4B int4 model decoded ~37x slower than doel-serve), while its int8 DynamicQuantizeMatMul is
-  about as fast as an fp32 MatMul a decode step and faster a prefill chunk
-  (benchmarks/results/web_probe_cpu-*.md): the int8 graph, 8 bits in memory, is the default
-  there; a browser reporting under 2 GB (or ?weights=bundle) gets the bundle's graph instead.
-- `logits_to_keep` (an overridable initializer, export/graph.py) becomes a plain input: the page
-  lists only inputs without an initializer and refuses other feeds. And the cache grows one
-  position a step (GroupQueryAttention's concatenating mode, present = past + new) instead of
-  serve's buffer at the full context written in place: wasm copies every input and output
-  across the JavaScript boundary on each run, and a full-context buffer would copy the whole
-  context's cache twice a token.
-- The weights are pieces named by their hash, so the page keeps each in Cache Storage and a new
-  export never reads a stale one; the worker checks each fresh piece's sha256.
-- Threads: a browser gives WebAssembly threads only to a cross-origin isolated page (two response
-  headers). `python -m doel.export.web serve` sends them; on a host that cannot (GitHub Pages), the
-  page's service worker (sw.js) adds them and the page reloads once. Without either: one thread.
-- The runtime comes from the npm registry at export time (export/web/package-lock.json pins it),
-  installed once into a cache folder (DOEL_WEB_RUNTIME names a node_modules folder instead).
+The rules it keeps, and why:
+- WebGPU runs the bundle's own graph on onnxruntime-web's 4-bit kernels. WebAssembly runs it on
+  doel's kernel (web_kernel), 4 bits in memory, where the graph has the kernel's shape, else
+  onnxruntime-web runs the int8 graph (a low-memory device: the bundle's): onnxruntime-web has no
+  fast 4-bit WebAssembly kernel (benchmarks/results/web_probe_cpu-intel-avx512-amx.md,
+  benchmarks/results/web_demo_0.4b_t1_cpu-intel-avx512-amx.md).
+- The cache grows one position a step, not a full-context buffer written in place as serve's:
+  WebAssembly copies every input and output across the JavaScript boundary on each run.
+- The weights are pieces named by their hash: the page keeps each in Cache Storage, a new export
+  never reads a stale one, and the worker checks each fresh piece's sha256.
+- WebAssembly threads need a cross-origin isolated page: `python -m doel.export.web serve` sends
+  its two headers; where a host cannot (GitHub Pages), the service worker adds them and the page
+  reloads once. Without either: one thread.
+- The runtime is the one package-lock.json pins, installed from npm once into a cache folder
+  (DOEL_WEB_RUNTIME names a node_modules folder instead).
 """
 
 from __future__ import annotations
@@ -60,9 +48,9 @@ PAGE = Path(__file__).with_name("web")  # index.html, worker.js, package.json, p
 PAGE_FILES = ("index.html", "worker.js", "sw.js", *WASM.values())
 CHUNK_BYTES = 32 << 20  # a piece of the weights: small enough for any cache and a phone's fetch
 WEB_DATA = "model.web.data"  # the page's weights, joined from the pieces in the browser
-# The page's graphs (export/web_graph.py): name -> (graph file, weights file); the page ships
-# `bundle` (the bundle's own: WebGPU's, and the smallest on WebAssembly) and int8 (WebAssembly's
-# default); fp32 is written only when asked for (bench_web measures it beside int8).
+# The page's graphs: name -> (graph file, weights file); the page ships `bundle` (the bundle's
+# own: WebGPU's and doel's kernel's) and int8 (WebAssembly's where the kernel cannot run); fp32
+# is written only when asked for (the web benchmark measures it beside the others).
 GRAPHS = {
     "bundle": ("model.onnx", WEB_DATA),
     "int8": ("model.int8.onnx", "model.int8.data"),
@@ -193,7 +181,7 @@ def write_web(
     mods = runtime_modules(log)
     out.mkdir(parents=True, exist_ok=True)
     made = {w: page_graph(model, out, w, chunk) for w in ("bundle", *graphs) if w in GRAPHS}
-    try:  # doel's kernel runs the bundle's graph from its own weights (export/web_kernel.py)
+    try:  # doel's kernel runs the bundle's graph from its own weights
         made["bundle"] |= {"kernel": kernel_layout(out / GRAPHS["bundle"][0]), "kernel_why": None}
     except NotKernelShape as e:
         made["bundle"] |= {"kernel": None, "kernel_why": str(e)}

@@ -1,28 +1,26 @@
-"""The browser page's graphs of a bundle's ONNX model (`doel-export --web`, export/web.py).
-
-One bundle, several graphs, each with its own weights (the page fetches one set):
-- `bundle` (model.onnx): the bundle's own graph, MatMulNBits and all (int4 in an int4
-  bundle). WebGPU runs it on its int4 kernels; on WebAssembly it is the smallest and slowest
-  mode (MatMulNBits there takes 10-130x the fp32 MatMul's time a decode step:
-  benchmarks/results/web_probe_cpu-*.md).
-- `int8` (model.int8.onnx): each MatMulNBits as DynamicQuantizeMatMul over int8 weights with
-  one scale a column: 8 bits in memory, and in onnxruntime-web's WebAssembly build mostly
-  0.9-1.5x the fp32 MatMul's time a decode step and 0.3-0.8x a prefill chunk (the probe's
-  table; at 0.4B the whole page decodes at ~0.9x the fp32 mode's speed in 0.25x its memory):
-  the page's default on WebAssembly. The int8 values are the bundle's int4 (or int8) weights,
-  dequantized and requantized a column: one more rounding, half a 127th of the column's largest
-  weight.
-- `fp32` (model.fp32.onnx, for benchmarks: bench_web's "today's fp32 mode"): each MatMulNBits as
-  DequantizeLinear (the bundle's integers and scales, blocked along K) + MatMul, which ONNX
-  Runtime folds into fp32 matrices at load when its QDQ rules are off (4x the int8 memory). On
-  WebGPU, ONNX Runtime 1.30 does not fuse this pair back into MatMulNBits (it dequantizes every
-  run), which is why WebGPU gets the bundle's own graph.
-- `logits_to_keep` (an overridable initializer, export/graph.py) becomes a plain input in each.
+"""The browser page's graphs of a bundle's ONNX model (`doel-export --web`), each with its own
+weights (the page fetches one set):
+- `bundle` (model.onnx): the bundle's own graph, MatMulNBits and all. WebGPU runs it on its 4-bit
+  kernels and WebAssembly on doel's kernel (web_kernel); onnxruntime-web's own WebAssembly
+  MatMulNBits is its slowest mode.
+- `int8` (model.int8.onnx): each MatMulNBits as DynamicQuantizeMatMul over int8 weights with one
+  scale a column: 8 bits in memory at about an fp32 MatMul's speed in onnxruntime-web's
+  WebAssembly build, the page's mode where the kernel cannot run. Its values are the bundle's
+  weights requantized a column: one more rounding, of at most half a 127th of the column's
+  largest weight.
+- `fp32` (model.fp32.onnx, for the benchmarks' fp32 mode): each MatMulNBits as DequantizeLinear
+  + MatMul, which ONNX Runtime folds into fp32 matrices at load when its QDQ rules are off. Its
+  WebGPU build does not fuse the pair back into MatMulNBits (it would dequantize every run): WebGPU
+  gets the bundle's graph.
+- `logits_to_keep` (an overridable initializer of the builder's graph) becomes a plain input in
+  each: the page feeds only inputs without an initializer.
+What each costs: benchmarks/results/web_probe_cpu-intel-avx512-amx.md (one layer),
+benchmarks/results/web_demo_0.4b_t1_cpu-intel-avx512-amx.md (the page).
 
 The bundle's weights file is read here (`load_weights`), not by onnx.load: onnx refuses a data
-file with more than one hard link (its guard against a model that names a linked-in secret),
-and a bundle copied with `cp -l` or kept in a deduplicating store is exactly that. The user
-runs this on their own bundle, so the check kept is that the file lies inside its folder.
+file with more than one hard link (its guard against a model that names a linked-in secret), and
+a bundle copied with `cp -l` or kept in a deduplicating store is exactly that. The user runs this
+on their own bundle, so the check kept is that the file lies inside its folder.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""The page's own WebAssembly decoder (export/web/kernel.c): where its weights lie, and its build.
+"""The page's own WebAssembly decoder (KERNEL): where its weights lie, and its build.
 
-onnxruntime-web has no fast WebAssembly kernel for 4-bit weights (web_probe_cpu-*.md), so the
-page's default WebAssembly mode runs the bundle's int4 graph on doel's kernel instead: the
-weights stay 4 bits in memory, as in the bundle file. `kernel_layout` reads the page's copy of
+onnxruntime-web has no fast WebAssembly kernel for 4-bit weights
+(benchmarks/results/web_probe_cpu-intel-avx512-amx.md), so the page's default WebAssembly mode
+runs the bundle's int4 graph on doel's kernel instead: the weights stay 4 bits in memory, as in
+the bundle file. `kernel_layout` reads the page's copy of
 the bundle graph and returns what the kernel needs (shape numbers and the byte offset of each
 tensor in the graph's weights file), or why this graph is not the shape the kernel runs (then
 the page uses onnxruntime-web). Only the graph ONNX Runtime's model builder writes for the
 Llama architecture is accepted, node by node; anything else is refused, never guessed.
 
-The two .wasm files are committed beside kernel.c (export/web/) and rebuilt by
+The two .wasm files (WASM) are committed beside KERNEL and rebuilt by
 `python -m doel.export.web_kernel` with zig's clang (PyPI `ziglang`, pinned in pyproject's dev
 extra); tests/export/test_web_kernel.py checks a rebuild gives the same bytes.
 """
