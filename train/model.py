@@ -201,7 +201,8 @@ class Llama(nn.Module):
         eos_token_id: int | None = None,
     ):
         """Sample continuations of idx (B, T); greedy when temperature is 0. No KV cache: the
-        plain reference that train/evals/generate.py's cached decoding is tested against."""
+        plain reference that the evals' cached decoding (`doel.train.evals.generate`) is tested
+        against."""
         for _ in range(max_new_tokens):
             window = idx[:, -self.config.max_position_embeddings :]
             logits = self(window)[:, -1, :].float()  # (B, V)

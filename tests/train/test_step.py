@@ -1,6 +1,5 @@
-"""Trainer parts: the schedule, token-normalised gradient accumulation, one step, the config;
-and the run skeleton fit and sft share (train/run.py): sft's loader resumes through the path
-fit's does, and both runs' checks before step 1 are cached by one key."""
+"""One step of training (doel.train.step): the schedule, token-normalised gradient accumulation,
+one update and one ramped step; the optimizer's groups and the config's validation."""
 
 from __future__ import annotations
 
@@ -113,7 +112,7 @@ def test_a_batch_ramp_makes_smaller_updates_early_and_keeps_every_step_whole():
     assert updates_before(100, plain) == 100
 
 
-def test_run_step_updates_once_per_group_of_micro_batches():
+def test_take_step_updates_once_per_group_of_micro_batches():
     torch.manual_seed(0)
     x = torch.randint(0, 64, (4, 16))
     y = torch.roll(x, -1, 1)

@@ -1,8 +1,8 @@
 """Chat fine-tuning data (`doel-train sft`): conversations (read and checked by
-train/data/conversations.py) rendered to token ids with the mask of the tokens the loss is
-taken on, and served in padded batches; the run's tokenizer with the turn markers.
+`iter_conversations`) rendered to token ids with the mask of the tokens the loss is taken on,
+and served in padded batches; the run's tokenizer with the turn markers.
 
-Rendering is the template in tokenizer_config.json (train/data/tokenizer.py's CHAT_TEMPLATE)
+Rendering is the template in tokenizer_config.json (the tokenizer's `CHAT_TEMPLATE`)
 written out in ids, with no Jinja: <|bos|>, then <|role|> text <|end|> a turn (`turn_texts`:
 a message's content; the tools block in the system turn, an assistant's <tool_call>s after its
 content, a tool's result as a user turn in <tool_response>). The loss is taken on each
@@ -47,7 +47,7 @@ from doel.train.data.tokenizer import (
     write_hf_side_files,
 )
 
-IGNORE = -100  # train/model.py's IGNORE_INDEX (kept torch-free here)
+IGNORE = -100  # the model's IGNORE_INDEX (kept torch-free here: the model imports torch)
 FIRST_MARKER_ID = 3  # <|system|> <|user|> <|assistant|> <|end|> hold ids 3-6 in every vocabulary
 
 

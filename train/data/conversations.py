@@ -12,7 +12,7 @@ Tool use: a row may carry `"tools"` (OpenAI's function definitions, or a JSON st
 them); an assistant message may carry `"tool_calls"` ([{"type": "function", "function":
 {"name", "arguments"}}], arguments an object or a JSON string of one; its content may then be
 empty), and each is answered by one or more `{"role": "tool", "content": "..."}` messages before
-the assistant speaks again. Rendering them to ids and batches is train/data/chat.py's.
+the assistant speaks again. Rendering them to ids and batches is `doel.train.data.chat`'s.
 """
 
 from __future__ import annotations
