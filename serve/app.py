@@ -6,11 +6,10 @@ The model loads in `lifespan`, in a worker thread, so the port answers at once: 
 an OpenAI-style error body that says what is wrong; nothing a client sends gives a 5xx. A bug's
 exception is answered with an OpenAI-style 500, counted in /metrics.
 
-`add_routes` is serve's one list of endpoints. Adding one touches its module (the work, as
-serve/completions.py and serve/chat.py hold theirs), its request and response models
-(serve/protocol.py, serve/protocol_chat.py) and that list: /metrics counts it under its own path
-(serve/metrics.py reads the app's router), the OpenAPI page lists it, the Guard asks it for the
-API key.
+`add_routes` is serve's one list of endpoints. Adding one touches its module (the work: a
+`Route`, as `completions` and `chat` are), its request and response models and that list:
+/metrics counts it under its own path (`CountRequests` reads the app's router), the OpenAPI
+page lists it, the Guard asks it for the API key.
 """
 
 from __future__ import annotations

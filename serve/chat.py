@@ -75,7 +75,6 @@ async def pieces(
     svc.check_fits(n, limit, "conversation", "messages")
     params = req.to_sampling_params(limit, svc.chat.stop_ids)
     # response_format, or a required tool call: the reply is a document of its schema
-    # (serve/structured.py)
     spec = req.format_spec()
     if fmt is None and plan.grammar is not None:
         fmt = await svc.in_thread(svc.grammars.lark, plan.grammar, plan.param)

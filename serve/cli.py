@@ -3,14 +3,14 @@
 It binds 127.0.0.1 unless told otherwise; an API key (`--api-key-file`, DOEL_API_KEY or
 `--api-key`) guards every route but /health and the playground page; binding another address
 without one is warned about. A key file may hold several keys, each a tenant whose cached
-prefixes no other tenant reuses (serve/tenants.py, `--prefix-cache`). The bundle and the keys
+prefixes no other tenant reuses (`--prefix-cache`). The bundle and the keys
 are checked before the port opens, so a wrong folder or an empty key is a one-line error, and so
 is the port, tried before anything starts (`check_port`: a port in use once printed uvicorn's
 startup lines, "Application startup complete." among them, before its error); the bundle's
-files are hashed against its manifest while the model loads (serve/verify.py), a damaged one
+files are hashed against its manifest while the model loads (`Verification`), a damaged one
 ending the server with one line.
-Connections get the limits of serve/limits.py (read deadline, keep-alive, a cap, header count),
-served by uvicorn's h11 protocol with those added.
+Connections get their limits (read deadline, keep-alive, a cap, header count) from uvicorn's
+h11 protocol with those added (`protocol_class`).
 Heavy imports happen inside `main`, so a missing extra prints the `pip install` line that fixes
 it.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import errno
 import ipaddress
 import os
@@ -40,17 +41,30 @@ def mib(n: int) -> str:
     return f"{n >> 20} MiB" if n and n % (1 << 20) == 0 else f"{n} bytes"
 
 
+def setting(group, flag: str, help: str, **kw) -> None:
+    """A flag for a Settings field (`--max-queue`: `max_queue`): its type and default are the
+    field's."""
+    default = getattr(Settings, flag.removeprefix("--").replace("-", "_"))
+    group.add_argument(flag, type=type(default), default=default, help=help, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="doel-serve",
         description="OpenAI-compatible completions over an export bundle, on CPU, without torch",
     )
+    _serving_flags(p)
+    _client_flags(p)
+    _connection_flags(p.add_argument_group("connection limits"))
+    return p
+
+
+def _serving_flags(p: argparse.ArgumentParser) -> None:
+    """The bundle, where it is served, its keys, and how many requests it decodes and queues."""
     p.add_argument("bundle", help="a folder written by doel-export")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument(
-        "--threads", type=int, default=Settings.threads, help="ONNX Runtime threads (0: per core)"
-    )
+    setting(p, "--threads", "ONNX Runtime threads (0: per core)")
     p.add_argument(
         "--api-key-file",
         metavar="PATH",
@@ -61,43 +75,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", help="the key itself (prefer --api-key-file)")
     p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
-    p.add_argument(
-        "--slots",
-        type=int,
-        default=Settings.slots,
-        help=f"requests decoded together, each holding a KV cache (default {Settings.slots})",
+    setting(
+        p, "--slots", "requests decoded together, each holding a KV cache (default %(default)s)"
     )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=Settings.max_queue,
-        help=f"waiting requests before 429 (default {Settings.max_queue})",
-    )
-    p.add_argument(
+    setting(p, "--max-queue", "waiting requests before 429 (default %(default)s)")
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    """What one request and one client may send, and what the server answers for whom."""
+    setting(
+        p,
         "--max-body-bytes",
-        type=int,
-        default=Settings.max_body_bytes,
-        help=f"request body size; more is 413 (default {mib(Settings.max_body_bytes)})",
+        f"request body size; more is 413 (default {mib(Settings.max_body_bytes)})",
     )
-    p.add_argument(
+    setting(
+        p,
         "--client-body-rate",
-        type=int,
-        default=Settings.client_body_rate,
-        metavar="BYTES",
-        help=f"bytes of request bodies one client (API key's tenant, else address) may send a "
+        f"bytes of request bodies one client (API key's tenant, else address) may send a "
         f"second; a large body past it waits its turn, one that would wait over "
         f"{MAX_BODY_WAIT:g} s is 429 (default {mib(Settings.client_body_rate)}; 0: no limit)",
+        metavar="BYTES",
     )
-    p.add_argument(
+    setting(
+        p,
         "--client-request-rate",
-        type=int,
-        default=Settings.client_request_rate,
-        metavar="N",
-        help=f"requests one client (API key's tenant, else address) may send a second, with a "
+        f"requests one client (API key's tenant, else address) may send a second, with a "
         f"burst of {BURST_SECONDS:g} s of them; past it, 429 with Retry-After before the body is "
-        f"read (/health and /metrics apart, at {PROBE_FACTOR}x; default "
-        f"{Settings.client_request_rate}; "
-        "0: no limit)",
+        f"read (/health and /metrics apart, at {PROBE_FACTOR}x; default %(default)s; 0: no "
+        "limit)",
+        metavar="N",
     )
     p.add_argument(
         "--cors-origin", action="append", default=[], help="allow this browser origin (repeat)"
@@ -115,21 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve /docs, /redoc and /openapi.json (off: the pages load scripts from a CDN)",
     )
-    p.add_argument(
+    setting(
+        p,
         "--prefix-cache",
+        "per-tenant: a cached prompt prefix is reused only for the tenant (API key) that sent "
+        "it, and a request's cache_salt; shared: for every tenant; off: never (default "
+        "%(default)s; without keys there is one tenant)",
         choices=MODES,
-        default=Settings.prefix_cache,
-        help="per-tenant: a cached prompt prefix is reused only for the tenant (API key) that "
-        "sent it, and a request's cache_salt; shared: for every tenant; off: never (default "
-        "per-tenant; without keys there is one tenant)",
     )
-    p.add_argument(
+    setting(
+        p,
         "--max-messages",
-        type=int,
-        default=Settings.max_messages,
+        "messages in one chat request; more is refused with 400 (default %(default)s)",
         metavar="N",
-        help=f"messages in one chat request; more is refused with 400 (default "
-        f"{Settings.max_messages})",
     )
     p.add_argument(
         "--no-verify",
@@ -143,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("debug", "info", "warning", "error"),
         help="the server's log level (default info)",
     )
-    limits = p.add_argument_group("connection limits")
+
+
+def _connection_flags(limits) -> None:
+    """The limits a connection gets below HTTP (`protocol_class`), and its header count."""
     limits.add_argument(
         "--timeout-read",
         type=float,
@@ -166,18 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="open connections; a new one over it is answered 503 (default 512)",
     )
-    limits.add_argument(
+    setting(
+        limits,
         "--max-headers",
-        type=int,
-        default=Settings.max_headers,
+        "headers in a request; more is refused with 431 (default %(default)s)",
         metavar="N",
-        help=f"headers in a request; more is refused with 431 (default {Settings.max_headers})",
     )
-    return p
 
 
 def key_file(path: str) -> dict[str, str]:
-    """{key: tenant} from --api-key-file (serve/tenants.py); a one-line error otherwise (a
+    """{key: tenant} from --api-key-file (`parse_keys`); a one-line error otherwise (a
     two-line file once made every key fail, silently)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -276,8 +281,8 @@ def log_config(level: str, floods) -> dict:
     return cfg
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def check_numbers(args: argparse.Namespace) -> None:
+    """Exits with one line for a count, rate or timeout out of its range."""
     rates = ("client_body_rate", "client_request_rate")
     for name in ("threads", "max_queue", "max_body_bytes", *rates):
         if getattr(args, name) < 0:
@@ -288,6 +293,18 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("timeout_read", "timeout_keep_alive"):
         if not 0 < getattr(args, name) <= 3600:
             sys.exit(f"error: --{name.replace('_', '-')} must be between 0 and 3600 seconds")
+
+
+def settings_of(args: argparse.Namespace, **given) -> Settings:
+    """The Settings of the flags: each field its flag's value (the same name), then `given`."""
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    flags = {name: value for name, value in vars(args).items() if name in fields}
+    return Settings(**flags | given)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    check_numbers(args)
     try:
         import uvicorn
 
@@ -311,24 +328,13 @@ def main(argv: list[str] | None = None) -> None:
             f"use the model and read /metrics; set {KEY_ENV} or --api-key-file",
             file=sys.stderr,
         )
-    settings = Settings(
-        bundle=args.bundle,
-        model_name=args.model_name,
-        threads=args.threads,
+    settings = settings_of(
+        args,
         api_key=key,
-        max_queue=args.max_queue,
-        slots=args.slots,
-        max_body_bytes=args.max_body_bytes,
-        cors_origins=tuple(args.cors_origin),
-        max_headers=args.max_headers,
-        allowed_hosts=allowed_hosts(args.host, args.allowed_host),
-        docs=args.docs,
-        url=base_url(args.host, args.port),
         api_keys=keys,
-        prefix_cache=args.prefix_cache,
-        max_messages=args.max_messages,
-        client_body_rate=args.client_body_rate,
-        client_request_rate=args.client_request_rate,
+        cors_origins=tuple(args.cors_origin),
+        allowed_hosts=allowed_hosts(args.host, args.allowed_host),
+        url=base_url(args.host, args.port),
         # Started now: the files are hashed while the port opens and the model loads.
         verify=None if args.no_verify else Verification(bundle),
         exit_on_damage=True,

@@ -2,7 +2,7 @@
 
 It knows nothing of text. A request is a prefill (the prompt, in runs of PREFILL_CHUNK tokens:
 see Engine.forward) and then one run per new token through the KV cache; with several slots,
-one run steps many sequences (the scheduler in serve/scheduler.py decides which). For the
+one run steps many sequences (the `Scheduler` decides which). For the
 builder's graphs (manifest `past_present_share_buffer`) the cache is one buffer per layer,
 allocated once at the full context length and bound as both `past_key_values.*` input and
 `present.*` output: GroupQueryAttention writes each new entry in place and reads only the first
@@ -10,7 +10,7 @@ allocated once at the full context length and bound as both `past_key_values.*` 
 concatenation is copied whole at every token, a cost that grows with the context), and stale
 entries from an earlier request are never read. Other graphs (optimum's) get the growing cache
 they were built for, one slot only. Bundles whose graph takes `logits_to_keep`
-(export/graph.py) are asked for the last position's logits only, the prompt's included, into
+are asked for the last position's logits only, the prompt's included, into
 one preallocated buffer.
 
 The bundle's manifest.json is read through doel.contracts.manifest: a folder this engine cannot
@@ -152,7 +152,7 @@ class Engine:
         self._all = ort.OrtValue.ortvalue_from_numpy(ALL)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
-        # fp32, or fp16 where the export keeps the cache in half precision (export/kvcache.py)
+        # fp32, or fp16 where the export keeps the cache in half precision
         self.kv_dtype = KV_DTYPES[inputs[self.past_names[0]].type]
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
         # Allocated here, once: every request reuses them (see the module docstring). A slot's
@@ -177,7 +177,7 @@ class Engine:
 
     def copy_slot(self, src: int, dst: int, n: int) -> None:
         """Copy the first `n` cache positions of slot `src` to slot `dst` (the scheduler parks a
-        held prefix there; serve/scheduler.py)."""
+        held prefix there)."""
         for a, last in zip(self.kv_arrays, self._positions_last):
             if last:  # _cache_shape
                 a[dst, :, :, :n] = a[src, :, :, :n]
@@ -274,8 +274,8 @@ class Engine:
             return self._run_concat(ids, total, every)
         # A long prompt goes in chunks, each attending to the cache the previous ones wrote:
         # the same logits, but the attention scores and activations of one run stay bounded,
-        # and so does the peak memory. 128 is where smaller chunks stopped saving memory and
-        # began to cost time (the figures: commit 770a3a1's message; no results file has them).
+        # and so does the peak memory. PREFILL_CHUNK is where smaller chunks stopped saving
+        # memory and began to cost time.
         parts = []
         for lo in range(0, len(ids) - self.prefill_chunk, self.prefill_chunk):
             chunk = list(ids[lo : lo + self.prefill_chunk])

@@ -41,7 +41,7 @@ class Refusals:
 
 class QuietFloods(logging.Filter):
     """For the asyncio and uvicorn.error loggers: messages that repeat once per socket become
-    `Refusals` lines (asyncio logs a traceback for each failed accept, up to 2,048 a second)."""
+    `Refusals` lines (asyncio logs a traceback for each failed accept)."""
 
     KINDS = {
         "socket.accept() out of system resource": "out_of_files",

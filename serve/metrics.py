@@ -1,7 +1,7 @@
 """Prometheus text exposition for GET /metrics, without the client library (one dependency less):
 requests by route (the app's own routes, read from its router: see CountRequests) and status,
 tokens in and out, time to first token, decode speed, queue depth, open connections and those
-refused below HTTP (serve/limits.py: timeouts, over the limit).
+refused below HTTP (`Refusals`: timeouts, over the limit).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Metrics:
     def __init__(self):
         self.requests: Counter[tuple[str, int]] = Counter()
         self.prompt_tokens = 0
-        self.cached_tokens = 0  # of those, taken from a slot's cache (serve/prefix.py)
+        self.cached_tokens = 0  # of those, taken from a slot's cache
         self.generated_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.decode_seconds = 0.0  # time spent on tokens after the first
@@ -132,7 +132,7 @@ class Metrics:
 class CountRequests:
     """ASGI middleware: counts every response by route and status. The route is the path of the
     app's route that the request names (its template, for a path with parameters), read from the
-    app's router, so that each endpoint is counted under its own name as soon as serve/app.py
+    app's router, so that each endpoint is counted under its own name as soon as `add_routes`
     adds it; any other path is "other", so that scanning clients cannot grow the label set
     without end."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from doel.serve.template import read_template
 
 HERE = Path(__file__).parent
-FONT_PATH = "/fonts/noto-sans-bengali.woff2"  # answered without an API key (serve/guard.py)
+FONT_PATH = "/fonts/noto-sans-bengali.woff2"  # answered without an API key (guard.OPEN_PATHS)
 FONT_FILE = HERE / "fonts" / "noto-sans-bengali.woff2"
 MODE_MARK = '<body data-mode="completion">'  # its script reads it as the page loads
 

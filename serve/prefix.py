@@ -1,7 +1,7 @@
 """Prefix caching: which token ids each slot's KV cache holds, so that a prompt starting with
 them (the previous turn of a conversation, a shared system prompt) is not prefilled again.
 
-With a shared KV buffer (serve/engine.py) a slot's entries outlive the sequence that wrote
+With a shared KV buffer (`Bundle.share_buffer`) a slot's entries outlive the sequence that wrote
 them: GroupQueryAttention writes a run's new entries at positions past..total-1 and reads only
 the first `total`, so entry i stays the one token i produced until some run writes there again.
 `Prefixes` is the only place that says which ids a slot holds. It is told after each engine run
@@ -10,7 +10,7 @@ the claim at what was already in place; and a slot given to a new prompt keeps o
 part (`assign`), since everything after it is about to be overwritten.
 
 A slot's entries are reused only for a prompt of the partition that wrote them (its tenant and
-cache salt, serve/tenants.py): a cached prefix tells whoever finds it what the text was, so
+cache salt: `tenants.partition`): a cached prefix tells whoever finds it what the text was, so
 another partition's prompt sees the slot as holding nothing it can use.
 
 The scheduler calls it from its worker thread and from the event loop, never both at once (the

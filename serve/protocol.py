@@ -1,7 +1,6 @@
 """The wire format: OpenAI-compatible request models whose bounds are declared on the fields (a
 bad value is refused with its name before any work), and `to_sampling_params`, the one place
-where a request becomes the engine's parameters. The chat endpoint's models are in
-serve/protocol_chat.py.
+where a request becomes the engine's parameters. The chat endpoint's models build on these.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from doel.serve.tenants import ONE
 MAX_TOKENS = 1 << 20  # a bound for the schema; the context length is checked per request
 MAX_STOPS = 4  # as OpenAI
 # Characters in one stop string: enough for any real delimiter, and it bounds the text a
-# stream holds back and searches for each token (serve/textstream.py).
+# stream holds back and searches for each token.
 MAX_STOP_CHARS = 256
 INT64_MAX = (1 << 63) - 1
 MAX_ERRORS_SHOWN = 5  # a refusal lists this many problems, then counts the rest
@@ -29,9 +28,9 @@ MAX_SALT_CHARS = 1024  # a cache_salt: room for any token a client derives it fr
 # Prompts in one request (each one choice): a scorer batches (lm-eval's batch_size), and each
 # prompt's logits and KV cache are the server's, so the batch is bounded as the body is.
 MAX_PROMPTS = 64
-# Token ids in one list: the serving model's context, set by the app for each request
-# (serve/app.py). It is checked before the items, so that a long list of bad ids is one error,
-# not one each (whose building and answer would grow with the list the client chose to send).
+# Token ids in one list: the serving model's context, set by the app for each request. It is
+# checked before the items, so that a long list of bad ids is one error, not one each (whose
+# building and answer would grow with the list the client chose to send).
 CONTEXT_LENGTH: ContextVar[int] = ContextVar("doel_context_length", default=MAX_TOKENS)
 
 
@@ -121,7 +120,7 @@ class JsonSchemaFormat(Request):
 
 class ResponseFormat(Request):
     """OpenAI's response_format: plain text, any JSON object, or a JSON schema's document
-    (enforced by constrained decoding: serve/structured.py)."""
+    (enforced by constrained decoding)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -163,7 +162,7 @@ class SamplingRequest(Request):
         "same salt (and tenant)",
     )
     # The prefix cache's partition, set by the server from the key's tenant and the salt
-    # (serve/completions.py `respond`); a request built in a test has the one of no key.
+    # (`answer.respond`); a request built in a test has the one of no key.
     _cache: Hashable | None = PrivateAttr(ONE)
 
     response_format: ResponseFormat | None = Field(
@@ -173,7 +172,7 @@ class SamplingRequest(Request):
     _unicode_stop = field_validator("stop")(unicode_text)
 
     def format_spec(self) -> dict | None:
-        """response_format as the dict serve/structured.py compiles; None: plain text."""
+        """response_format as the dict `Grammars` compiles; None: plain text."""
         rf = self.response_format
         if rf is None or rf.type == "text":
             return None
@@ -193,7 +192,7 @@ class SamplingRequest(Request):
 
     @property
     def cache(self) -> Hashable | None:
-        """The prefix cache's partition of this request (serve/tenants.py)."""
+        """The prefix cache's partition of this request (`tenants.partition`)."""
         return self._cache
 
     @cache.setter
@@ -318,8 +317,8 @@ class Choice(BaseModel):
 
 
 class Envelope(BaseModel):
-    """What a whole answer and each chunk of a streamed one start with (serve/completions.py
-    `envelope` builds it); a subclass narrows `object` to its own."""
+    """What a whole answer and each chunk of a streamed one start with (`answer.envelope`
+    builds it); a subclass narrows `object` to its own."""
 
     id: str
     object: str

@@ -1,8 +1,8 @@
 """The chat wire format: POST /v1/chat/completions' request (messages, OpenAI's content
 parts of which only text is read; tools, tool_choice, assistant tool_calls and tool messages)
-and its whole answer (streamed chunks are built as plain dicts in serve/chat.py, on the hot
+and its whole answer (streamed chunks are built as plain dicts by the chat route, on the hot
 path). The fields shared with completions, their bounds and `to_sampling_params` are
-serve/protocol.py's; what tools do to a request is serve/tools.py's.
+`SamplingRequest`'s; what tools do to a request is `tools.plan`'s.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class ChatCompletionRequest(SamplingRequest):
         None, description="accepted; a constrained reply (required, named) is one call"
     )
 
-    # serve/tools.py's plan of this request, made once: pieces, stream and whole all read it
+    # The tools' plan of this request, made once: pieces, stream and whole all read it
     _tool_plan: object = PrivateAttr(None)
 
     _few_messages = field_validator("messages", mode="before")(few_messages)

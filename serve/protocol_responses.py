@@ -1,5 +1,5 @@
 """The Responses API's wire format (POST /v1/responses): the request, read into the chat
-request it is served as (serve/responses.py: messages, and function tools, calls and their
+request it is served as (`responses.as_chat`: messages, and function tools, calls and their
 outputs as chat's tools, tool_calls and tool messages), and the Response object and its output
 items as the official client reads them (openai-python's types/responses/response.py).
 
@@ -193,7 +193,7 @@ class ResponsesRequest(Request):
     include: list[str] | None = Field(None, max_length=0)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     _cache: Hashable | None = PrivateAttr(ONE)
-    _chat: object = PrivateAttr(None)  # the chat request that serves it (serve/responses.py)
+    _chat: object = PrivateAttr(None)  # the chat request that serves it
 
     _items = field_validator("input", mode="before")(known_items)
     _functions = field_validator("tools", mode="before")(function_tools)
@@ -244,7 +244,7 @@ class ResponsesRequest(Request):
         return out | ({"tool_choice": choice} if choice is not None else {})
 
     def format_spec(self) -> dict | None:
-        """text.format as serve/structured.py compiles it (the flat shape); None: text."""
+        """text.format as `Grammars` compiles it (the flat shape); None: text."""
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
             return None

@@ -1,4 +1,4 @@
-"""POST /v1/responses, the Responses API: served as a chat completion (serve/chat.py: the same
+"""POST /v1/responses, the Responses API: served as a chat completion (`chat.pieces`: the same
 template, limits, scheduler and constrained decoding) and answered in its own shapes: one
 Response object, or the event stream the official client parses (response.created,
 response.in_progress, response.output_item.added, response.content_part.added,
@@ -6,13 +6,12 @@ response.output_text.delta..., response.output_text.done, response.content_part.
 response.output_item.done, then response.completed, or response.incomplete when
 max_output_tokens or the context cut the text), each with its sequence_number.
 
-`text.format` json_schema is enforced as chat's response_format is (serve/structured.py): a
+`text.format` json_schema is enforced as chat's response_format is: a
 reply cut short is "incomplete", never a completed document that does not parse. Function
-tools are chat's (serve/tools.py: auto, required and a named function constrained): a call is
+tools are chat's (`tools.plan`: auto, required and a named function constrained): a call is
 a function_call output item, streamed as response.output_item.added (name, empty arguments),
 response.function_call_arguments.delta..., response.function_call_arguments.done and
-response.output_item.done. Stateless: serve/protocol_responses.py says what that refuses and
-why.
+response.output_item.done. Stateless: `ResponsesRequest` says what that refuses and why.
 """
 
 from __future__ import annotations

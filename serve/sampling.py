@@ -19,7 +19,7 @@ TOP_P_CANDIDATES = 256  # tokens sorted first for top-p (see top_p_probs)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What the engine needs to pick tokens; the HTTP layer builds it (serve/protocol.py)."""
+    """What the engine needs to pick tokens; the HTTP layer builds it (`to_sampling_params`)."""
 
     max_tokens: int = 16
     temperature: float = 1.0

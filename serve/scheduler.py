@@ -8,7 +8,7 @@ prompt of any length thus delays the running streams by one chunk's time per tok
 whole prefill (prefill times by prompt length: benchmarks/results/serve_0.4b_cpu-*.md). A finished
 or abandoned sequence frees its slot at the next step, and a waiting request takes it: the free
 slot whose cache already holds the longest start of its prompt, whose prefill then begins after
-it (serve/prefix.py keeps that account). An idle slot inside a step's span runs as a placeholder
+it (`Prefixes` keeps that account). An idle slot inside a step's span runs as a placeholder
 row that attends over all its slot holds; one holding a conversation is first moved out of the
 span (`_park`), so it stays cached without slowing the others. Engine work and sampling run in a
 worker thread; slots, queues and cancellation are handled on the event loop alone.
@@ -51,8 +51,8 @@ class Seq:
     fed: int = 0  # prompt ids in the slot's cache; the sequence decodes once all are
     record: Record | None = None  # log-probabilities asked for, written as the steps go
     hit: Hit = field(default_factory=Hit)  # prompt ids found in the slot's cache
-    cache: Hashable | None = ONE  # the prefix cache's partition (serve/tenants.py)
-    constraint: Constraint | None = None  # the output's grammar (serve/structured.py)
+    cache: Hashable | None = ONE  # the prefix cache's partition (tenants.partition)
+    constraint: Constraint | None = None  # the output's grammar
     masked: bool = False  # the constraint's mask for the next token is computed
 
     @property
@@ -178,10 +178,9 @@ class Scheduler:
 
     def _step(self, stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
         """In a worker thread: one batched step of the decoding sequences, then one prompt
-        chunk of the oldest filling one (admission order: the dict keeps it); sample. Batching
-        the first chunks of prompts that arrive together saves little of their prefill (the
-        figures: commit cbd7770's message) and would hold back the first one's first token: not
-        done."""
+        chunk of the oldest filling one (admission order: the dict keeps it); sample. The first
+        chunks of prompts that arrive together are not batched: it saves little of their
+        prefill and would hold back the first one's first token."""
         events = []
         decoding = [s for s in stepping if not s.filling]
         if decoding:
@@ -237,7 +236,7 @@ class Scheduler:
 
     def _park(self, lo: int, top: int, busy: set[int]) -> None:
         """In the worker thread, before a step of slots lo..top-1: move what idle slots among
-        them hold to free slots outside (serve/prefix.py says where, and when it pays), so
+        them hold to free slots outside (`Prefixes` says where, and when it pays), so
         their placeholder rows attend over one entry, not over a held conversation. Only the
         worker writes the cache, and no admission happens during a step."""
         if not self.park:

@@ -1,6 +1,6 @@
 """Completions: text in, text out, between the HTTP routes and the token-id engine.
 
-Requests go to the scheduler (serve/scheduler.py), which batches the decode steps of all running
+Requests go to the `Scheduler`, which batches the decode steps of all running
 sequences; a request beyond `max_queue` waiting is refused with 429 instead of queueing without
 end, and a request whose client disconnects (its generator closed: the app watches the
 connection, queued or running, streamed or not) frees its place at once.
@@ -58,7 +58,7 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ids: list[int] | None = None  # at the end of a scored one: prompt + completion ids
-    cached_tokens: int = 0  # prompt tokens that a slot's cache held (serve/prefix.py)
+    cached_tokens: int = 0  # prompt tokens that a slot's cache held
 
 
 class Service:
@@ -92,8 +92,8 @@ class Service:
 
     @property
     def grammars(self) -> Grammars:
-        """The structured-output compilers of this model's tokenizer (serve/structured.py),
-        built on first use (a quarter of a second for 32,768 tokens): call on a tokenizer
+        """The structured-output compilers of this model's tokenizer, built on first use
+        (it takes a while for a large vocabulary): call on a tokenizer
         thread (`in_thread`)."""
         with self._grammars_lock:
             if self._grammars is None:
@@ -223,8 +223,8 @@ class Service:
         fmt: Format | None = None,
     ) -> AsyncIterator[Piece]:
         """`complete` from the prompt's ids on (chat comes in here with its rendered ids);
-        `cache`: the prefix cache's partition (serve/tenants.py); `fmt`: the grammar the
-        output must follow (serve/structured.py), whose last piece says "stop" only when the
+        `cache`: the prefix cache's partition (`tenants.partition`); `fmt`: the grammar the
+        output must follow, whose last piece says "stop" only when the
         grammar accepted the whole text."""
         if fmt is not None and stops:
             raise RequestError(400, STOP_WITH_FORMAT, "stop")

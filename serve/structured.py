@@ -16,9 +16,9 @@ The API, for the routes (response_format, tools, /v1/responses):
   Compiling can take milliseconds (a large schema, a hundred): call them through
   `svc.in_thread`, off the event loop.
 - `Service.run(ids, params, stops, ..., fmt=format)` and `Service.complete(req, ..., fmt=...)`
-  (serve/service.py) take a Format; `complete` compiles `req.response_format` when none is
+  take a Format; `complete` compiles `req.response_format` when none is
   given. Each request gets its own `Constraint` (`fmt.start()`), which the scheduler
-  (serve/scheduler.py) consults for that row only: the row's logits are masked to the tokens the
+  consults for that row only: the row's logits are masked to the tokens the
   grammar allows before sampling, and the token picked advances it. A row without a format pays
   nothing (no mask, no call). The masks of a step's rows are computed on a thread of their own
   while the model runs (llguidance lets go of the GIL), so they cost the batch little.
@@ -49,7 +49,7 @@ from doel.serve.refusal import RequestError
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled formats kept, least recently used dropped
 MAX_SCHEMA_CHARS = 1 << 20
-# Masks are computed here while the worker thread runs the model (serve/scheduler.py).
+# Masks are computed here while the scheduler's worker thread runs the model.
 MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="doel-grammar")
 
 

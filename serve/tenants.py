@@ -6,7 +6,7 @@ being rotated); an unnamed key is a tenant of its own. A named line's whole text
 its key too, so a file written before names existed (one key that happens to hold a colon)
 keeps working. Keys are compared in constant time, against every key, whichever matches.
 
-The prefix cache (serve/prefix.py) reuses a slot's entries only for a request of the same
+The prefix cache (`Prefixes`) reuses a slot's entries only for a request of the same
 partition: `partition(mode, tenant, salt)`. A cached prefix is an oracle on the text that wrote
 it (the usage's cached_tokens, and the time to the first token, tell a right guess of the next
 character from a wrong one), so by default ("per-tenant") a tenant's prompts are reused only

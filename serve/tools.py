@@ -7,7 +7,7 @@ the system turn, a call written `<tool_call>{"name": ..., "arguments": {...}}</t
 - `auto`: the tools are shown and the reply is free; a `<tool_call>` block whose JSON names a
   given function with an object of arguments becomes a tool call, anything else stays text.
 - `required` and a named function: the reply is made to start with `<tool_call>` (in the
-  prompt's ids) and is constrained (serve/structured.py) to the call's JSON: with one function
+  prompt's ids) and is constrained to the call's JSON: with one function
   possible, its arguments only (the prompt ends `{"name": "f", "arguments": `, so the name is
   the model's to read, not to guess); with several, `{"name": ..., "arguments": ...}` for one
   of them, in that order (a grammar: a JSON schema's engine may order the keys its own way,

@@ -54,7 +54,7 @@ def test_a_bundle_that_fails_to_load_is_reported_on_health(tmp_path):
 
 
 def test_the_routes_the_middleware_and_the_connection_limits_answer_one_error_shape(tmp_path):
-    from doel.serve.refusal import raw_error as _raw
+    from doel.serve.refusal import raw_error
 
     key = {"Authorization": "Bearer k"}
     with TestClient(create_app(Settings(bundle=str(tmp_path), api_key="k"))) as c:
@@ -63,7 +63,7 @@ def test_the_routes_the_middleware_and_the_connection_limits_answer_one_error_sh
         assert refused.content == error_body(401, why, "authentication_error")
         missing = c.get("/nowhere", headers=key)  # by the app's handler
         assert missing.json() == error_dict(404, "Not Found", "invalid_request_error")
-    assert _raw(408, "slow", "invalid_request_error").endswith(
+    assert raw_error(408, "slow", "invalid_request_error").endswith(
         error_body(408, "slow", "invalid_request_error")
     )
 

@@ -1,4 +1,4 @@
-"""Each client's request bodies at its rate (serve/limits.py's BodyBudget, asked by the Guard;
+"""Each client's request bodies at its rate (ratelimit.BodyBudget, asked by the Guard;
 issue 36, point 3): a large body past the rate waits its turn unread, one that would wait too
 long is a 429 with Retry-After in the OpenAI shape, small bodies never wait, and one client's
 bodies do not slow another's. The live flood is in tests/serve/test_shared.py."""

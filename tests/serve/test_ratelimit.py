@@ -1,4 +1,4 @@
-"""Each client's rate of requests (serve/ratelimit.py's RequestRate, asked by the Guard): the
+"""Each client's rate of requests (ratelimit.RequestRate, asked by the Guard): the
 bucket's arithmetic on a fake clock; a client over its rate gets a 429 in the OpenAI shape with
 Retry-After, before its body is read, while another client (tenant or address) is still served;
 probes count apart; 0 turns it off. Live: clients looping /health and tiny bad requests back to

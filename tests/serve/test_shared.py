@@ -2,8 +2,7 @@
 gives each key its tenant (a two-line file used to make every key fail); the time of an answer
 tells an attacker of another tenant nothing about the victim's prompt; four clients sending
 4,096-message chats back to back leave another client's chat within twice its idle latency
-(refused by count, rendered in linear time, and each client's bodies paced: serve/limits.py's
-BodyBudget).
+(refused by count, rendered in linear time, and each client's bodies paced: ratelimit.BodyBudget).
 
 Timings are compared as distributions of many interleaved trials (medians, and how often one
 beats the other), with margins far from what a busy 2-core machine moves them by."""
