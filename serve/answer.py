@@ -13,7 +13,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -123,6 +123,7 @@ async def unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
+@runtime_checkable
 class Route(Protocol):
     """What a route module provides for `respond`, each taking its own request model: `whole`,
     the answer in one body; `pieces`, the answer's pieces as the service gives them (a refusal

@@ -435,3 +435,10 @@ def test_an_unexpected_error_is_an_openai_shaped_500_and_counted(tiny_bundle):
             "code": 500,
         }
         assert _metric(c, 'doel_requests_total{route="/tokenize",status="500"}') == 1
+
+
+def test_each_route_module_is_a_route():
+    from doel.serve import chat, completions, responses
+    from doel.serve.answer import Route
+
+    assert all(isinstance(m, Route) for m in (completions, chat, responses))

@@ -1,5 +1,5 @@
-"""Each client's request bodies at its rate (ratelimit.BodyBudget, asked by the Guard;
-issue 36, point 3): a large body past the rate waits its turn unread, one that would wait too
+"""Each client's request bodies at its rate, as the Guard paces them (ratelimit.BodyBudget,
+whose arithmetic test_ratelimit.py checks; issue 36, point 3): a large body past the rate waits its turn unread, one that would wait too
 long is a 429 with Retry-After in the OpenAI shape, small bodies never wait, and one client's
 bodies do not slow another's. The live flood is in tests/serve/test_shared.py."""
 
@@ -9,46 +9,8 @@ import asyncio
 import time
 
 import httpx2
-import pytest
 
 from doel.serve.guard import Guard
-from doel.serve.ratelimit import SMALL_BODY, BodyBudget
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_bodies_past_the_rate_wait_their_turn_and_small_ones_never_wait():
-    clock = Clock()
-    budget = BodyBudget(rate=100_000, burst=200_000, max_wait=1.0, clock=clock)
-    big = 100_000
-    assert budget.charge("a", big) == 0 and budget.charge("a", big) == 0  # the burst
-    assert budget.charge("a", big) == pytest.approx(1.0)  # one second of rate behind it
-    assert budget.charge("a", big) is None  # two seconds: over max_wait, nothing charged
-    assert budget.retry_after("a", big) == 1
-    assert budget.charge("a", SMALL_BODY) == 0  # a chat is not held behind large bodies
-    assert budget.charge("b", big) == 0  # another client has its own budget
-    clock.now += 2.0  # the rate refills what was charged
-    assert budget.charge("a", big) == pytest.approx(SMALL_BODY / 100_000)
-    clock.now += 60.0
-    assert budget.charge("a", big) == 0  # refilled to the burst, no further
-    assert budget.charge("a", big) == 0 and budget.charge("a", big) > 0
-
-
-def test_clients_gone_quiet_are_forgotten():
-    clock = Clock()
-    budget = BodyBudget(rate=1000, burst=1000, clock=clock)
-    for i in range(5000):
-        budget.charge(i, 10)
-    clock.now += 1.0  # the first 5,000 are full again
-    for i in range(5000, 10_000):
-        budget.charge(i, 10)
-    assert len(budget.buckets) <= 5000 and 9999 in budget.buckets
 
 
 async def _echo(scope, receive, send):

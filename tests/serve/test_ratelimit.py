@@ -1,5 +1,5 @@
 """Each client's rate of requests (ratelimit.RequestRate, asked by the Guard): the
-bucket's arithmetic on a fake clock; a client over its rate gets a 429 in the OpenAI shape with
+buckets' arithmetic on a fake clock (BodyBudget's, of body bytes, too); a client over its rate gets a 429 in the OpenAI shape with
 Retry-After, before its body is read, while another client (tenant or address) is still served;
 probes count apart; 0 turns it off. Live: clients looping /health and tiny bad requests back to
 back leave another client's chat within twice its idle latency."""
@@ -18,7 +18,14 @@ import pytest
 from live_server import live_server
 
 from doel.serve.guard import Guard
-from doel.serve.ratelimit import BURST_SECONDS, PROBE_FACTOR, ClientRates, RequestRate
+from doel.serve.ratelimit import (
+    BURST_SECONDS,
+    PROBE_FACTOR,
+    SMALL_BODY,
+    BodyBudget,
+    ClientRates,
+    RequestRate,
+)
 from doel.serve.settings import Settings
 
 DEFAULT_REQUEST_RATE = Settings.client_request_rate
@@ -60,6 +67,34 @@ def test_clients_gone_quiet_are_forgotten():
     for i in range(5000, 10_000):
         rate.take(i)
     assert len(rate.buckets) <= 5000 and 9999 in rate.buckets
+
+
+def test_bodies_past_the_rate_wait_their_turn_and_small_ones_never_wait():
+    clock = Clock()
+    budget = BodyBudget(rate=100_000, burst=200_000, max_wait=1.0, clock=clock)
+    big = 100_000
+    assert budget.charge("a", big) == 0 and budget.charge("a", big) == 0  # the burst
+    assert budget.charge("a", big) == pytest.approx(1.0)  # one second of rate behind it
+    assert budget.charge("a", big) is None  # two seconds: over max_wait, nothing charged
+    assert budget.retry_after("a", big) == 1
+    assert budget.charge("a", SMALL_BODY) == 0  # a chat is not held behind large bodies
+    assert budget.charge("b", big) == 0  # another client has its own budget
+    clock.now += 2.0  # the rate refills what was charged
+    assert budget.charge("a", big) == pytest.approx(SMALL_BODY / 100_000)
+    clock.now += 60.0
+    assert budget.charge("a", big) == 0  # refilled to the burst, no further
+    assert budget.charge("a", big) == 0 and budget.charge("a", big) > 0
+
+
+def test_bodies_of_clients_gone_quiet_are_forgotten():
+    clock = Clock()
+    budget = BodyBudget(rate=1000, burst=1000, clock=clock)
+    for i in range(5000):
+        budget.charge(i, 10)
+    clock.now += 1.0  # the first 5,000 are full again
+    for i in range(5000, 10_000):
+        budget.charge(i, 10)
+    assert len(budget.buckets) <= 5000 and 9999 in budget.buckets
 
 
 def test_probes_count_apart_at_ten_times_the_rate():
