@@ -56,26 +56,26 @@ format: $(BIN)/.installed
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 bench-tokenizer: $(BIN)/.installed
-	$(BIN)/python -m benchmarks.bench_tokenizer
+	$(BIN)/python -m benchmarks.train.bench_tokenizer
 
 bench-train: $(BIN)/.installed
-	$(BIN)/python -m benchmarks.bench_train
+	$(BIN)/python -m benchmarks.train.bench_train
 
 bench-export: $(BIN)/.installed
-	$(BIN)/python -m benchmarks.bench_export
+	$(BIN)/python -m benchmarks.export.bench_export
 
-# llama-cpp-python is benchmark-only: `$(BIN)/python -m benchmarks.bench_serve --install-llama-cpp`
+# llama-cpp-python is benchmark-only: `$(BIN)/python -m benchmarks.serve.bench_serve --install-llama-cpp`
 bench-serve: $(BIN)/.installed
-	$(BIN)/python -m benchmarks.bench_serve
+	$(BIN)/python -m benchmarks.serve.bench_serve
 
 # doel-serve vs llama-server under 1-16 clients, and vs onnxruntime-genai in-process; builds
 # llama-server and the onnxruntime-genai venv once (cached in ~/.cache/doel), holds the bench lock
 bench-load: $(BIN)/.installed
-	flock /tmp/doel-bench.lock $(BIN)/python -m benchmarks.bench_load --install-llama-server --install-ortgenai --chat --inproc
+	flock /tmp/doel-bench.lock $(BIN)/python -m benchmarks.load.bench_load --install-llama-server --install-ortgenai --chat --inproc
 
 # Held-out loss of doel's int4/int8 bundles against llama.cpp's q4_0/q8_0 on a trained checkpoint
 bench-quant-quality: $(BIN)/.installed
-	$(BIN)/python -m benchmarks.bench_quant_quality
+	$(BIN)/python -m benchmarks.export.bench_quant_quality
 
 # serve/'s engine on the int4 and int8 bundles (model.onnx and model.ort) in an emulated ARM64
 # userland against x86 (qemu; the first run builds ~/.cache/doel/arm64 with apt-get and pip,
@@ -87,9 +87,9 @@ ifeq ($(strip $(ARM_BUNDLES)),)
 	test -d $(OUT)/run/final || $(MAKE) demo
 	for q in int4 int8; do test -f $(OUT)/arm64-$$q/model.ort || $(BIN)/doel-export \
 	  $(OUT)/run/final --out $(OUT)/arm64-$$q --quant $$q --mobile --force || exit 1; done
-	$(BIN)/python -m benchmarks.check_arm64 $(OUT)/arm64-int4 $(OUT)/arm64-int8 $(ARGS)
+	$(BIN)/python -m benchmarks.checks.check_arm64 $(OUT)/arm64-int4 $(OUT)/arm64-int8 $(ARGS)
 else
-	$(BIN)/python -m benchmarks.check_arm64 $(ARM_BUNDLES) $(ARGS)
+	$(BIN)/python -m benchmarks.checks.check_arm64 $(ARM_BUNDLES) $(ARGS)
 endif
 
 # The same engine on the int4 and int8 bundles under qemu's x86_64 emulator with an AVX2-only
@@ -101,9 +101,9 @@ ifeq ($(strip $(AVX2_BUNDLES)),)
 	test -d $(OUT)/run/final || $(MAKE) demo
 	for q in int4 int8; do test -f $(OUT)/avx2-$$q/model.onnx || $(BIN)/doel-export \
 	  $(OUT)/run/final --out $(OUT)/avx2-$$q --quant $$q --force || exit 1; done
-	$(BIN)/python -m benchmarks.check_avx2 $(OUT)/avx2-int4 $(OUT)/avx2-int8 $(ARGS)
+	$(BIN)/python -m benchmarks.checks.check_avx2 $(OUT)/avx2-int4 $(OUT)/avx2-int8 $(ARGS)
 else
-	$(BIN)/python -m benchmarks.check_avx2 $(AVX2_BUNDLES) $(ARGS)
+	$(BIN)/python -m benchmarks.checks.check_avx2 $(AVX2_BUNDLES) $(ARGS)
 endif
 
 clean:

@@ -378,14 +378,14 @@ def test_page_isolates_itself_where_the_host_sends_no_headers(page, web_bundle):
 
 
 def test_the_kernel_in_node_gives_the_engines_loss(web_bundle):
-    """benchmarks/web_kernel_node.py (bench_web's loss of the page's own numbers): the kernel
+    """benchmarks/web/web_kernel_node.py (bench_web's loss of the page's own numbers): the kernel
     in Node.js scores a window as doel-serve's engine does, a token at a time."""
     import shutil
 
     import numpy as np
     from tokenizers import Tokenizer
 
-    from benchmarks.web_kernel_node import kernel_nats
+    from benchmarks.web.web_kernel_node import kernel_nats
     from doel.serve.engine import Engine, read_bundle
 
     if shutil.which("node") is None:

@@ -1,0 +1,277 @@
+"""Serving under load: doel-serve against llama.cpp's llama-server over HTTP, and doel's engine
+against onnxruntime-genai's Engine in-process, with the same requests (issue 33).
+
+One model (benchmarks/load/load_model.py: the 0.4B preset's random weights, a tokenizer covering its
+whole vocabulary) as a doel bundle and as GGUF of the same width (int4 / q4_0, int8 / q8_0).
+Each client (benchmarks/load/load_client.py) streams greedy completions of 128 new tokens, a Bangla
+prompt of its own each (128 or 1,024 tokens of the shared validation text), `--rounds` in turn;
+1, 4, 8 and 16 clients at once; a chat mode where each of 8 clients sends 3 turns, each turn's
+prompt the last one plus its answer plus 64 new tokens of text, so prefix caches matter. Both
+servers: 16 slots of 2,048 positions, 2 threads, prefix caching on, warmed
+(benchmarks/load/load_servers.py). Every level records aggregate output tokens/s and characters/s
+(Bangla ones apart), time to first token, time between tokens and request latency (p50, p95),
+errors, the server's peak resident memory and the 1-minute load before it.
+
+Each server runs in `--processes` processes, interleaved with its peer (doel, llama, llama,
+doel, ...); a level's figures are those of its process with the best aggregate tokens/s. A run
+measures what its flags select and merges it into the CPU class's result
+(benchmarks/results/serve_load_0.4b_cpu-<class>.{json,md,png}), replacing the same levels of an
+earlier run, so the sweep can be split into runs short enough to hold the benchmark lock
+(`flock /tmp/doel-bench.lock python -m benchmarks.load.bench_load ...`).
+
+`--install-llama-server` builds llama-server once (cached); `--install-ortgenai` makes the
+virtualenv with the newest onnxruntime-genai (`--inproc` needs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common.cpu_class import this_cpu
+from benchmarks.common.report import command, parser, publish, stamp
+from benchmarks.load.bench_load_report import figure, markdown, targets
+from benchmarks.load.load_client import run_level
+from benchmarks.load.load_model import Prompts, prepare
+from benchmarks.load.load_servers import BINARY, CACHE, Server, install_llama_server
+
+RESULTS = ("serve_load_0.4b_cpu-<class>",)
+
+ROOT = Path(__file__).resolve().parents[2]
+PAIRS = {"int4": "q4_0", "int8": "q8_0"}
+NAMES = {"doel": "doel-serve", "llama": "llama-server"}
+GENAI_VENV = CACHE / "ortgenai-venv"
+NEW_TOKENS, CHAT_TURNS, CHAT_PIECE, CHAT_CLIENTS = 128, 3, 64, 8
+KEY = ("pair", "server", "mode", "prompt_tokens", "clients")
+
+
+def install_ortgenai(venv: Path = GENAI_VENV) -> Path:
+    """A virtualenv with the newest onnxruntime-genai that installs here (and numpy)."""
+    py = venv / "bin" / "python"
+    if not py.is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "onnxruntime-genai", "numpy"], check=True)
+    return py
+
+
+def plan(args) -> list[tuple[str, int, int]]:
+    """(mode, prompt tokens, clients) of each level an HTTP process measures, in order."""
+    levels = [("plain", n, c) for n in args.prompt_tokens for c in args.clients if args.plain]
+    return levels + ([("chat", args.prompt_tokens[0], CHAT_CLIENTS)] if args.chat else [])
+
+
+def level_prompts(prompts: Prompts, mode: str, n: int, clients: int, rounds: int):
+    if mode == "chat":
+        return [
+            [prompts.take(n)] + ["\n" + prompts.take(CHAT_PIECE) for _ in range(CHAT_TURNS - 1)]
+            for _ in range(clients)
+        ]
+    return [[prompts.take(n) for _ in range(rounds)] for _ in range(clients)]
+
+
+def http_process(kind: str, model: Path, pair: str, prompts: Prompts, args, work: Path) -> list:
+    """One server process through every level of the plan."""
+    server = Server(kind, model, work / f"{kind}.log")
+    rows = []
+    try:
+        server.wait_ready()
+        prompts.reset()
+        body = {"max_tokens": NEW_TOKENS, "temperature": 0.0}
+        body["stream_options"] = {"include_usage": True}
+        warm = level_prompts(prompts, "plain", 32, max(args.clients), 1)
+        asyncio.run(run_level("127.0.0.1", server.port, len(warm), warm, body | {"max_tokens": 8}))
+        for mode, n, clients in plan(args):
+            load = os.getloadavg()[0]
+            texts = level_prompts(prompts, mode, n, clients, args.rounds)
+            server.sample_rss()
+            got = asyncio.run(
+                run_level("127.0.0.1", server.port, clients, texts, body, chat=mode == "chat")
+            )
+            row = {"pair": pair, "server": NAMES[kind], "mode": mode, "prompt_tokens": n}
+            rows.append(row | got | {"peak_rss_mb": server.stop_sampling(), "load_1min": load})
+            print(_line(rows[-1]), flush=True)
+    finally:
+        server.close()
+    return rows
+
+
+def _line(r: dict) -> str:
+    return (
+        f"{r['server']:>18} {r['pair']} {r['mode']:>6} {r['prompt_tokens']:>5} x{r['clients']:>2}: "
+        f"{r['aggregate_tok_s']:6.1f} tok/s, TTFT p95 {r['ttft_ms_p95'] or 0:7.0f} ms, "
+        f"errors {r['errors']}, load {r.get('load_1min', 0):.1f}"
+    )
+
+
+def inproc_process(kind: str, bundle: Path, pair: str, prompts: Prompts, args, work: Path):
+    """One process of doel's engine or onnxruntime-genai's through the in-process levels."""
+    prompts.reset()
+    spec = {"threads": 2, "slots": 16, "new_tokens": NEW_TOKENS, "rounds": args.rounds}
+    spec |= {"levels": args.inproc_clients, "prompts": []}
+    need = 2 + sum(args.inproc_clients) * args.rounds
+    spec["prompts"] = [prompts.ids_of(args.prompt_tokens[0]) for _ in range(need)]
+    (work / "inproc.json").write_text(json.dumps(spec))
+    py = sys.executable if kind == "doel" else str(args.ortgenai_python)
+    cmd = [py] + command(
+        "load.bench_load_inproc", kind, bundle, work / "inproc.json", work / "o.json"
+    )[1:]
+    load = os.getloadavg()[0]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} in-process run failed:\n{proc.stderr[-3000:]}")
+    got = json.loads((work / "o.json").read_text())
+    server = "doel engine" if kind == "doel" else f"onnxruntime-genai {got.get('version', '')}"
+    rows = []
+    for pt in got["points"]:
+        row = {"pair": pair, "server": server.strip(), "mode": "inproc"}
+        row |= {"prompt_tokens": args.prompt_tokens[0], "load_1min": load}
+        rows.append(row | pt | {"peak_rss_mb": got["peak_rss_mb"]})
+        print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def measure(args, work: Path, save) -> None:
+    """Every process of the run, interleaved; `save(rows)` after each (a run stopped midway
+    keeps what it measured)."""
+    rows: list[dict] = []
+    for pair in args.pair:
+        made = prepare(work, [(pair, PAIRS[pair])])
+        prompts = Prompts(made[pair])
+        http = [("doel", made[pair]), ("llama", made[PAIRS[pair]])] if args.http else []
+        http = [(kind, model) for kind, model in http if kind in args.servers]
+        for p in range(args.processes):  # interleaved: doel, llama, then llama, doel, ...
+            for kind, model in http[:: 1 if p % 2 == 0 else -1]:
+                got = http_process(kind, model, pair, prompts, args, work)
+                rows += [r | {"process": p} for r in got]
+                save(rows)
+            if args.inproc:
+                for kind in ("doel", "genai")[:: 1 if p % 2 == 0 else -1]:
+                    got = inproc_process(kind, made[pair], pair, prompts, args, work)
+                    rows += [r | {"process": p} for r in got]
+                    save(rows)
+
+
+def best(rows: list[dict]) -> list[dict]:
+    """Each level's row from its process with the best aggregate tokens/s."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        k = tuple(r[f] for f in KEY)
+        if k not in out or r["aggregate_tok_s"] > out[k]["aggregate_tok_s"]:
+            out[k] = r
+    return list(out.values())
+
+
+def merged(earlier: dict | None, rows: list[dict], run: dict) -> dict:
+    """An earlier result (or none) with this run's rows replacing the same levels."""
+    old = earlier or {"runs": [], "measurements": []}
+    keys = {tuple(r[f] for f in KEY) for r in rows}
+    kept = [r for r in old["measurements"] if tuple(r[f] for f in KEY) not in keys]
+    return {"runs": old["runs"] + [run], "measurements": kept + rows}
+
+
+def build_parser():
+    ap = parser(__doc__, work="model folder, kept and reused (default ~/.cache/doel/bench-load)")
+    ap.add_argument(
+        "--pair",
+        nargs="+",
+        choices=list(PAIRS),
+        default=list(PAIRS),
+        help="doel widths to measure, each against its llama.cpp peer",
+    )
+    ap.add_argument(
+        "--clients",
+        nargs="+",
+        type=int,
+        default=[1, 4, 8, 16],
+        help="client levels over HTTP (default 1 4 8 16)",
+    )
+    ap.add_argument(
+        "--prompt-tokens",
+        nargs="+",
+        type=int,
+        default=[128, 1024],
+        help="prompt lengths (default 128 1024; the first is the chat's and in-process)",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn")
+    ap.add_argument("--processes", type=int, default=3, help="processes per server (best of)")
+    ap.add_argument(
+        "--servers",
+        nargs="+",
+        choices=list(NAMES),
+        default=list(NAMES),
+        help="HTTP servers to run (default both: doel llama)",
+    )
+    ap.add_argument(
+        "--no-plain",
+        dest="plain",
+        action="store_false",
+        help="skip the levels of one prompt a request (with --chat: the chat alone)",
+    )
+    ap.add_argument("--no-http", dest="http", action="store_false", help="skip the HTTP levels")
+    ap.add_argument("--chat", action="store_true", help="also the chat mode (8 clients, 3 turns)")
+    ap.add_argument(
+        "--inproc",
+        action="store_true",
+        help="also doel's engine against onnxruntime-genai's, in-process",
+    )
+    ap.add_argument(
+        "--inproc-clients",
+        nargs="+",
+        type=int,
+        default=[8],
+        help="in-process client levels (default 8)",
+    )
+    ap.add_argument(
+        "--ortgenai-python",
+        type=Path,
+        default=GENAI_VENV / "bin" / "python",
+        help="the interpreter with onnxruntime-genai (default: --install-ortgenai's)",
+    )
+    ap.add_argument(
+        "--install-llama-server",
+        action="store_true",
+        help="build llama-server from the cached llama.cpp sources (once, ~10 min)",
+    )
+    ap.add_argument(
+        "--install-ortgenai",
+        action="store_true",
+        help="make the onnxruntime-genai virtualenv (once)",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.install_llama_server:
+        install_llama_server()
+    if args.install_ortgenai:
+        args.ortgenai_python = install_ortgenai()
+    if args.http and "llama" in args.servers and not BINARY.is_file():
+        raise SystemExit(f"llama-server is not built ({BINARY}): run with --install-llama-server")
+    if args.inproc and not args.ortgenai_python.is_file():
+        raise SystemExit(f"{args.ortgenai_python} is missing: run with --install-ortgenai")
+    work = Path(args.work or CACHE / "bench-load")
+    run = stamp(python=True) | {"argv": sys.argv[1:] if argv is None else argv}
+    run["load_start"], t0 = os.getloadavg()[0], time.perf_counter()
+    name = f"serve_load_0.4b_cpu-{this_cpu()['class']}"
+    path = Path(args.out) / f"{name}.json"
+    earlier = json.loads(path.read_text()) if path.is_file() else None
+
+    def save(rows: list[dict]) -> None:
+        """This run's rows so far merged into the result as it was when the run began."""
+        done = run | {"load_end": os.getloadavg()[0], "wall_s": time.perf_counter() - t0}
+        result = stamp(python=True) | merged(earlier, rows, done)
+        result["best"] = best(result["measurements"])
+        result["targets"] = targets(result["best"])
+        publish(args.out, name, result, markdown(result), figure(result))
+
+    measure(args, work, save)
+
+
+if __name__ == "__main__":
+    main()

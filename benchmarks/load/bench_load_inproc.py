@@ -1,0 +1,160 @@
+"""In-process load: doel's engine and onnxruntime-genai's Engine on the same model.onnx, the same
+prompts (ids) and client levels, no HTTP (onnxruntime-genai has no server).
+
+Run by benchmarks/load/bench_load.py, one process per engine and draw:
+`python -m benchmarks.load.bench_load_inproc doel|genai BUNDLE SPEC.json OUT.json`. The `genai` side
+runs in its own virtualenv (onnxruntime-genai's newest release pins a builder the export extra
+cannot take), so this module imports only the standard library and benchmarks.load.load_client at
+its top. Clients are closed loops as over HTTP: each sends `rounds` requests in turn, the next
+when the last is done, greedy, `new_tokens` each.
+
+onnxruntime-genai's continuous batching (`engine.dynamic_batching`) needs a PagedAttention graph
+("Paged cache input must have rank four ...": the export's GroupQueryAttention graph is refused),
+so on this model.onnx its Engine runs its static batching: requests that arrive while a batch
+runs wait for it to finish. Its config is written into a temporary folder of links to the bundle's
+files (the bundle itself is never touched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.load.load_client import Outcome, summarize
+
+
+def _record(out: Outcome, t0: float, now: float) -> None:
+    """One id arrived at `now` for the request sent at t0."""
+    if out.ttft is None:
+        out.ttft = now - t0
+    else:
+        out.gaps.append(now - t0 - out.end)
+    out.end = now - t0
+    out.tokens += 1
+
+
+def run_doel(bundle: str, spec: dict) -> list[dict]:
+    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.prefix import Hit
+    from doel.serve.sampling import SamplingParams
+    from doel.serve.scheduler import Scheduler
+
+    engine = Engine(read_bundle(bundle), threads=spec["threads"], slots=spec["slots"])
+    engine.warm_up()
+    params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0)
+    prompts = iter(spec["prompts"])
+
+    async def request(scheduler, client: int) -> Outcome:
+        out, t0 = Outcome(client=client), time.perf_counter()
+        async for _ in scheduler.generate(next(prompts), params, hit=Hit()):
+            _record(out, t0, time.perf_counter())
+        out.latency = time.perf_counter() - t0
+        return out
+
+    async def level(scheduler, n: int) -> dict:
+        async def client(i):
+            return [await request(scheduler, i) for _ in range(spec["rounds"])]
+
+        t0 = time.perf_counter()
+        done = [o for got in await asyncio.gather(*map(client, range(n))) for o in got]
+        return summarize(done, time.perf_counter() - t0) | {"clients": n}
+
+    async def main():
+        scheduler = Scheduler(engine, max_queue=256)
+        await asyncio.gather(request(scheduler, 0), request(scheduler, 1))  # warm-up
+        points = [await level(scheduler, n) for n in spec["levels"]]
+        await scheduler.close()
+        return points
+
+    return asyncio.run(main())
+
+
+def genai_folder(bundle: Path, spec: dict, into: Path) -> Path:
+    """Links to the bundle's files and a genai_config.json for the Engine: the bundle's own,
+    with spec's threads, greedy search, and static batching of spec's slots."""
+    for f in bundle.iterdir():
+        if f.name != "genai_config.json":
+            (into / f.name).symlink_to(f.resolve())
+    cfg = json.loads((bundle / "genai_config.json").read_text())
+    opts = cfg["model"]["decoder"]["session_options"]
+    opts |= {"intra_op_num_threads": spec["threads"], "inter_op_num_threads": 1}
+    cfg["search"] |= {"do_sample": False, "max_length": cfg["model"]["context_length"]}
+    cfg["engine"] = {"static_batching": {"max_batch_size": spec["slots"]}}
+    (into / "genai_config.json").write_text(json.dumps(cfg))
+    return into
+
+
+def run_genai(bundle: str, spec: dict) -> list[dict]:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = og.Model(str(genai_folder(Path(bundle), spec, Path(tmp))))
+    engine = og.Engine(model)
+    buf = engine.create_event_buffer(256)
+    prompts = iter(spec["prompts"])
+    token, finished = og.EngineEventFlags.TOKEN, og.EngineEventFlags.TURN_FINISHED
+    failed = og.EngineEventFlags.FAILED
+
+    def submit(client: int, live: dict) -> None:
+        req = engine.create_request()
+        turn = og.TurnOptions(req)
+        turn.set_do_sample(False)
+        turn.set_max_generated_tokens(spec["new_tokens"])
+        req.begin_turn(np.asarray(next(prompts), dtype=np.int32), turn)
+        live[id(req)] = (req, Outcome(client=client), time.perf_counter())
+
+    def level(n: int, rounds: int) -> list[Outcome]:
+        live, done, left = {}, [], {i: rounds for i in range(n)}
+        for i in range(n):
+            submit(i, live)
+        while live:
+            engine.run(buf)
+            now = time.perf_counter()
+            for k in range(len(buf)):
+                ev = buf[k]
+                req, out, t0 = live[id(ev.request)]
+                if ev.flags & token:
+                    _record(out, t0, now)
+                if ev.flags & (finished | failed):
+                    out.latency = now - t0
+                    out.error = f"failed: {ev.error_code}" if ev.flags & failed else None
+                    done.append(out)
+                    del live[id(ev.request)]
+                    req.close()
+                    left[out.client] -= 1
+                    if left[out.client]:
+                        submit(out.client, live)
+        return done
+
+    level(2, 1)  # warm-up
+    points = []
+    for n in spec["levels"]:
+        t0 = time.perf_counter()
+        outs = level(n, spec["rounds"])
+        points.append(summarize(outs, time.perf_counter() - t0) | {"clients": n})
+    return points
+
+
+def main(argv: list[str]) -> None:
+    engine, bundle, spec_path, out = argv
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    points = (run_doel if engine == "doel" else run_genai)(bundle, spec)
+    with open("/proc/self/status") as f:
+        peak = next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmHWM:"))
+    result = {"engine": engine, "points": points, "peak_rss_mb": peak}
+    if engine == "genai":
+        import onnxruntime_genai as og
+
+        result["version"] = og.__version__
+    result["process_s"] = time.perf_counter() - t0
+    Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

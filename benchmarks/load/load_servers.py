@@ -1,0 +1,194 @@
+"""The servers of the load benchmark: doel-serve and llama.cpp's own `llama-server`, each started
+as a process on one model with the same settings, warmed, measured, stopped.
+
+`install_llama_server` builds the `llama-server` CMake target from the llama.cpp tree vendored in
+the llama-cpp-python source package that `bench_serve_llama` already caches, with the CPU flags
+its wheel is built with (native, AMX off: AMX crashes quantized models on this build), niced,
+and keeps the binary in ~/.cache/doel/llama-server/<version>-<flags hash>/ (about 10 minutes on
+2 cores the first time). Benchmarks call it only when asked (`--install-llama-server`); tests
+and CI never build it.
+
+`Server` starts either one with the load benchmark's settings (16 slots, 2,048 positions of
+context a slot, 2 threads, the prefix cache on: doel-serve's per-tenant cache, llama-server's
+slot cache and `--cache-ram`), and waits until it answers a real completion, not only /health:
+llama-server has been seen dropping the first request sent right after /health turned 200.
+`Server.rss_mb` reads the resident memory of its process tree from /proc (Linux).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from benchmarks.serve.bench_serve_llama import CACHE, LLAMA_VERSION, NO_AMX, converter
+
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_OPENSSL=OFF",  # plain HTTP on localhost is all the benchmark needs
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # it would download the web UI; this host has no such access
+]
+KEY = hashlib.sha256("\n".join(CMAKE_FLAGS).encode()).hexdigest()[:10]
+HOME = CACHE / "llama-server" / f"{LLAMA_VERSION}-{KEY}"
+BINARY = HOME / "llama-server"
+
+
+def _cmake() -> str:
+    """A cmake on PATH, else the one pip's `cmake` package put beside this interpreter."""
+    found = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
+    if not found:
+        raise SystemExit(
+            "cmake is missing: install it (apt-get install cmake, or pip install cmake)"
+        )
+    return found
+
+
+def install_llama_server(jobs: int = 2) -> Path:
+    """Build llama-server once (cached by version and flags); returns the binary's path."""
+    if BINARY.is_file():
+        return BINARY
+    src = converter().parent  # unpacks the cached source package if needed
+    build = HOME / "build"
+    nice = ["nice", "-n", "15"]
+    print(f"building llama-server {LLAMA_VERSION} into {HOME} (about 10 min on 2 cores) ...")
+    subprocess.run(nice + [_cmake(), "-S", str(src), "-B", str(build), *CMAKE_FLAGS], check=True)
+    subprocess.run(
+        nice + [_cmake(), "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+        check=True,
+    )
+    tmp = BINARY.with_suffix(".tmp")
+    shutil.copy2(build / "bin" / "llama-server", tmp)
+    os.replace(tmp, BINARY)  # atomic: a half-copied binary is never taken for a built one
+    shutil.rmtree(build, ignore_errors=True)
+    return BINARY
+
+
+SLOTS = 16
+CONTEXT = 2048  # positions a slot holds: the model's whole context, as doel-serve's slots do
+THREADS = 2
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, model: Path, port: int) -> list[str]:
+    """The command line of `kind` ('doel' or 'llama') on `model` (a bundle, or a GGUF)."""
+    if kind == "doel":
+        return [sys.executable, "-m", "doel.serve", str(model), "--port", str(port),
+                "--threads", str(THREADS), "--slots", str(SLOTS), "--max-queue", "256",
+                "--log-level", "warning"]  # fmt: skip
+    return [str(BINARY), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(THREADS), "-tb", str(THREADS), "-np", str(SLOTS),
+            "-c", str(SLOTS * CONTEXT), "--cache-ram", "2048", "--no-webui",
+            "--log-disable"]  # fmt: skip
+
+
+def _post(port: int, body: dict, timeout: float = 60) -> dict:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def rss_tree_mb(pid: int) -> float:
+    """Resident MiB of `pid` and every process below it, from /proc; 0 once it is gone."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier += kids
+    total = 0
+    for p in tree:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(x.split()[1]) for x in f if x.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
+class Server:
+    """One server process: started, ready (a real completion answered), sampled, stopped."""
+
+    def __init__(self, kind: str, model: Path, log: Path):
+        self.kind, self.port = kind, free_port()
+        self.log = open(log, "ab")
+        cmd = server_command(kind, model, self.port)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.peak_mb, self._sampling = 0.0, None
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until a 4-token completion comes back (two in a row: the first after /health has
+        been seen lost)."""
+        deadline, answered = time.monotonic() + timeout, 0
+        while answered < 2:
+            if self.proc.poll() is not None:
+                raise SystemExit(
+                    f"{self.kind} server exited ({self.proc.returncode}); see {self.log.name}"
+                )
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{self.kind} server not ready after {timeout:.0f} s")
+            try:
+                _post(self.port, {"prompt": "আমি", "max_tokens": 4, "temperature": 0})
+                answered += 1
+            except (OSError, urllib.error.URLError, ValueError):
+                answered = 0
+                time.sleep(0.5)
+
+    def sample_rss(self):
+        """Start sampling the tree's resident memory (every 0.2 s) until stop_sampling()."""
+        self.peak_mb, stop = 0.0, threading.Event()
+
+        def loop():
+            while not stop.wait(0.2):
+                self.peak_mb = max(self.peak_mb, rss_tree_mb(self.proc.pid))
+
+        self.peak_mb = rss_tree_mb(self.proc.pid)
+        self._sampling = (stop, threading.Thread(target=loop, daemon=True))
+        self._sampling[1].start()
+
+    def stop_sampling(self) -> float:
+        stop, thread = self._sampling
+        stop.set()
+        thread.join()
+        return max(self.peak_mb, rss_tree_mb(self.proc.pid))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
