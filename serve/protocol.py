@@ -136,7 +136,23 @@ class ResponseFormat(Request):
         return self
 
 
-class SamplingRequest(Request):
+class Partitioned(Request):
+    """A request served through the prefix cache: its partition (`tenants.partition`), set by
+    the server from the key's tenant and the request's cache_salt (`answer.respond`); a request
+    built in a test has the one of no key."""
+
+    _cache: Hashable | None = PrivateAttr(ONE)
+
+    @property
+    def cache(self) -> Hashable | None:
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: Hashable | None) -> None:
+        self._cache = value
+
+
+class SamplingRequest(Partitioned):
     """The fields completions and chat share, and `to_sampling_params`, the one place where a
     request becomes the engine's parameters. Extensions beyond OpenAI's fields (as vLLM and
     llama.cpp name them): top_k, repetition_penalty."""
@@ -161,10 +177,6 @@ class SamplingRequest(Request):
         description="as vLLM: a prompt's cached prefix is reused only for requests with the "
         "same salt (and tenant)",
     )
-    # The prefix cache's partition, set by the server from the key's tenant and the salt
-    # (`answer.respond`); a request built in a test has the one of no key.
-    _cache: Hashable | None = PrivateAttr(ONE)
-
     response_format: ResponseFormat | None = Field(
         None, description="json_object or json_schema: the output is a document that parses"
     )
@@ -189,15 +201,6 @@ class SamplingRequest(Request):
                     {"n": len(s), "limit": MAX_STOP_CHARS},
                 )
         return stop
-
-    @property
-    def cache(self) -> Hashable | None:
-        """The prefix cache's partition of this request (`tenants.partition`)."""
-        return self._cache
-
-    @cache.setter
-    def cache(self, value: Hashable | None) -> None:
-        self._cache = value
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -11,13 +11,19 @@ there is nothing to continue from: send the whole conversation as `input`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Annotated, Literal
 
 from pydantic import Field, PrivateAttr, field_validator
 from pydantic_core import PydanticCustomError
 
-from doel.serve.protocol import MAX_SALT_CHARS, MAX_TOKENS, Request, of_kinds, unicode_text
+from doel.serve.protocol import (
+    MAX_SALT_CHARS,
+    MAX_TOKENS,
+    Partitioned,
+    Request,
+    of_kinds,
+    unicode_text,
+)
 from doel.serve.protocol_chat import (
     FUNCTION_NAME,
     MAX_ID_CHARS,
@@ -26,7 +32,6 @@ from doel.serve.protocol_chat import (
     few_messages,
 )
 from doel.serve.refusal import RequestError
-from doel.serve.tenants import ONE
 
 STATELESS = (
     "this server keeps no responses or conversations (it is stateless); send the whole "
@@ -170,7 +175,7 @@ class TextConfig(Request):
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, not used
 
 
-class ResponsesRequest(Request):
+class ResponsesRequest(Partitioned):
     """POST /v1/responses: the fields of OpenAI's that a stateless text model can honour."""
 
     model: str | None = None
@@ -192,20 +197,11 @@ class ResponsesRequest(Request):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = Field(None, max_length=0)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
-    _cache: Hashable | None = PrivateAttr(ONE)
     _chat: object = PrivateAttr(None)  # the chat request that serves it
 
     _items = field_validator("input", mode="before")(known_items)
     _functions = field_validator("tools", mode="before")(function_tools)
     _unicode = field_validator("input", "instructions")(unicode_text)
-
-    @property
-    def cache(self) -> Hashable | None:
-        return self._cache
-
-    @cache.setter
-    def cache(self, value: Hashable | None) -> None:
-        self._cache = value
 
     def refuse_state(self) -> None:
         """A 400 for what needs a server that remembers."""
