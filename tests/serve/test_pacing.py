@@ -1,7 +1,8 @@
 """Each client's request bodies at its rate, as the Guard paces them (ratelimit.BodyBudget,
-whose arithmetic test_ratelimit.py checks; issue 36, point 3): a large body past the rate waits its turn unread, one that would wait too
-long is a 429 with Retry-After in the OpenAI shape, small bodies never wait, and one client's
-bodies do not slow another's. The live flood is in tests/serve/test_shared.py."""
+whose arithmetic test_ratelimit.py checks; issue 36, point 3): a large body past the rate waits
+its turn unread, one that would wait too long is a 429 with Retry-After in the OpenAI shape,
+small bodies never wait, and one client's bodies do not slow another's. The live flood is in
+tests/serve/test_shared.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Each client's rate of requests (ratelimit.RequestRate, asked by the Guard): the
-buckets' arithmetic on a fake clock (BodyBudget's, of body bytes, too); a client over its rate gets a 429 in the OpenAI shape with
-Retry-After, before its body is read, while another client (tenant or address) is still served;
-probes count apart; 0 turns it off. Live: clients looping /health and tiny bad requests back to
-back leave another client's chat within twice its idle latency."""
+"""Each client's rate of requests (ratelimit.RequestRate, asked by the Guard): the buckets'
+arithmetic on a fake clock (BodyBudget's, of body bytes, too); a client over its rate gets a 429
+in the OpenAI shape with Retry-After, before its body is read, while another client (tenant or
+address) is still served; probes count apart; 0 turns it off. Live: clients looping /health and
+tiny bad requests back to back leave another client's chat within twice its idle latency."""
 
 from __future__ import annotations
 
