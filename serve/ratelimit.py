@@ -11,7 +11,7 @@ orchestrator polling from a flooding address still sees the server up. A refused
 connection then reads nothing until its Retry-After (scope[HOLD], which the connection reads),
 so one that does not honour it waits anyway, costing nothing. Bodies up to SMALL_BODY never
 wait: a client's chats are not held behind its own large bodies. The figures behind these
-choices: tests/serve/test_ratelimit.py and tests/serve/test_shared.py measure them.
+choices are docs/serving.md's, measured by tests/serve/test_ratelimit.py and test_shared.py.
 """
 
 from __future__ import annotations
