@@ -1,4 +1,6 @@
-"""Does a neighbour's cached prefix change a seeded request's int4 output, and does per-tenant
+"""Regression check: a seeded request's int4 output beside another tenant's cached prefix.
+
+Does a neighbour's cached prefix change a seeded request's int4 output, and does per-tenant
 isolation of the prefix cache remove the case across tenants (issue 36, point 2)?
 
 A seeded sampled request R (temperature and top_p below 1, `seed`) is sent by the tenant

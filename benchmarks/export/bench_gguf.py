@@ -1,5 +1,7 @@
-"""GGUF benchmark on ../shared/data: what the llama.cpp-compatible tokenizer costs, and proof that
-llama.cpp runs doel's GGUF export as doel does.
+"""GGUF benchmark: what the llama.cpp-compatible tokenizer costs, and llama.cpp's parity.
+
+On ../shared/data: the cost of the tokenizer style, and proof that llama.cpp runs doel's GGUF
+export as doel does.
 
 1. Cost: tokenizers of the "doel" and the "gguf" style (`doel-train tokenizer --style gguf`),
    trained on the same few MB of the train split of splits.json (Bangla 55 % of the

@@ -1,6 +1,8 @@
-"""The memory a phone needs for a bundle: peak resident memory of a process that loads model.ort
-(what ONNX Runtime Mobile loads) and fills a context of 512 or 2,048 positions, with the KV cache
-in fp32 and in fp16 (`doel-export --kv-cache fp16`, export/kvcache.py).
+"""The memory a phone needs for a bundle, its KV cache in fp32 against fp16.
+
+Peak resident memory of a process that loads model.ort (what ONNX Runtime Mobile loads) and
+fills a context of 512 or 2,048 positions, with the KV cache in fp32 and in fp16
+(`doel-export --kv-cache fp16`, export/kvcache.py).
 
 Each case runs in its own process, through serve/'s engine as an app would drive ONNX Runtime:
 the cache preallocated for the context and bound as both past and present, the prompt fed in

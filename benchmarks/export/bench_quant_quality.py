@@ -1,5 +1,6 @@
-"""Quantization quality on a trained model: what each quantization costs in held-out loss, ours
-against llama.cpp's, on the same token windows.
+"""Quantization quality: each quantization's cost in held-out loss, ours against llama.cpp's.
+
+On a trained model, on the same token windows.
 
 The checkpoint (`--model`, a trained Hugging Face folder) is scored in
 - PyTorch fp32 (transformers: `export.parity.torch_reference`), the reference;
@@ -19,9 +20,8 @@ proves the windows, ids and model agree. Bits per weight are measured from the f
 the transformer blocks' linear layers over their weights; the head and embedding separately),
 beside the nominal figure of each scheme.
 
-Writes benchmarks/results/quant_quality_small.{json,md}. Run: `make bench-quant-quality` (17
-minutes on 2 cores shared with another job: 3-4 minutes for each PyTorch and llama.cpp pass, 20 s
-for each bundle; `--work DIR` keeps bundles and GGUF files, and a rerun reuses them).
+Writes benchmarks/results/quant_quality_small.{json,md}. Run: `make bench-quant-quality`
+(`--work DIR` keeps bundles and GGUF files, and a rerun reuses them).
 While the file /tmp/doel-quiet exists (another benchmark needs the machine), every heavy step
 waits.
 """

@@ -1,5 +1,7 @@
-"""Serving under load: doel-serve against llama.cpp's llama-server over HTTP, and doel's engine
-against onnxruntime-genai's Engine in-process, with the same requests (issue 33).
+"""Serving under load: doel-serve against llama-server, and against onnxruntime-genai in-process.
+
+doel-serve against llama.cpp's llama-server over HTTP, and doel's engine against
+onnxruntime-genai's Engine in-process, with the same requests (issue 33).
 
 One model (benchmarks/load/load_model.py: the 0.4B preset's random weights, a tokenizer covering its
 whole vocabulary) as a doel bundle and as GGUF of the same width (int4 / q4_0, int8 / q8_0).

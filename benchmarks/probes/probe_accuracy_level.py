@@ -1,5 +1,8 @@
 """Probe: MatMulNBits' accuracy_level on this CPU, batch 1 and batch 8 decode steps at 0.4B.
 
+Decided: the export keeps accuracy_level 4 (benchmarks/results/accuracy_level_0.4b_cpu-<class>.md
+per CPU class); kept runnable, not run in CI.
+
 export/graph.py quantizes every linear layer to MatMulNBits with accuracy_level 4 (activations
 quantized to int8 inside the kernel: fast where the CPU has VNNI). Issue 22 asks whether that
 choice holds on CPUs without it. This probe takes the int4 and int8 bundles bench_serve.py

@@ -1,7 +1,9 @@
 """The demo's training on a busy CPU: torch's default threads against the measured choice.
 
-Issue 38: on 2 cores under a load of 5 the demo's steps (400 then) ran at 577 tok/s with torch's
-default two threads (they stall each other) and missed its time limit. This runs the demo's own
+Decided: fit measures its own thread count on its steps (train/threads.py) instead of taking
+torch's default, which on a busy 2-core machine made the demo's threads stall each other and miss
+its time limit (issue 38); benchmarks/results/demo_load_<class>.md is the evidence, kept
+runnable and not run in CI. This runs the demo's own
 training (`doel-train fit --config demo` on the demo's shards) four ways in one run, so the
 comparison is a ratio under the same background:
 - old: OMP_NUM_THREADS set to torch's default (one thread a core), what every run did before;

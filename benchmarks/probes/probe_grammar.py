@@ -1,6 +1,9 @@
-"""Which grammar engine enforces response_format (issue 35): llguidance, xgrammar and
-outlines-core on doel's default tokenizer (spm: SentencePiece BPE with byte-fallback `<0xNN>`
-tokens) at the 0.4B model's 32,768 tokens.
+"""Which grammar engine enforces response_format: llguidance, xgrammar and outlines-core.
+
+Decided (issue 35): llguidance (serve/structured.py); the evidence is
+benchmarks/results/grammar_engines_cpu-<class>.md, kept runnable and not run in CI. The engines
+run on doel's default tokenizer (spm: SentencePiece BPE with byte-fallback `<0xNN>` tokens) at
+the 0.4B model's 32,768 tokens.
 
 For each engine: the tokenizer's set-up time; a schema's compile time (five schemas, each compiled
 cold); the time of one token mask at 1 row and of 8 rows' masks in one step, along random valid

@@ -1,5 +1,9 @@
 """Probe: ONNX Runtime's own session options against the batched decode step (issue 22).
 
+Decided: serve's engine keeps ONNX Runtime's defaults (2 intra-op threads, spinning on), since
+none of the options moves the ceiling of 8 streams over one
+(benchmarks/results/ort_options_0.4b_cpu-<class>.md); kept runnable, not run in CI.
+
 Issue 22 asks for fixes through ONNX Runtime's own options before any kernel of ours. This probe
 times, for each option below, on the int4 and int8 bundles bench_serve.py makes (random 0.4B,
 2 threads, serve/engine.py with 8 slots each holding a 128-token prompt): a 128-token prefill

@@ -1,6 +1,10 @@
-"""Probe: one linear layer of the 0.4B model, every way onnxruntime-web can hold it, in Node.js
-and in headless Chromium, per WebAssembly build and thread count: the map of what the browser
-page (`doel-export --web`) can run small and fast.
+"""Probe: one linear layer of the 0.4B model, every way the browser page can hold it.
+
+In Node.js and in headless Chromium, per WebAssembly build and thread count: the map of what the
+page (`doel-export --web`) can run small and fast. Decided: the page's modes (export/web_graph.py
+and doel's own kernel, export/web/kernel.c) are the fastest ways whose weights stay at 8 bits or
+fewer (probe_web_table's verdict); the evidence is benchmarks/results/web_probe_cpu-<class>.md,
+kept runnable and not run in CI.
 
 Each graph computes Y = A W for A [rows, K] fp32 (rows 1: a decode step; PREFILL: a prefill
 chunk, as the page's) and W the 0.4B model's gate/up ([1024, 2816]) or down ([2816, 1024])

@@ -1,5 +1,7 @@
-"""The second turn of a chat: time to first token with the prefix cache, against the first turn
-and against llama.cpp's prompt cache on the same weights, one run.
+"""A chat's second turn: time to first token with the prefix cache against llama.cpp's.
+
+Time to first token of the second turn with the prefix cache, against the first turn and
+against llama.cpp's prompt cache on the same weights, one run.
 
 Same 0.4B random-weight model as bench_serve.py (its `setup` builds or reuses the checkpoint, the
 int4 bundle and the q4_0 GGUF in --work), same 2 threads, each engine alone in a fresh process:

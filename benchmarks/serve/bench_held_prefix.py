@@ -1,4 +1,6 @@
-"""A conversation that ends between running streams: its held cache inside their steps' span,
+"""A held conversation's cache parked outside the running streams' span, or not.
+
+A conversation that ends between running streams: its held cache inside their steps' span,
 parked outside it or not (serve/scheduler.py's `_park`, serve/prefix.py's `parking`).
 
 On the int4 bundle bench_serve.py makes (random 0.4B, 2 threads, 4 slots as a small chat

@@ -3,7 +3,7 @@
 `python -m benchmarks.serve.bench_serve_engines ENGINE MODEL SPEC OUT` loads one engine, times its
 runs as `SPEC` (a JSON file written by bench_serve.py) says, and writes `OUT` (JSON), including
 the process's peak resident memory, which is why every engine gets a fresh interpreter and
-imports only what it needs (our engine never imports torch, so torch's 300 MB are not counted
+imports only what it needs (our engine never imports torch, so torch's memory is not counted
 against it):
 - `doel`: serve/engine.py, the engine of `doel-serve`, on an export bundle; one slot (one
   request at a time, as llama.cpp's context here);

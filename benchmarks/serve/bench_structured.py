@@ -1,6 +1,9 @@
-"""What structured output costs (issue 35): decode tokens/s with a JSON schema vs without, at 1 and
-8 streams, and one stream without a format beside 7 with one, on the 0.4B shape (int4 bundle as
-bench_serve builds it; doel's spm tokenizer at 32,768 tokens, bench probe_grammar's).
+"""What structured output costs: decode tokens/s with a JSON schema against without.
+
+Issue 35: at 1 and 8 streams, and one stream without a format beside 7 with one, on the 0.4B
+shape (int4 bundle as bench_serve builds it; doel's spm tokenizer at 32,768 tokens,
+probe_grammar's). Writes
+benchmarks/results/structured_0.4b_cpu-<class>.{json,md}.
 
 In-process (doel.serve.service.Service, 8 slots, 2 threads, greedy): every stream's token times
 are recorded, and the rate is counted over the window where all of a run's streams decode (after

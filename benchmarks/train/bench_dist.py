@@ -1,5 +1,6 @@
-"""Data-parallel scaling: tokens/s of 1 process against N processes under torchrun, the same
-global batch, for DDP and FSDP2.
+"""Data-parallel scaling: tokens/s of 1 process against N under torchrun, DDP and FSDP2.
+
+The same global batch for both.
 
 On this machine (2 CPU cores, gloo) it compares 1 process with 2 threads against 2 processes
 with 1 thread each: the same cores, so the ratio is the cost of the data-parallel machinery

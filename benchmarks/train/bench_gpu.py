@@ -1,6 +1,7 @@
-"""GPU throughput of a preset (default `bangla-0.4b`): step time, tokens/s and MFU with bf16
-autocast + torch.compile + fused AdamW, the settings a real run uses. One command, a few
-minutes, no data needed (random tokens: throughput does not depend on their values).
+"""GPU throughput of a preset: step time, tokens/s and MFU with the settings a real run uses.
+
+The preset (default `bangla-0.4b`) with bf16 autocast + torch.compile + fused AdamW. One
+command, a few minutes, no data needed (random tokens: throughput does not depend on their values).
 
     python -m benchmarks.train.bench_gpu [--config bangla-0.4b] [--steps 30] \
         [--set batch_size=8 ...]

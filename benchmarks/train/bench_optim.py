@@ -1,5 +1,7 @@
-"""Optimizer benchmark on ../shared/data: AdamW (the `small` preset's tuned settings) against
-Muon on the hidden matrices (train/optim.py), same data order, same tokens.
+"""Optimizer benchmark on ../shared/data: AdamW against Muon, same data order, same tokens.
+
+AdamW (the `small` preset's tuned settings) against Muon on the hidden matrices
+(train/optim.py).
 
 Every run is the `small` preset scaled to a shared 2-core CPU (see SCALE: a smaller model,
 a 2,048-token tokenizer trained here on the train split, shorter sequences, fewer steps), built
@@ -21,8 +23,8 @@ tokens a step, 100 steps; a few minutes on a quiet machine) and, as `--tag=-mid`
 `--vocab 8192 --set model.hidden_size=256 --set model.intermediate_size=704 --set seq_len=128
 --set batch_size=16 --set warmup_steps=20 --steps 200 --evals 8 --eval-chars 20000` (5M
 parameters, 2,048 tokens a step). Runs are cached in --work, so `--runs NAME...` lets several
-processes share the work (one thread each: two threads on a loaded 2-core machine ran 5x
-slower than one) and a last call writes the report.
+processes share the work (one thread each: two threads on a loaded 2-core machine stall
+each other) and a last call writes the report.
 """
 
 from __future__ import annotations

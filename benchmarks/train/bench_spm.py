@@ -1,5 +1,6 @@
-"""Which tokenizer style should be the default (issue 32): the llama.cpp-compatible candidates
-against doel's own, on ../shared/data, by characters per token and by what a model learns.
+"""Which tokenizer style should be the default: llama.cpp-compatible candidates against doel's.
+
+Issue 32: on ../shared/data, by characters per token and by what a model learns.
 
 1. Tokenizers of each style in STYLES, trained on the same first --max-chars characters of the
    train split of splits.json (Bangla --bangla-share of them), at 8,192 and 32,768 tokens.

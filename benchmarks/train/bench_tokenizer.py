@@ -1,4 +1,4 @@
-"""Tokenizer benchmark on ../shared/data: is doel's tokenizer fair to Bangla, and how fast are
+"""Tokenizer benchmark on ../shared/data: is doel's tokenizer fair to Bangla; how fast are
 shards written?
 
 1. Train tokenizers at 32,768 tokens on the train split of splits.json: doel's, its ablations
