@@ -3,8 +3,8 @@ docs/architecture.md's tree, rendered at build time from the modules themselves,
 drift from what benchmarks/ holds. Each module is read, never imported (no torch, no
 onnxruntime at build time): its docstring's first sentence says what it compares, its
 `RESULTS` names the result files it writes (`<class>` a CPU class, `<x>` any other part of a
-name) and `RESULTS_NOT_YET_RUN` those no committed file holds yet. tests/benchmarks/
-test_package.py holds both lists to benchmarks/results/."""
+name) and `RESULTS_NOT_YET_RUN` those no committed file holds yet.
+tests/benchmarks/test_package.py holds both lists to benchmarks/results/."""
 
 from __future__ import annotations
 
