@@ -140,6 +140,8 @@ def test_the_cli_reference_shows_every_flag_with_its_help():
     for name, parser in hook.parsers():
         assert f"## `{name}`" in page
         for action in parser._actions:
+            if action.help == argparse.SUPPRESS:  # hidden from --help, so from the page too
+                continue
             if action.option_strings and not isinstance(action, argparse._HelpAction):
                 assert f"`{action.option_strings[0]}`" in page, (name, action.option_strings)
                 assert hook._cell(action.help) in page
