@@ -215,7 +215,9 @@ def _verified(folder: Path, weights: tuple[Path, ...], tokenizer: Path) -> dict[
     names = ["config.json", *(p.name for p in weights)]
     if tokenizer.parent.resolve() == folder.resolve():
         names.append(tokenizer.name)
-    hint = "copy it again or export another checkpoint; or pass --no-verify to export it as it is"
+    hint = (
+        "copy it again or export another checkpoint; or pass --no-checksums to export it as it is"
+    )
     return checksums.verify(folder, ExportError, names=names, hint=hint)
 
 

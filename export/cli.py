@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from doel.contracts.checksums import add_flag
 from doel.contracts.quant import DEFAULT_GGUF, DEFAULT_ONNX, QUANTS, names, quant
 from doel.export.common import ExportError  # standard library only, so it imports without the extra
 
@@ -98,10 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--repo-id",
         help="the bundle's Hugging Face repository (OWNER/NAME), named in its README.md card",
     )
-    p.add_argument(
-        "--no-verify",
-        action="store_true",
-        help="export a checkpoint without checking its files against the sha256 it records "
+    add_flag(
+        p,
+        "export a checkpoint without checking its files against the sha256 it records "
         "(checksums.json; a damaged file is otherwise refused, named)",
     )
     p.add_argument("--json", action="store_true", help="print the manifest")
@@ -157,7 +157,7 @@ def _onnx(args) -> None:
         force=args.force,
         tokenizer=args.tokenizer,
         repo_id=args.repo_id,
-        verify=not args.no_verify,
+        verify=not args.no_checksums,
         log=lambda msg: print(msg, file=sys.stderr),
     )
     result = export_checkpoint(args.checkpoint, args.out, opts)
@@ -177,7 +177,7 @@ def _gguf(args) -> None:
         tokenizer=args.tokenizer,
         log=lambda msg: print(msg, file=sys.stderr),
         repo_id=args.repo_id,
-        verify=not args.no_verify,
+        verify=not args.no_checksums,
     )
     if args.json:
         print(json.dumps(result, indent=2))

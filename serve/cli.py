@@ -27,6 +27,7 @@ import socket
 import sys
 from pathlib import Path
 
+from doel.contracts.checksums import add_flag
 from doel.serve.ratelimit import BURST_SECONDS, MAX_BODY_WAIT, PROBE_FACTOR  # stdlib
 from doel.serve.settings import Settings  # stdlib only: every default below is its field's
 from doel.serve.tenants import MODES, KeyFileError, parse_keys
@@ -135,10 +136,9 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
         "messages in one chat request; more is refused with 400 (default %(default)s)",
         metavar="N",
     )
-    p.add_argument(
-        "--no-verify",
-        action="store_true",
-        help="serve the bundle without checking its files against the sha256 its manifest "
+    add_flag(
+        p,
+        "serve the bundle without checking its files against the sha256 its manifest "
         "records (checked while the model loads otherwise)",
     )
     p.add_argument(
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         url=base_url(args.host, args.port),
         # Started now: the files are hashed while the port opens and the model loads.
-        verify=None if args.no_verify else Verification(bundle),
+        verify=None if args.no_checksums else Verification(bundle),
         exit_on_damage=True,
     )
     _, files = raise_open_files()

@@ -136,13 +136,13 @@ class Engine:
         opts.intra_op_num_threads = threads  # 0: one per core
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # ONNX Runtime's own session options (benchmarks/probe_ort_options.py measures them)
+        # ONNX Runtime's own session options (benchmarks/probes/probe_ort_options.py measures them)
         for key, value in (session_config or {}).items():
             opts.add_session_config_entry(key, value)
         # Errors only: ONNX Runtime warns at every load that the overridable logits_to_keep
         # input is not folded as a constant, which is its point.
         opts.log_severity_level = 3
-        opts.enable_profiling = profile  # per-operator times (benchmarks/profile_serve.py)
+        opts.enable_profiling = profile  # per-operator times (benchmarks/serve/profile_serve.py)
         self.session = ort.InferenceSession(
             str(bundle.model), opts, providers=["CPUExecutionProvider"]
         )

@@ -8,7 +8,7 @@ no cost; then contents, hashed on threads of their own while the model loads (ha
 of the GIL), so a ready server has spent the longer of the load and the hashing rather than
 their sum. Requests wait (503, "Loading") until both are done; a mismatch is one line naming
 the file. A bundle written before doel recorded hashes is served unchecked. `doel-serve
---no-verify` skips the check.
+--no-checksums` skips the check.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from doel.contracts.checksums import hash_files
 from doel.serve.engine import Bundle, BundleError
 
 READ = ("tokenizer.json", "tokenizer_config.json")  # besides the graph and its data
-HINT = "export it again, or start with --no-verify to serve it as it is"
+HINT = "export it again, or start with --no-checksums to serve it as it is"
 
 
 class Damaged(BundleError):

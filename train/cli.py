@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from doel.contracts.checksums import add_flag
 from doel.train.cliparse import Parser, tokenizer_path
 from doel.train.common import DoelError, Interrupted  # standard library only
 
@@ -247,27 +248,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-class _Renamed(argparse.Action):
-    """An old spelling of a flag, refused in one line naming the new one (exit 2)."""
-
-    def __init__(self, option_strings, dest, new: str, **kw):
-        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kw)
-        self.new = new
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is now {self.new} (--skip-verify skips the checks)")
-
-
 def _no_checksums(p: argparse.ArgumentParser, what: str) -> None:
-    """--no-checksums: the sha256 checks. Not --no-verify, its old spelling: "verify" is the
-    checks before step 1 (--skip-verify)."""
-    p.add_argument(
-        "--no-checksums",
-        action="store_true",
-        help=f"use {what} without checking them against their recorded sha256 (a damaged file "
+    add_flag(
+        p,
+        f"use {what} without checking them against their recorded sha256 (a damaged file "
         "is otherwise refused, named)",
     )
-    p.add_argument("--no-verify", action=_Renamed, new="--no-checksums", dest="_renamed")
 
 
 MOVED = ("demo", "recipe")  # they use every stage: `doel demo`, `doel recipe` (pipeline/cli.py)

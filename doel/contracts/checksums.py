@@ -14,6 +14,7 @@ one core's.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -24,6 +25,27 @@ NAME = "checksums.json"
 FORMAT = "doel-checksums"
 VERSION = 1
 THREADS = 4  # files hashed at once: enough to keep a disk busy, few beside a training run
+# The one flag of every command that skips these checks. Not --no-verify, its old spelling:
+# "verify" is doel-train's correctness suite (--skip-verify).
+FLAG = "--no-checksums"
+OLD_FLAG = "--no-verify"
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of a flag, refused in one line naming the new one (exit 2)."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {self.new}")
+
+
+def add_flag(parser: argparse.ArgumentParser, help: str) -> None:
+    """--no-checksums (`args.no_checksums`), and its old spelling refused naming it."""
+    parser.add_argument(FLAG, action="store_true", help=help)
+    parser.add_argument(OLD_FLAG, action=_Renamed, new=FLAG, dest="_renamed")
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -73,7 +95,7 @@ def recorded(folder: str | os.PathLike, error: type[Exception] = ValueError) -> 
     return files
 
 
-_AGAIN = "copy the folder again, or pass --no-verify to use it as it is"
+_AGAIN = f"copy the folder again, or pass {FLAG} to use it as it is"
 
 
 def verify(

@@ -298,7 +298,7 @@ __attribute__((export_name("dk_selftest"))) int dk_selftest(void) {
   return ok;
 }
 
-// One 4-bit linear layer alone, y[rows][N] = a[rows][K] W (benchmarks/probe_web_matmul.py
+// One 4-bit linear layer alone, y[rows][N] = a[rows][K] W (benchmarks/probes/probe_web_matmul.py
 // times it beside onnxruntime-web's kernels); the activations' buffers must hold rows x K.
 __attribute__((export_name("dk_linear"))) void dk_linear(float *y, const float *a, int rows,
                                                          int K, int N, const u8 *w,

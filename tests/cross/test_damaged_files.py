@@ -1,9 +1,9 @@
 """Files damaged after they were written are named, never used silently (issue 36, 6-8): shards
 whose bytes differ from meta.json's sha256, checkpoints whose model, optimizer or RNG file differs
 from their checksums.json (at resume and at export), an id outside the vocabulary in a shard, a
-disk that fills during a checkpoint; each in one line, with --no-checksums (training; export's
-and serve's --no-verify) for whoever needs it. And an unchanged resume skips the checks before
-step 1 even after prepare wrote meta.json again (issue 38, 7)."""
+disk that fills during a checkpoint; each in one line, with --no-checksums (doel-train,
+doel-export and doel-serve alike) for whoever needs it. And an unchanged resume skips the checks
+before step 1 even after prepare wrote meta.json again (issue 38, 7)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_a_shard_whose_bytes_differ_from_meta_json_is_refused_naming_it(shards, 
     flip(shard, step=2)
     with pytest.raises(Damaged, match=f"{shard} does not match the sha256 meta.json records"):
         TokenLoader(data, batch_size=2, seq_len=64)
-    loader = TokenLoader(data, batch_size=2, seq_len=64, verify=False)  # --no-verify
+    loader = TokenLoader(data, batch_size=2, seq_len=64, verify=False)  # --no-checksums
     assert loader.next_batch()[0].shape == (2, 64)
 
 
@@ -107,7 +107,7 @@ def test_export_refuses_a_checkpoint_whose_weights_differ_from_checksums_json(
     flip(weights)
     with pytest.raises(ExportError, match=f"{weights} does not match the sha256 checksums.json"):
         inspect_checkpoint(step)
-    assert inspect_checkpoint(step, verify=False).hashes == {}  # --no-verify
+    assert inspect_checkpoint(step, verify=False).hashes == {}  # --no-checksums
     flip(step / "optimizer.safetensors")  # not the model's: the export neither reads nor checks it
     assert inspect_checkpoint(step, verify=False).weights == (weights,)
 
@@ -121,7 +121,7 @@ def test_doel_export_prints_the_damaged_file_in_one_line(tmp_path, tokenizer_pat
     with pytest.raises(SystemExit) as e:
         export_main([str(step), "--out", str(tmp_path / "bundle")])
     assert str(e.value.code).startswith(f"error: {step / 'model.safetensors'} does not match")
-    assert "--no-verify" in str(e.value.code) and not (tmp_path / "bundle").exists()
+    assert "--no-checksums" in str(e.value.code) and not (tmp_path / "bundle").exists()
 
 
 @pytest.mark.slow  # trains

@@ -42,7 +42,7 @@ def test_the_check_sees_a_bare_name():
     assert BARE.search('prog="python -m export.web",')
     assert BARE.search("torchrun --nproc_per_node=8 -m train fit")
     assert not BARE.search("python -m doel.export.web_kernel")
-    assert not BARE.search("python -m benchmarks.bench_serve")
+    assert not BARE.search("python -m benchmarks.serve.bench_serve")
 
 
 @pytest.mark.parametrize("module", ["doel.export.web_kernel", "doel.export.web"])

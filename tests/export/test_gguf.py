@@ -243,7 +243,7 @@ def test_llama_cpp_tokenizes_id_for_id_and_its_f32_logits_equal_pytorchs(
     llama_cpp = pytest.importorskip(
         "llama_cpp",
         reason="llama-cpp-python is a benchmark-only dependency, built from source in 6-9 min "
-        "(benchmarks/bench_serve_llama.py install_llama_cpp); CI does not build it",
+        "(benchmarks/serve/bench_serve_llama.py install_llama_cpp); CI does not build it",
     )
     from doel.export.gguf import export_gguf
 

@@ -208,8 +208,8 @@ def test_session_options_reach_onnx_runtime_and_a_turned_value_cache_is_allocate
     tiny_bundle, engine
 ):
     """ONNX Runtime's session.gqa_value_layout=BNHS asks for the value cache with the positions
-    last (benchmarks/probe_ort_options.py): the engine allocates what the session takes, and the
-    tokens stay the same, alone and batched. An unknown value is refused by ONNX Runtime."""
+    last (benchmarks/probes/probe_ort_options.py): the engine allocates what the session takes, and
+    the tokens stay the same, alone and batched. An unknown value is refused by ONNX Runtime."""
     b = read_bundle(tiny_bundle)
     turned = Engine(b, threads=1, slots=2, session_config={"session.gqa_value_layout": "BNHS"})
     shapes = {a.shape for a in turned.kv_arrays}

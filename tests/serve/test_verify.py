@@ -1,7 +1,7 @@
 """The bundle checked before it is served (issue 36, point 6): doel-serve hashes the files it
 reads against the sha256 the manifest records, while the model loads; 32 flipped bytes of
 model.onnx.data end it with a one-line error naming the file, a truncated file too, and
---no-verify serves the bundle as it is. The check of the tiny bundle takes milliseconds."""
+--no-checksums serves the bundle as it is. The check of the tiny bundle takes milliseconds."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_the_files_serve_reads_are_checked_in_milliseconds(tiny_bundle):
 def test_a_flipped_or_truncated_file_is_named(damaged):
     with pytest.raises(Damaged, match=r"model\.onnx\.data does not match the sha256") as e:
         check(read_bundle(damaged))
-    assert "\n" not in str(e.value) and "--no-verify" in str(e.value)
+    assert "\n" not in str(e.value) and "--no-checksums" in str(e.value)
     tok = damaged / "tokenizer.json"
     tok.write_bytes(tok.read_bytes()[:-10])
     with pytest.raises(Damaged, match=r"tokenizer\.json is truncated or damaged"):
@@ -63,6 +63,6 @@ def test_doel_serve_refuses_a_damaged_bundle_in_one_line(damaged, tmp_path):
     assert len(errors) == 1 and "model.onnx.data does not match" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
     assert time.monotonic() - start < 60
-    # --no-verify serves it as it is.
-    with live_server(damaged, tmp_path, "--no-verify") as s:
+    # --no-checksums serves it as it is.
+    with live_server(damaged, tmp_path, "--no-checksums") as s:
         assert s.proc.poll() is None

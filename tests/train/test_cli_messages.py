@@ -87,5 +87,5 @@ def test_the_hash_flag_is_no_checksums_and_no_verify_is_refused_naming_it(comman
         main([*argv, "--no-verify"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith("error: --no-verify is now --no-checksums (--skip-verify skips the checks)")
+    assert err.endswith("error: --no-verify is now --no-checksums")
     assert "--no-verify" not in build_parser().format_help()

@@ -165,7 +165,7 @@ def test_llama_cpp_matches_tokenizers_on_bangla_corner_cases_and_the_chat_prompt
     llama_cpp = pytest.importorskip(
         "llama_cpp",
         reason="llama-cpp-python is a benchmark-only dependency, built from source "
-        "(benchmarks/bench_serve_llama.py install_llama_cpp); CI does not build it",
+        "(benchmarks/serve/bench_serve_llama.py install_llama_cpp); CI does not build it",
     )
     torch = pytest.importorskip("torch")
     from doel.export.gguf import export_gguf
