@@ -31,13 +31,13 @@ import gguf
 import numpy as np
 from safetensors import safe_open
 
-from doel.contracts import read_json
 from doel.contracts.manifest import Manifest
 from doel.contracts.quant import DEFAULT_GGUF, Quant, at_bits
 from doel.contracts.quant import quant as quant_row
 from doel.export import card
 from doel.export.checkpoint import Checkpoint, inspect_checkpoint, source_record
 from doel.export.common import ExportError, file_table, staging, write_json
+from doel.export.modelfile import END_OF_TURN, chat_template, modelfile
 
 EMBEDDING_AND_HEAD = ("token_embd.weight", "output.weight")  # at the row's head_bits
 STYLE_HINT = (
@@ -146,6 +146,11 @@ def vocabulary(tok: dict, size: int) -> tuple[list[str], list[int]]:
     for a in tok.get("added_tokens", []):
         tokens[a["id"]], types[a["id"]] = a["content"], CONTROL if a["special"] else USER_DEFINED
     return [t if t is not None else f"<|unused_{i}|>" for i, t in enumerate(tokens)], types
+
+
+def tok_ids(tok: dict) -> dict[str, int]:
+    """Each added token's id by its text."""
+    return {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
 
 
 def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
@@ -268,11 +273,12 @@ def write_gguf(ckpt: Checkpoint, path: Path, row: Quant, name: str) -> dict:
             add(ckpt.special_tokens[role]["id"])
     w.add_add_bos_token(add_bos)
     w.add_add_eos_token(add_eos)
-    template = (read_json(ckpt.tokenizer.parent / "tokenizer_config.json") or {}).get(
-        "chat_template"
-    )
-    if isinstance(template, str):
+    template = chat_template(ckpt)
+    if template is not None:
         w.add_chat_template(template)
+        end = tok_ids(tok).get(END_OF_TURN)
+        if end is not None:  # llama.cpp ends a reply there (its end-of-generation set)
+            w.add_eot_token_id(end)
     types_written = {}
     for gname, arr in _tensors(ckpt):
         t = tensor_type(row, gname, arr.shape)
@@ -286,18 +292,6 @@ def write_gguf(ckpt: Checkpoint, path: Path, row: Quant, name: str) -> dict:
     w.write_tensors_to_file()
     w.close()
     return {"pre_tokenizer": pre, "chat_template": template is not None, "tensors": types_written}
-
-
-def modelfile(gguf_name: str, ckpt: Checkpoint) -> str:
-    """An Ollama Modelfile: the GGUF, its context, doel's sampling defaults and stop token."""
-    lines = [f"FROM ./{gguf_name}", f"PARAMETER num_ctx {ckpt.context_length}"]
-    g = read_json(ckpt.folder / "generation_config.json") or {}
-    for key in ("temperature", "top_k", "top_p"):
-        if g.get(key) is not None:
-            lines.append(f"PARAMETER {key} {g[key]}")
-    if "eos" in ckpt.special_tokens:
-        lines.append(f'PARAMETER stop "{ckpt.special_tokens["eos"]["token"]}"')
-    return "\n".join(lines) + "\n"
 
 
 def export_gguf(

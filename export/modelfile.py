@@ -1,0 +1,136 @@
+"""The Ollama Modelfile beside a GGUF: its context, doel's sampling defaults, its stop strings and,
+for doel's chat template, a TEMPLATE in Go's text/template that renders the same prompt.
+
+Why a TEMPLATE: Ollama does not run a GGUF's Jinja template. `ollama create` compares it with the
+templates it knows and, when none is close, uses `{{ .Prompt }}`, which drops every role
+(ollama template/template.go, `Named` and `DefaultTemplate`). So the Modelfile carries doel's
+CHAT_TEMPLATE (train/data/tokenizer.py) rewritten for the data Ollama gives a template: `.Messages`
+(Role, Content, ToolCalls with .Function.Name and .Function.Arguments, a map) and `.Tools` (each
+.Function with Name, Description, Parameters.Type/Properties/Required), after Ollama has merged
+consecutive messages of one role with "\\n\\n" (`collate`). What it renders equals the Jinja
+prompt byte for byte (tests/export/test_ollama_template.py runs Go's own text/template on it),
+given what Ollama keeps of a conversation:
+- no <|bos|> in front: Ollama's tokenizer adds it, as the GGUF's add_bos_token says
+  (tokenizer/vocabulary.go `addSpecials`);
+- tool-call arguments and tool properties come in Go's map order (keys sorted), as Ollama turns
+  them into maps before the template sees them; tools keep the fields Ollama's api.Tool has;
+- numbers as Go writes a float64 (integers and plain decimals as Python does).
+JSON inside the prompt is written by the template itself, not by Ollama's `json` function: Go's
+encoding/json escapes <, > and & and has no spaces, Jinja's `tojson` (transformers') does
+neither. Strings are escaped a byte at a time (`"s"`/`"c"` below: \\", \\\\, control characters),
+so a string of more than about 100,000 bytes in a tool definition or call's arguments exceeds
+text/template's nesting limit. An assistant message last is not continued (every prompt ends
+with <|assistant|>, as doel-serve's do).
+
+A model whose template is not doel's (or that has none) gets `TEMPLATE {{ .Prompt }}`: the text
+is the prompt as it is, which is what a base model completes. doel's base and chat models share
+the tokenizer and so the template; the chat TEMPLATE is written for both (`ollama run --raw`
+gives a base model plain text).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from doel.contracts import read_json
+from doel.export.checkpoint import Checkpoint
+
+END_OF_TURN = "<|end|>"
+# sha256 of the Jinja templates CHAT_TEMPLATE_GO renders the same prompt as (doel's CHAT_TEMPLATE;
+# tests/export/test_ollama_template.py fails when the Jinja one changes and this does not).
+DOEL_TEMPLATES = ("982324acc6dcd279c3ac8ad1f8846797a24fe2ef7d2ffef6c584688d13dda91c",)
+
+_STRING = (
+    # "s": a JSON string as Python's json.dumps(ensure_ascii=False) writes it; "c": its bytes.
+    '{{- define "s" }}"{{ template "c" . }}"{{ end }}'
+    '{{- define "c" }}{{ if . }}{{ $b := index . 0 }}'
+    '{{ if eq $b 34 }}\\"{{ else if eq $b 92 }}\\\\{{ else if eq $b 10 }}\\n'
+    "{{ else if eq $b 13 }}\\r{{ else if eq $b 9 }}\\t{{ else if eq $b 8 }}\\b"
+    '{{ else if eq $b 12 }}\\f{{ else if lt $b 32 }}{{ printf "\\\\u%04x" $b }}'
+    '{{ else }}{{ slice . 0 1 }}{{ end }}{{ template "c" (slice . 1) }}{{ end }}{{ end }}\n'
+)
+_VALUES = (
+    # "v": any JSON value decoded by Go; "o": an object, keys in Go's (sorted) order.
+    '{{- define "v" }}{{ $t := printf "%T" . }}{{ if eq $t "string" }}{{ template "s" . }}'
+    '{{ else if eq $t "map[string]interface {}" }}{{ template "o" . }}'
+    '{{ else if eq $t "[]interface {}" }}[{{ range $i, $x := . }}{{ if $i }}, {{ end }}'
+    '{{ template "v" $x }}{{ end }}]{{ else if eq $t "<nil>" }}null'
+    "{{ else }}{{ json . }}{{ end }}{{ end }}\n"
+    '{{- define "o" }}{{ "{" }}{{ $sep := "" }}{{ range $k, $v := . }}{{ $sep }}'
+    '{{ template "s" $k }}: {{ template "v" $v }}{{ $sep = ", " }}{{ end }}}{{ end }}\n'
+)
+_TOOLS = (
+    # "f": a tool's function as Jinja's tojson writes the dict; "p": one parameter.
+    '{{- define "f" }}{{ "{" }}"name": {{ template "s" .Name }}'
+    '{{ if .Description }}, "description": {{ template "s" .Description }}{{ end }}'
+    '{{ if .Parameters.Type }}, "parameters": {{ "{" }}"type": {{ template "s" .Parameters.Type }}'
+    ', "properties": {{ "{" }}{{ $sep := "" }}{{ range $k, $p := .Parameters.Properties }}'
+    '{{ $sep }}{{ template "s" $k }}: {{ template "p" $p }}{{ $sep = ", " }}{{ end }}}'
+    '{{ if .Parameters.Required }}, "required": [{{ range $i, $r := .Parameters.Required }}'
+    '{{ if $i }}, {{ end }}{{ template "s" $r }}{{ end }}]{{ end }}}{{ end }}}{{ end }}\n'
+    '{{- define "p" }}{{ "{" }}"type": {{ if eq (len .Type) 1 }}{{ template "s" (index .Type 0) }}'
+    '{{ else }}[{{ range $i, $t := .Type }}{{ if $i }}, {{ end }}{{ template "s" $t }}{{ end }}]'
+    '{{ end }}{{ if .Description }}, "description": {{ template "s" .Description }}{{ end }}'
+    '{{ if .Enum }}, "enum": [{{ range $i, $e := .Enum }}{{ if $i }}, {{ end }}'
+    '{{ template "v" $e }}{{ end }}]{{ end }}'
+    '{{ if .Items }}, "items": {{ template "v" .Items }}{{ end }}}{{ end }}\n'
+)
+_PROMPT = (
+    # The tools block (with the first message's text when it is the system's), then each
+    # message, then the assistant's marker: doel's CHAT_TEMPLATE, branch for branch.
+    "{{- if .Tools }}<|system|>{{ if .Messages }}{{ with index .Messages 0 }}"
+    '{{ if eq .Role "system" }}{{ .Content }}{{ "\\n\\n" }}{{ end }}{{ end }}{{ end }}'
+    'Functions you may call, as <tool_call>{"name": ..., "arguments": {...}}</tool_call>:'
+    '{{ "\\n" }}{{ range .Tools }}{{ template "f" .Function }}{{ "\\n" }}{{ end }}'
+    "<|end|>{{ end }}\n"
+    "{{- range $i, $m := .Messages }}\n"
+    '{{- if and $.Tools (eq $i 0) (eq .Role "system") }}\n'
+    '{{- else if eq .Role "tool" }}<|user|><tool_response>{{ .Content }}</tool_response><|end|>\n'
+    '{{- else if and (eq .Role "assistant") .ToolCalls }}<|assistant|>{{ .Content }}\n'
+    '{{- range .ToolCalls }}<tool_call>{{ "{" }}"name": {{ template "s" .Function.Name }}, '
+    '"arguments": {{ template "o" .Function.Arguments }}}</tool_call>{{ end }}<|end|>\n'
+    "{{- else }}<|{{ .Role }}|>{{ .Content }}<|end|>\n"
+    "{{- end }}\n"
+    "{{- end }}<|assistant|>"
+)
+CHAT_TEMPLATE_GO = _STRING + _VALUES + _TOOLS + _PROMPT
+RAW_TEMPLATE = "{{ .Prompt }}"
+
+
+def template_sha256(template: str) -> str:
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()
+
+
+def chat_template(ckpt: Checkpoint) -> str | None:
+    """The checkpoint's Jinja chat template (tokenizer_config.json's), or None."""
+    config = read_json(ckpt.tokenizer.parent / "tokenizer_config.json") or {}
+    template = config.get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def ollama_template(ckpt: Checkpoint) -> str:
+    """The Modelfile's TEMPLATE: doel's chat prompt in Go, or the raw prompt (module docstring)."""
+    jinja = chat_template(ckpt)
+    return CHAT_TEMPLATE_GO if jinja and template_sha256(jinja) in DOEL_TEMPLATES else RAW_TEMPLATE
+
+
+def stop_strings(ckpt: Checkpoint, chat: bool) -> list[str]:
+    """Where Ollama ends a reply: the end of a turn (a chat TEMPLATE) and the EOS token."""
+    stops = [END_OF_TURN] if chat else []
+    if "eos" in ckpt.special_tokens:
+        stops.append(ckpt.special_tokens["eos"]["token"])
+    return stops
+
+
+def modelfile(gguf_name: str, ckpt: Checkpoint) -> str:
+    """An Ollama Modelfile: the GGUF, its context, doel's sampling defaults, the TEMPLATE and
+    the stop strings."""
+    lines = [f"FROM ./{gguf_name}", f"PARAMETER num_ctx {ckpt.context_length}"]
+    g = read_json(ckpt.folder / "generation_config.json") or {}
+    for key in ("temperature", "top_k", "top_p"):
+        if g.get(key) is not None:
+            lines.append(f"PARAMETER {key} {g[key]}")
+    template = ollama_template(ckpt)
+    lines += [f'PARAMETER stop "{s}"' for s in stop_strings(ckpt, template != RAW_TEMPLATE)]
+    lines.append(f'TEMPLATE """{template}"""')
+    return "\n".join(lines) + "\n"

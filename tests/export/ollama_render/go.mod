@@ -1,0 +1,3 @@
+module doel/ollama_render
+
+go 1.19
