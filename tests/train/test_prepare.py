@@ -41,8 +41,10 @@ def documents_in(out, meta, split, tok):
         assert ids[0] == h.bos_id  # a shard never starts mid-document
         starts = np.flatnonzero(ids == h.bos_id)
         assert len(starts) == h.n_docs == s["documents"]
+        ends = np.flatnonzero(ids == h.eos_id)  # and every one ends with <|eos|>, only there
+        assert h.version == 2 and list(ends + 1) == [*starts[1:], len(ids)]
         for a, b in zip(starts, [*starts[1:], len(ids)]):
-            docs.append(tok.decode(ids[a + 1 : b].tolist()))
+            docs.append(tok.decode(ids[a + 1 : b - 1].tolist()))
     return docs
 
 
@@ -56,8 +58,8 @@ def test_stream_holds_every_document_once_each_after_bos(shards, tok, sample_pat
     assert not set(train) & set(val)
     assert len(meta["splits"]["train"]["shards"]) > 1  # shard_tokens=3000 forced a split
     total = sum(s["tokens"] for sp in meta["splits"].values() for s in sp["shards"])
-    per_source = sum(s["tokens"] + s["documents"] for s in meta["sources"].values())
-    assert total == per_source  # source tokens plus one <|bos|> per document
+    per_source = sum(s["tokens"] + 2 * s["documents"] for s in meta["sources"].values())
+    assert total == per_source  # source tokens plus one <|bos|> and one <|eos|> per document
 
 
 def test_meta_shows_characters_and_tokens_side_by_side(shards, tokenizer_path):
@@ -217,5 +219,5 @@ def test_shards_hold_what_the_full_tokenizer_encodes(tmp_path, tokenizer_path, t
         nfc = unicodedata.normalize("NFC", d).strip()
         if nfc and nfc not in seen:
             seen.add(nfc)
-            expected += tok.encode(nfc).ids
+            expected += [*tok.encode(nfc).ids, tok.token_to_id("<|eos|>")]
     assert ids.tolist() == expected

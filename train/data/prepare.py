@@ -6,6 +6,12 @@ tokenizer that is unfair to one language silently shifts the token balance. Exac
 documents are dropped, and validation text found in the training set (hashed word n-grams,
 or whole documents) fails the run. An interrupted run continues where it stopped, to the same
 bytes (train/data/resume.py).
+
+Each document is written as `<|bos|> text <|eos|>` (train/data/shards.py, format version 2): a
+model trained on the shards ends its text by predicting <|eos|>, the token every runtime of an
+exported model stops at. meta.json's `format` says so (`document`, `version`) and its
+`tokenizer` gives `eos_id`; the per-source `tokens` count the text's tokens only (neither
+marker), the splits' `tokens` every token in the shards.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from doel.train.data.shards import (
 )
 from doel.train.data.stream import Batch, Reader
 from doel.train.data.textio import Source, resolve_sources
-from doel.train.data.tokenizer import BOS, load_tokenizer, tokenizer_file
+from doel.train.data.tokenizer import BOS, EOS, load_tokenizer, tokenizer_file
 
 SPLITS = ("train", "val")
+DOCUMENT = f"{BOS} text {EOS}"  # how each document lies in the shards (meta.json's format)
 
 
 @dataclass(frozen=True)
@@ -114,18 +121,20 @@ def _prepare(
 ) -> dict:
     if val and cfg.val_fraction:
         raise DoelError("give either --val PATH... or --val-fraction, not both")
-    tok, tok_file, bos, vocab = _load(tokenizer_path)
+    tok, tok_file, (bos, eos), vocab = _load(tokenizer_path)
     sources, val_sources = resolve_sources(list(data)), resolve_sources(list(val))
     mix = parse_weights(list(weights), sources)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)  # meta.json marks a finished folder
     tok_sha = sha256_file(tok_file)
-    record = ResumeRecord(out, fingerprint(tok_sha, sources, val_sources, mix, cfg))
+    # A record written for shards of another format (documents without <|eos|>) starts over.
+    fp = fingerprint(tok_sha, sources, val_sources, mix, cfg) | {"shard_format": VERSION}
+    record = ResumeRecord(out, fp)
     if not resume:
         record.clear()
     saved = record.load(log) if resume else None
-    run = _Run(out, vocab, bos, cfg, sources, val_sources, mix, saved, log)
+    run = _Run(out, vocab, (bos, eos), cfg, sources, val_sources, mix, saved, log)
     paths = [p for s in sources + val_sources for p in s.paths if not p.startswith("hf:")]
     total = sum(Path(p).stat().st_size for p in paths)
     bar = tqdm(total=total or None, unit="B", unit_scale=True, desc="prepare",
@@ -172,10 +181,12 @@ def _encoded(tok, batches):
 def _load(tokenizer_path):
     tok = load_tokenizer(tokenizer_path)
     tok_file = tokenizer_file(tokenizer_path)
-    bos = tok.token_to_id(BOS)
-    if bos is None:
-        raise DoelError(f"{tok_file} has no {BOS} token; train it with `doel-train tokenizer`")
-    return tok, tok_file, bos, tok.get_vocab_size(with_added_tokens=True)
+    marks = []
+    for name in (BOS, EOS):
+        marks.append(tok.token_to_id(name))
+        if marks[-1] is None:
+            raise DoelError(f"{tok_file} has no {name} token; train it with `doel-train tokenizer`")
+    return tok, tok_file, tuple(marks), tok.get_vocab_size(with_added_tokens=True)
 
 
 def _drop_nfc(tok) -> None:
@@ -195,9 +206,11 @@ class _Run:
     """The reader, the shard writers, the statistics and the overlap check of one run, and
     their state for the resume record."""
 
-    def __init__(self, out, vocab, bos, cfg, sources, val_sources, mix, saved, log):
-        self.cfg, self.mix = cfg, mix
-        self.writers = {s: ShardWriter(out, s, vocab, bos, cfg.shard_tokens) for s in SPLITS}
+    def __init__(self, out, vocab, marks, cfg, sources, val_sources, mix, saved, log):
+        (bos, self.eos), self.cfg, self.mix = marks, cfg, mix
+        self.writers = {
+            s: ShardWriter(out, s, vocab, bos, cfg.shard_tokens, self.eos) for s in SPLITS
+        }
         self.stats = {s.name: _new_stats(s) for s in sources + val_sources}
         self.overlap = OverlapCheck(cfg.ngram, cfg.overlap_sample)
         self.check = bool(val_sources) or cfg.val_fraction > 0  # no validation split, no check
@@ -223,17 +236,19 @@ class _Run:
     def write(self, batch: Batch, encs: list) -> bool:
         """Write a batch to the shards; True when a shard was finished."""
         before = sum(len(w.shards) for w in self.writers.values())
-        lengths = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
+        # Each document: its ids (<|bos|> first, from the tokenizer), then <|eos|>.
+        lengths = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs)) + 1
         chars = np.fromiter(map(len, batch.texts), dtype=np.int64, count=len(encs))
         source = np.array(batch.source, dtype=np.int64)
         is_val = np.array(batch.is_val, dtype=bool)
         for split, mask in (("train", ~is_val), ("val", is_val)):
             if not mask.any():
                 continue
-            ids = array(self.typecode)  # one flat buffer: no per-document arrays
+            ids, eos = array(self.typecode), self.eos  # one flat buffer: no per-document arrays
             for e, m in zip(encs, mask.tolist()):
                 if m:
                     ids.extend(e.ids)
+                    ids.append(eos)
             ids, n = np.frombuffer(ids, dtype=f"u{ids.itemsize}"), lengths[mask]
             self.writers[split].add(ids, n)
             if self.check:
@@ -250,7 +265,7 @@ class _Run:
         for key, counts in (
             ("documents", np.bincount(src, minlength=k)),
             ("characters", np.bincount(src, weights=chars, minlength=k)),
-            ("tokens", np.bincount(src, weights=n - 1, minlength=k)),  # not <|bos|>
+            ("tokens", np.bincount(src, weights=n - 2, minlength=k)),  # not <|bos|>, <|eos|>
         ):
             for st, c in zip(self.stats.values(), counts.tolist()):
                 st[f"{split}_{key}"] += int(c)
@@ -276,8 +291,9 @@ class _Run:
             raise DoelError(f"no text found in {data}: the corpus is empty")
         w = self.writers["train"]
         total = self.seconds + seconds
+        marks = (w.bos_id, w.eos_id)
         meta = _meta(
-            tok_file, tok_sha, w.vocab_size, w.bos_id, self.cfg, self.mix, stats, shards, total
+            tok_file, tok_sha, w.vocab_size, marks, self.cfg, self.mix, stats, shards, total
         )
         meta["overlap"] = self.overlap.result()
         meta["overlap"]["exact_duplicates_of_validation_in_train"] = reader.dup_with_val
@@ -292,7 +308,7 @@ def _new_stats(src: Source) -> dict:
     }
 
 
-def _meta(tok_file, tok_sha, vocab, bos, cfg, mix, stats, shards, seconds) -> dict:
+def _meta(tok_file, tok_sha, vocab, marks, cfg, mix, stats, shards, seconds) -> dict:
     tot_c = sum(s["train_characters"] + s["val_characters"] for s in stats.values())
     tot_t = sum(s["train_tokens"] + s["val_tokens"] for s in stats.values())
     for name, s in stats.items():
@@ -310,12 +326,14 @@ def _meta(tok_file, tok_sha, vocab, bos, cfg, mix, stats, shards, seconds) -> di
             "header_bytes": HEADER_BYTES,
             "dtype": "uint16" if itemsize == 2 else "uint32",
             "byteorder": "little",
+            "document": DOCUMENT,
         },
         "tokenizer": {
             "path": str(tok_file),
             "sha256": tok_sha,
             "vocab_size": vocab,
-            "bos_id": bos,
+            "bos_id": marks[0],
+            "eos_id": marks[1],
         },
         "splits": {
             split: {

@@ -2,15 +2,23 @@
 
     offset  type     field
     0       8 bytes  magic b"DOELTOKS"
-    8       uint32   format version (1)
+    8       uint32   format version (2; 1 is still read)
     12      uint32   bytes per token (2: uint16, 4: uint32)
     16      uint64   token count
     24      uint64   document count (each document starts with <|bos|>)
     32      uint32   vocabulary size
     36      uint32   id of <|bos|>
-    40      24 bytes zero
+    40      uint32   id of <|eos|>, which ends every document (version 2; version 1: zero)
+    44      20 bytes zero
 
-All little-endian. A shard never splits a document, so each shard starts with <|bos|>.
+All little-endian. A document is `<|bos|> text <|eos|>` (version 1: `<|bos|> text`), and a
+shard never splits one, so each shard starts with <|bos|> (and, from version 2, ends with
+<|eos|>). The <|eos|> is what a base model learns to say when its text is over: it is the
+token every runtime of an exported model already stops at (generation_config.json's
+eos_token_id, the GGUF's eos, genai_config.json, the Modelfile's stop, doel-serve), whereas a
+predicted <|bos|> is a token none of them treats as an end. Version 1 shards still load; the
+header's version (and meta.json's `format`) tells them apart.
+
 Shards are written to a temporary name and renamed when complete; an interrupted prepare
 continues the unfinished one from its recorded length (`ShardWriter.restore`). meta.json records
 each shard's sha256, which a reader checks before training on it (`verify_shards`).
@@ -29,9 +37,11 @@ from doel.contracts.checksums import hash_files
 from doel.train.common import Damaged, DoelError, sha256_file
 
 MAGIC = b"DOELTOKS"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # versions this doel reads
 HEADER_BYTES = 64
-_HEADER = struct.Struct("<8sIIQQII")
+_HEADER_V1 = struct.Struct("<8sIIQQII")
+_HEADER = struct.Struct("<8sIIQQIII")
 
 
 @dataclass(frozen=True)
@@ -41,15 +51,22 @@ class ShardHeader:
     n_docs: int
     vocab_size: int
     bos_id: int
+    eos_id: int | None = None  # the id that ends every document; None: a version 1 shard
+
+    @property
+    def version(self) -> int:
+        return 1 if self.eos_id is None else VERSION
 
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(np.uint16 if self.itemsize == 2 else np.uint32)
 
     def pack(self) -> bytes:
-        raw = _HEADER.pack(
-            MAGIC, VERSION, self.itemsize, self.n_tokens, self.n_docs, self.vocab_size, self.bos_id
-        )
+        head = (MAGIC, self.version, self.itemsize, self.n_tokens, self.n_docs, self.vocab_size)
+        if self.eos_id is None:
+            raw = _HEADER_V1.pack(*head, self.bos_id)
+        else:
+            raw = _HEADER.pack(*head, self.bos_id, self.eos_id)
         return raw.ljust(HEADER_BYTES, b"\0")
 
 
@@ -64,9 +81,11 @@ def read_header(path: str | Path) -> ShardHeader:
         raw = f.read(HEADER_BYTES)
     if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
         raise DoelError(f"{path}: not a doel token shard (bad magic); re-run `doel-train prepare`")
-    magic, version, itemsize, n_tokens, n_docs, vocab, bos = _HEADER.unpack(raw[: _HEADER.size])
-    if version != VERSION:
-        raise DoelError(f"{path}: shard format version {version}, this doel reads {VERSION}")
+    magic, version, itemsize, n_tokens, n_docs, vocab, bos, eos = _HEADER.unpack(
+        raw[: _HEADER.size]
+    )
+    if version not in READS:
+        raise DoelError(f"{path}: shard format version {version}, this doel reads {READS}")
     if itemsize not in (2, 4):
         raise DoelError(f"{path}: corrupt header (bytes per token {itemsize})")
     expected = HEADER_BYTES + n_tokens * itemsize
@@ -75,7 +94,7 @@ def read_header(path: str | Path) -> ShardHeader:
             f"{path}: truncated or corrupt: the header says {n_tokens} tokens ({expected} bytes) "
             f"but the file has {path.stat().st_size} bytes; re-run `doel-train prepare`"
         )
-    return ShardHeader(itemsize, n_tokens, n_docs, vocab, bos)
+    return ShardHeader(itemsize, n_tokens, n_docs, vocab, bos, eos if version >= 2 else None)
 
 
 def open_shard(path: str | Path) -> tuple[ShardHeader, np.ndarray]:
@@ -112,11 +131,21 @@ def verify_shards(paths: list[Path], digests: list[str]) -> None:
 
 
 class ShardWriter:
-    """Append whole documents; a new shard starts when the next one would not fit."""
+    """Append whole documents; a new shard starts when the next one would not fit. `eos_id`: the
+    id that ends each document (written in the header, version 2); None writes version 1."""
 
-    def __init__(self, out_dir: Path, split: str, vocab_size: int, bos_id: int, shard_tokens: int):
+    def __init__(
+        self,
+        out_dir: Path,
+        split: str,
+        vocab_size: int,
+        bos_id: int,
+        shard_tokens: int,
+        eos_id: int | None = None,
+    ):
         self.out_dir, self.split = Path(out_dir), split
         self.vocab_size, self.bos_id, self.shard_tokens = vocab_size, bos_id, shard_tokens
+        self.eos_id = eos_id
         self.itemsize = itemsize_for(vocab_size)
         self.dtype = np.uint16 if self.itemsize == 2 else np.uint32
         self.shards: list[dict] = []
@@ -155,7 +184,9 @@ class ShardWriter:
                 self._close()
 
     def _close(self):
-        h = ShardHeader(self.itemsize, self._tokens, self._docs, self.vocab_size, self.bos_id)
+        h = ShardHeader(
+            self.itemsize, self._tokens, self._docs, self.vocab_size, self.bos_id, self.eos_id
+        )
         self._file.seek(0)
         self._file.write(h.pack())
         self._file.flush()
