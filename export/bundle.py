@@ -10,6 +10,8 @@
     BUNDLE/special_tokens_map.json          ORTModelForCausalLM read (hf_files)
     BUNDLE/generation_config.json
     BUNDLE/genai_config.json                (builder engine) lets onnxruntime-genai run it too
+    BUNDLE/tokenizer_module.json            (spm tokenizers) what onnxruntime-genai's own
+                                            tokenizer needs to give tokenizers' ids (genai)
     BUNDLE/README.md                        the model card: the folder is a Hub model repo as it
                                             is (card)
     BUNDLE/manifest.json                    I/O names and shapes, vocabulary, special ids, context
@@ -35,7 +37,7 @@ import numpy as np
 from doel.contracts import read_json
 from doel.contracts.manifest import KVCache, Manifest
 from doel.contracts.quant import DEFAULT_ONNX, QUANTS, names, quant
-from doel.export import card, graph, parity, web
+from doel.export import card, genai, graph, parity, web
 from doel.export.checkpoint import Checkpoint, inspect_checkpoint, source_record
 from doel.export.common import ExportError, file_table, staging, write_json
 from doel.export.runner import OnnxLM
@@ -249,6 +251,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
         build_s = time.perf_counter() - t0
         shutil.copyfile(ckpt.tokenizer, stage / "tokenizer.json")
         hf_files(ckpt, stage)
+        genai_tok = genai.write_genai_files(read_json(ckpt.tokenizer) or {}, stage, log)
         log("checking parity against PyTorch")
         figures, lm = prove(ckpt, opts, model, texts)
         if opts.mobile:
@@ -257,7 +260,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
             ort_lm = OnnxLM(ort_model, ckpt.kv_heads, ckpt.head_dim)
             figures["ort_format_vs_onnx"] = parity.ort_parity(lm, ort_lm, parity.prompt_ids(ckpt))
         timing = {"build_s": build_s, "total_s": time.perf_counter() - t0}
-        result = manifest(ckpt, opts, engine, lm, model, parity=figures, timing=timing).to_dict()
+        result = manifest(
+            ckpt, opts, engine, lm, model, parity=figures, timing=timing, genai_tokenizer=genai_tok
+        ).to_dict()
         card.write_card(stage, result, out.resolve().name, ckpt.folder, opts.repo_id)
         if opts.web:
             log("writing the browser page into web/ (onnxruntime-web)")

@@ -126,8 +126,11 @@ def onnx_card(manifest: dict, to: Target) -> str:
         else ""
     )
     genai = (
-        "`genai_config.json` for onnxruntime-genai (ids from `tokenizers`: its own tokenizer "
-        "does not reproduce doel's); "
+        "`genai_config.json` for onnxruntime-genai (its own tokenizer gives doel's ids: "
+        "`tokenizer_module.json`); "
+        if manifest["engine"] == "genai" and (manifest.get("genai_tokenizer") or {}).get("exact")
+        else "`genai_config.json` for onnxruntime-genai (ids from `tokenizers`: its own "
+        "tokenizer does not reproduce this one's); "
         if manifest["engine"] == "genai"
         else ""
     )
