@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-load bench-quant-quality check-arm64 check-avx2 clean
+.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-load bench-quant-quality bench-runtimes check-arm64 check-avx2 clean
 
 # The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
 # selenium, transformers for the parity tests).
@@ -72,6 +72,11 @@ bench-serve: $(BIN)/.installed
 # llama-server and the onnxruntime-genai venv once (cached in ~/.cache/doel), holds the bench lock
 bench-load: $(BIN)/.installed
 	flock /tmp/doel-bench.lock $(BIN)/python -m benchmarks.load.bench_load --install-llama-server --install-ortgenai --chat --inproc
+
+# Each runtime people install (onnxruntime-genai, Ollama's Go templates, llama-server,
+# transformers) on doel's default model, each row printed by that tool itself
+bench-runtimes: $(BIN)/.installed
+	flock /tmp/doel-bench.lock $(BIN)/python -m benchmarks.runtimes.bench_runtimes
 
 # Held-out loss of doel's int4/int8 bundles against llama.cpp's q4_0/q8_0 on a trained checkpoint
 bench-quant-quality: $(BIN)/.installed

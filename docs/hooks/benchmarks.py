@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 TABLE = "<!-- every benchmark: rendered from the modules when the site is built -->"
 RESULTS_LIST = "<results: rendered from the modules when the site is built>"
-STAGES = ("train", "export", "serve", "load", "web", "checks", "probes")
+STAGES = ("train", "export", "serve", "load", "web", "runtimes", "checks", "probes")
 
 
 def modules() -> dict[str, Path]:

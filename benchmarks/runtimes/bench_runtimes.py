@@ -1,0 +1,90 @@
+"""Which runtimes read doel's default model exactly, each row produced by the runtime itself.
+
+Every module of this package but this one exposes `rows(work) -> list[dict]`: it runs one outside
+tool (onnxruntime-genai's own tokenizer and generator, Go's text/template on the Modelfile's
+TEMPLATE, llama-server's `/apply-template` and its streams, transformers, the runtimes' stops at
+the end of a document) on models and text made here, and says what it found. This module runs
+them all and writes one table, so a claim of reach is a row some tool printed, never doel's
+code reading doel's files. A module whose tool is missing gives one row saying so (not ok).
+
+    python -m benchmarks.runtimes.bench_runtimes [--only genai,ollama] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import benchmarks.runtimes as package
+from benchmarks.common.report import cpu_line, heading, load_line, parser, publish, stamp
+
+RESULTS_NOT_YET_RUN = ("runtimes",)  # RESULTS once its first run is committed
+
+
+def modules() -> list[str]:
+    """The row modules of this package, in name order (this one excluded)."""
+    names = [m.name for m in pkgutil.iter_modules(package.__path__)]
+    return sorted(n for n in names if n != "bench_runtimes")
+
+
+def gather(names: list[str], work: Path) -> list[dict]:
+    """Each module's rows, with the seconds it took; a module that fails gives a row naming why."""
+    out = []
+    for name in names:
+        start = time.perf_counter()
+        try:
+            found = importlib.import_module(f"benchmarks.runtimes.{name}").rows(work / name)
+        except Exception as e:  # a broken check is a row of the table, not a lost table
+            traceback.print_exc()
+            found = [
+                {"runtime": name, "version": "?", "check": "the check ran", "ok": False}
+                | {"result": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            ]
+        seconds = round(time.perf_counter() - start, 1)
+        out += [{"module": name, "seconds": seconds, **row} for row in found]
+    return out
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    lines = heading("Runtimes that read doel's default model", result)
+    lines += [
+        cpu_line(result["cpu"]),
+        "",
+        "Each row was produced by the outside tool named, at the version shown, on models and text",
+        "made by the module in the last column (`benchmarks/runtimes/`). ok = the runtime agrees",
+        "with doel exactly.",
+        "",
+        "| runtime | version | check | result | ok | module |",
+        "|---|---|---|---|:-:|---|",
+    ]
+    for r in rows:
+        mark = "yes" if r["ok"] else "**no**"
+        lines.append(
+            f"| {r['runtime']} | {r['version']} | {r['check']} | {r['result']} | {mark} "
+            f"| `{r['module']}` |"
+        )
+    bad = sum(not r["ok"] for r in rows)
+    lines += ["", f"{len(rows) - bad} of {len(rows)} rows ok; {result['load']}.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = parser(__doc__, work="scratch folder for the models and tools (default: a temporary one)")
+    every = ", ".join(modules())
+    ap.add_argument("--only", help=f"comma-separated modules (default: all of {every})")
+    args = ap.parse_args()
+    names = args.only.split(",") if args.only else modules()
+    with tempfile.TemporaryDirectory(prefix="doel-runtimes-") as tmp:
+        work = Path(args.work or tmp)
+        result = {**stamp(python=True), "rows": gather(names, work)}
+    result["load"] = load_line()
+    publish(args.out, "runtimes", result, markdown(result))
+
+
+if __name__ == "__main__":
+    main()
