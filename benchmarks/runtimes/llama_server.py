@@ -1,0 +1,196 @@
+"""llama-server's own Jinja engine (`--jinja`, llama.cpp's common/jinja, not Python's jinja2) on
+a doel chat GGUF: `POST /apply-template` of each conversation (OpenAI messages and tools, as a
+client sends them) against doel-serve's prompt text for the same request (its ChatCompletion
+request's turns and tools through serve/template.py), and a streamed /v1/chat/completions reply
+that ends at the end-of-turn marker <|end|>.
+
+llama.cpp leaves the template's leading <|bos|> out of the text when the model adds BOS itself
+(common/chat.cpp, `add_bos` and `bos_token`), so the server's text is compared with doel-serve's
+after its <|bos|>. The model is random (benchmarks/runtimes/ollama.py `chat_checkpoint`), so the
+stop is shown with `logit_bias`: +100 on <|end|> makes the model write it (the reply must end
+there: "stop", the marker not in the text), -100 keeps it out (the reply then runs to
+max_tokens: "length"), which shows that the stop is the marker's and not an accident.
+
+One difference is llama-server's, before its template engine: it reads an OpenAI function
+without `parameters` as `"parameters": {}` (common/chat.cpp, parsing the request's tools) and
+passes that to the template, where doel-serve (and Ollama) pass none; such conversations are
+counted apart, with that difference checked exactly (`without_parameters`). Rows from
+`rows(work)`; `python -m benchmarks.runtimes.llama_server` prints them as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from benchmarks.load.load_servers import BINARY, free_port
+from benchmarks.runtimes.ollama import chat_checkpoint, conversations
+
+RUNTIME = "llama-server --jinja (llama.cpp)"
+
+
+def openai_request(case: dict) -> dict:
+    """The case as an OpenAI chat request: calls get ids and JSON-text arguments, each tool
+    message the id of the call it answers."""
+    messages, ids = [], []
+    for m in case["messages"]:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                ids.append(f"call_{len(ids)}")
+                f = c["function"]
+                args = json.dumps(f["arguments"], ensure_ascii=False)
+                calls.append({"id": ids[-1], "type": "function",
+                              "function": {"name": f["name"], "arguments": args}})  # fmt: skip
+            m["tool_calls"] = calls
+        elif m["role"] == "tool":
+            m["tool_call_id"] = ids.pop(0)
+        messages.append(m)
+    return {"messages": messages} | ({"tools": case["tools"]} if case["tools"] else {})
+
+
+def doel_serve_prompt(ckpt: Path, request: dict) -> str:
+    """The prompt text doel-serve renders for this chat request."""
+    from doel.serve.protocol_chat import ChatCompletionRequest
+    from doel.serve.template import ChatTemplate
+
+    req = ChatCompletionRequest.model_validate(request)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return ChatTemplate.load(ckpt).render(req.turns(), tools)
+
+
+def post(port: int, path: str, body: dict, timeout: float = 60) -> bytes:
+    url, head = f"http://127.0.0.1:{port}{path}", {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, json.dumps(body).encode(), head)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+class LlamaServer:
+    """llama-server --jinja on one GGUF, on a free port; `with` stops it."""
+
+    def __init__(self, gguf: Path, log: Path, binary: Path = BINARY):
+        self.port, self.log = free_port(), open(log, "ab")
+        cmd = [str(binary), "-m", str(gguf), "--jinja", "--host", "127.0.0.1",
+               "--port", str(self.port), "-t", "1", "-c", "1024", "--no-webui"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def __enter__(self):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): {self.log.name}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).read()
+                return self
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.3)
+        raise RuntimeError("llama-server was not ready after 120 s")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def applied(self, request: dict) -> str:
+        return json.loads(post(self.port, "/apply-template", request))["prompt"]
+
+    def version(self) -> str:
+        props = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/props").read())
+        return str(props.get("build_info", "unknown"))
+
+    def stream(self, request: dict, bias: dict[int, float], max_tokens: int = 8):
+        """(the streamed reply's text, its finish_reason), greedy."""
+        body = request | {"stream": True, "max_tokens": max_tokens, "temperature": 0,
+                          "logit_bias": [[int(i), b] for i, b in bias.items()]}  # fmt: skip
+        text, finish = "", None
+        for line in post(self.port, "/v1/chat/completions", body).decode().splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                text += (choice.get("delta") or {}).get("content") or ""
+                finish = choice.get("finish_reason") or finish
+        return text, finish
+
+
+def end_id(ckpt: Path) -> int:
+    tok = json.loads((ckpt / "tokenizer.json").read_text(encoding="utf-8"))
+    return next(a["id"] for a in tok["added_tokens"] if a["content"] == "<|end|>")
+
+
+def declares_parameters(request: dict) -> bool:
+    return all("parameters" in t["function"] for t in request.get("tools", []))
+
+
+def with_empty_parameters(request: dict) -> dict:
+    """The request as llama-server reads it: each function without parameters given {}."""
+    tools = [
+        t | {"function": {**t["function"], "parameters": t["function"].get("parameters", {})}}
+        for t in request.get("tools", [])
+    ]
+    return request | ({"tools": tools} if tools else {})
+
+
+def compare(server: LlamaServer, ckpt: Path) -> dict[str, tuple[int, int, int]]:
+    """For the conversations whose every function declares parameters ("declared") and the
+    others ("undeclared"): (how many /apply-template texts differ from doel-serve's prompt,
+    how many from doel-serve's prompt of the request with "parameters": {} filled in, how many
+    conversations)."""
+    out = {"declared": [0, 0, 0], "undeclared": [0, 0, 0]}
+    for case in conversations():
+        request = openai_request(case)
+        got = server.applied(request)
+        row = out["declared" if declares_parameters(request) else "undeclared"]
+        row[0] += got != doel_serve_prompt(ckpt, request).removeprefix("<|bos|>")
+        filled = doel_serve_prompt(ckpt, with_empty_parameters(request))
+        row[1] += got != filled.removeprefix("<|bos|>")
+        row[2] += 1
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def rows(work: Path) -> list[dict]:
+    if not BINARY.is_file():
+        return [{"runtime": RUNTIME, "version": "not built", "check": "/apply-template",
+                 "result": "skipped: `python -m benchmarks.load.bench_load --install-llama-server`",
+                 "ok": False}]  # fmt: skip
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = chat_checkpoint(work)
+    request = {"messages": [{"role": "user", "content": "আজ ঢাকার আবহাওয়া কেমন?"}]}
+    with LlamaServer(work / "gguf" / "model-f32.gguf", work / "llama-server.log") as s:
+        counts = compare(s, ckpt)
+        end = end_id(ckpt)
+        stopped = s.stream(request, {end: 100.0})
+        ran_on = s.stream(request, {end: -100.0})
+        version = s.version()
+    stops = stopped[1] == "stop" and "<|end|>" not in stopped[0] and ran_on[1] == "length"
+    (d, _, n), (ud, uf, un) = counts["declared"], counts["undeclared"]
+    return [
+        {"runtime": RUNTIME, "version": version,
+         "check": "/apply-template = doel-serve's prompt (every function with parameters)",
+         "result": f"{d} of {n} differ", "ok": d == 0 and n > 0},
+        {"runtime": RUNTIME, "version": version,
+         "check": "/apply-template, a function without parameters",
+         "result": f"{ud} of {un} differ from doel-serve's prompt, llama-server passing "
+                   f'"parameters": {{}}; with that filled in, {uf} of {un} differ',
+         "ok": ud == 0 and un > 0},
+        {"runtime": RUNTIME, "version": version,
+         "check": "streamed reply stops at <|end|>",
+         "result": f"<|end|> forced: finish_reason {stopped[1]!r}, text {stopped[0]!r}; "
+                   f"<|end|> barred: {ran_on[1]!r}", "ok": stops},
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print(json.dumps(rows(Path(tmp)), ensure_ascii=False, indent=1))
