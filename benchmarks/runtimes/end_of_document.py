@@ -67,7 +67,38 @@ def build(work: Path, steps: int = STEPS) -> dict:
     torch.manual_seed(0)
     model = _train(work / "shards", vocab, steps)
     ckpt = save_model(model, work / "ckpt", tokenizer=tok)
-    return {"tokenizer": tok, "checkpoint": ckpt} | _export(ckpt, work)
+    return {"tokenizer": tok, "shards": work / "shards", "checkpoint": ckpt} | _export(ckpt, work)
+
+
+def build_before(work: Path, built: dict, steps: int = STEPS) -> Path:
+    """The control: the same documents laid out as prepare wrote them before (shard version 1,
+    `<|bos|> text` with no <|eos|>), the same training, an fp32 bundle; its folder."""
+    import numpy as np
+    import torch
+
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.train.data.shards import ShardWriter, open_shard
+    from doel.train.hf import save_model
+
+    new = json.loads((built["shards"] / "meta.json").read_text(encoding="utf-8"))
+    (work / "shards").mkdir(parents=True, exist_ok=True)
+    for split, info in new["splits"].items():
+        w = ShardWriter(work / "shards", split, new["tokenizer"]["vocab_size"],
+                        new["tokenizer"]["bos_id"], 1 << 30)  # fmt: skip
+        for s in info["shards"]:
+            h, ids = open_shard(built["shards"] / s["file"])
+            ids = np.asarray(ids[ids != h.eos_id])
+            starts = np.flatnonzero(ids == h.bos_id)
+            w.add(ids, np.diff(np.append(starts, len(ids))))
+        info["shards"] = w.close()
+    new["format"] |= {"version": 1, "document": "<|bos|> text"}
+    (work / "shards" / "meta.json").write_text(json.dumps(new), encoding="utf-8")
+    torch.manual_seed(0)
+    model = _train(work / "shards", new["tokenizer"]["vocab_size"], steps)
+    ckpt = save_model(model, work / "ckpt", tokenizer=built["tokenizer"])
+    opts = ExportOptions(quant="fp32", eval_tokens=64, log=lambda _m: None)
+    export_checkpoint(ckpt, work / "bundle", opts)
+    return work / "bundle"
 
 
 def _train(shards: Path, vocab: int, steps: int):
@@ -278,6 +309,11 @@ def rows(work: Path) -> list[dict]:
         out += [r | {"version": seen.get("version", "?")} for r in found]
     else:
         out.append(_missing("onnxruntime-genai", f"{ORTGENAI_PYTHON} missing"))
+    before = build_before(work / "before", built)
+    check = "control: the same model trained on documents without <|eos|> (shard version 1)"
+    r = doel_serve(before, next(iter(PROMPTS)))
+    out.append({"runtime": "doel-serve", "version": doel.__version__, "check": check,
+                "result": _verdict(r, "")[0], "ok": r["finish"] == "length"})  # fmt: skip
     stops = modelfile_stops(built["gguf_dir"])
     tok = json.loads(built["tokenizer"].read_text(encoding="utf-8"))
     eos_text = next(t["content"] for t in tok["added_tokens"] if t["id"] == eos)

@@ -120,6 +120,15 @@ def test_onnxruntime_genai_stops_at_the_end_of_the_document(built, prompt, endin
 
 
 @pytest.mark.slow
+def test_the_same_model_trained_without_eos_in_its_shards_runs_to_the_limit(built, tmp_path):
+    """The control: what the stops above are owed to. Documents separated by <|bos|> alone (a
+    version 1 folder), the same training: the completion runs to max_tokens."""
+    bundle = eod.build_before(tmp_path, built)
+    r = eod.doel_serve(bundle, PROMPTS[0][0])
+    assert r["finish"] == "length" and r["tokens"] == eod.MAX_NEW, r
+
+
+@pytest.mark.slow
 def test_every_exported_file_names_eos_as_an_end(built):
     eos = json.loads((built["checkpoint"] / "generation_config.json").read_text())["eos_token_id"]
     genai = json.loads((built["bundle"] / "genai_config.json").read_text())["model"]
