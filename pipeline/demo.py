@@ -133,6 +133,7 @@ def run_demo(
     # tests check of it), the chat exchange is the chat model's.
     chat_bundle = export_demo(chat, out / "bundle-chat-int4", heldout) if bundle else None
     gguf_demo(final, out / "gguf")
+    gguf_demo(chat, out / "gguf-chat", chat=True)
     if bundle is not None:
         serve_demo(bundle, keep=serve and chat_bundle is None, port=port)
     if chat_bundle is not None:
@@ -173,10 +174,11 @@ def export_demo(final: Path, bundle: Path, heldout: list[str]) -> Path | None:
     return bundle
 
 
-def gguf_demo(final: Path, out: Path) -> Path | None:
+def gguf_demo(final: Path, out: Path, chat: bool = False) -> Path | None:
     """The model as a GGUF beside its int4 bundle (f16: the tiny model's file is small, and its
-    greedy text stays doel-serve's) and the llama.cpp command that runs it. Skipped, in one
-    line, without the export extra or on a tokenizer llama.cpp cannot run (--style doel)."""
+    greedy text stays doel-serve's) and the llama.cpp command that runs it; for the chat model
+    also the two Ollama commands (its Modelfile's TEMPLATE holds the chat prompt). Skipped, in
+    one line, without the export extra or on a tokenizer llama.cpp cannot run (--style doel)."""
     print(f"export: GGUF for llama.cpp, Ollama and LM Studio -> {out}")
     try:
         from doel.export.common import ExportError
@@ -190,7 +192,13 @@ def gguf_demo(final: Path, out: Path) -> Path | None:
         print(f"    skipped: {e}")
         return None
     path = out / manifest["gguf"]
-    print(f'llama.cpp: llama-cli -m {path} -p "{DEMO_REQUEST["prompt"]}" -n 40')
+    if not chat:
+        print(f'llama.cpp: llama-cli -m {path} -p "{DEMO_REQUEST["prompt"]}" -n 40')
+        return path
+    question = DEMO_CHAT["messages"][-1]["content"]
+    print(f"llama.cpp: llama-cli -m {path} --jinja  # a chat, in the GGUF's template")
+    print(f"ollama: ollama create doel-chat -f {out / 'Modelfile'}")
+    print(f'ollama: ollama run doel-chat "{question}"')
     return path
 
 
