@@ -14,6 +14,7 @@ model (`configs/small.toml` on real text is that).
 from __future__ import annotations
 
 import json
+import shlex
 import threading
 import time
 import urllib.error
@@ -145,7 +146,9 @@ def chat_demo(final: Path, out: Path, config: str, sets=()) -> Path:
     """A few steps of `doel-train sft` from the pre-trained model on the built-in conversations;
     returns the chat model's folder (its tokenizer_config.json carries the chat template)."""
     data = SAMPLE_DIR / "chat.jsonl"
-    print(f"chat: doel-train sft --from {final} --data {data} (loss on the replies only)")
+    asked = [a for kv in [*sets, *CHAT_SETS] for a in ("--set", kv)]  # the command it runs:
+    run = ["--config", config, "--from", final, "--data", data, "--out", out, *asked]
+    print(f"chat: doel-train sft {shlex.join(map(str, run))} (loss on the replies only)")
     cfg = load_config(SFTConfig, resolve_config(config), [*sets, *CHAT_SETS])
     chat = sft(cfg, [str(data)], final, out)
     print(f"    the chat model is {chat}")
