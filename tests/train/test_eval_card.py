@@ -8,31 +8,17 @@ import hashlib
 import json
 
 import pytest
-import torch
 
 from doel.train.cli import main
 from doel.train.common import DoelError
 from doel.train.evals.heldout import evaluate_checkpoint, format_eval
 from doel.train.evals.modelcard import CARD_INPUTS, write_model_card
-from doel.train.hf import save_model
-from doel.train.model import Llama, ModelConfig
 
 
 @pytest.fixture
-def carded(tok, tokenizer_path, tmp_path):
+def carded(model_folder):
     """A model folder with doel's card, not yet evaluated."""
-    torch.manual_seed(1)
-    cfg = ModelConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    folder = save_model(Llama(cfg), tmp_path / "run" / "final", tokenizer=tokenizer_path)
+    folder = model_folder(seed=1)
     write_model_card(folder)
     return folder
 

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from micro import MODEL
 from torch import nn
 
 from doel.train.gradflow import check_gradient_flow
-from doel.train.model import Llama, ModelConfig
+from doel.train.model import Llama
 
 
 def make_model(tied=True) -> Llama:
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-    )
+    cfg = dataclasses.replace(MODEL, tie_word_embeddings=tied)
     return Llama(cfg)
 
 

@@ -7,28 +7,15 @@ import json
 
 import numpy as np
 import torch
+from micro import MODEL, train_config
 
 from doel.train.build import build_parts
 from doel.train.checkpoint import latest_checkpoint, save_checkpoint
 from doel.train.data.chat import ChatData, ChatLoader
 from doel.train.dist import DistInfo
 from doel.train.job import VERIFIED, Checks, Job, verify_key
-from doel.train.model import ModelConfig
-from doel.train.settings import TrainConfig
 
-MODEL = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-)
-
-
-def cfg(**kw) -> TrainConfig:
-    return TrainConfig(**({"model": MODEL, "seq_len": 16, "steps": 100} | kw))
+cfg = train_config
 
 
 def chat_parts(resume_from=None, log=lambda s: None):

@@ -9,29 +9,16 @@ import re
 import time
 
 import pytest
-import torch
 
 from doel.train.common import DoelError
 from doel.train.evals.modelcard import SAMPLE, stored_parameters, write_model_card
-from doel.train.hf import save_model
 from doel.train.metrics import read_metrics
 from doel.train.model import Llama, ModelConfig
 
 
 @pytest.fixture
-def folder(tok, tokenizer_path, tmp_path):
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return save_model(Llama(cfg), tmp_path / "run" / "final", tokenizer=tokenizer_path)
+def folder(model_folder):
+    return model_folder(seed=0)
 
 
 def front_matter(text: str) -> dict:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from micro import MODEL, train_config
 
 from doel.train.common import DoelError
 from doel.train.config import load_config
@@ -22,19 +23,7 @@ from doel.train.step import (
     updates_before,
 )
 
-MODEL = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-)
-
-
-def cfg(**kw) -> TrainConfig:
-    return TrainConfig(**({"model": MODEL, "seq_len": 16, "steps": 100} | kw))
+cfg = train_config
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
