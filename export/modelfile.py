@@ -77,7 +77,10 @@ _TOOLS = (
 )
 _PROMPT = (
     # The tools block (with the first message's text when it is the system's), then each
-    # message, then the assistant's marker: doel's CHAT_TEMPLATE, branch for branch.
+    # message, then the assistant's marker: doel's CHAT_TEMPLATE, branch for branch (an
+    # assistant's two branches in one: the same bytes). The calls sit in `if .ToolCalls`, whose
+    # first text is <tool_call>: the tag Ollama's tool parser takes from a template
+    # (tools/template.go parseTag), so it reads the model's calls back as tool_calls.
     "{{- if .Tools }}<|system|>{{ if .Messages }}{{ with index .Messages 0 }}"
     '{{ if eq .Role "system" }}{{ .Content }}{{ "\\n\\n" }}{{ end }}{{ end }}{{ end }}'
     'Functions you may call, as <tool_call>{"name": ..., "arguments": {...}}</tool_call>:'
@@ -86,9 +89,9 @@ _PROMPT = (
     "{{- range $i, $m := .Messages }}\n"
     '{{- if and $.Tools (eq $i 0) (eq .Role "system") }}\n'
     '{{- else if eq .Role "tool" }}<|user|><tool_response>{{ .Content }}</tool_response><|end|>\n'
-    '{{- else if and (eq .Role "assistant") .ToolCalls }}<|assistant|>{{ .Content }}\n'
+    '{{- else if eq .Role "assistant" }}<|assistant|>{{ .Content }}{{ if .ToolCalls }}\n'
     '{{- range .ToolCalls }}<tool_call>{{ "{" }}"name": {{ template "s" .Function.Name }}, '
-    '"arguments": {{ template "o" .Function.Arguments }}}</tool_call>{{ end }}<|end|>\n'
+    '"arguments": {{ template "o" .Function.Arguments }}}</tool_call>{{ end }}{{ end }}<|end|>\n'
     "{{- else }}<|{{ .Role }}|>{{ .Content }}<|end|>\n"
     "{{- end }}\n"
     "{{- end }}<|assistant|>"

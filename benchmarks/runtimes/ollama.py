@@ -155,6 +155,11 @@ def go_version(scratch: Path) -> str:
 
 def go_render(modelfile: Path, cases: list[dict], scratch: Path) -> list[str]:
     """Each case rendered by the Modelfile's TEMPLATE in Go's text/template (ollama_render)."""
+    return go_run(modelfile, cases, scratch)["prompts"]
+
+
+def go_run(modelfile: Path, cases: list[dict], scratch: Path) -> dict:
+    """ollama_render's answer: {"prompts": [...], "tool_call_tag": "..."}."""
     run = subprocess.run(
         [go(), "run", ".", str(modelfile.resolve())],
         cwd=RENDERER,

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.runtimes import ollama
 from doel.export.checkpoint import inspect_checkpoint
 from doel.export.modelfile import DOEL_TEMPLATES, RAW_TEMPLATE, modelfile
-from doel.train.data.tokenizer import CHAT_TEMPLATE, END, EOS
+from doel.train.data.tokenizer import CHAT_TEMPLATE, END, EOS, TOOL_CALL
 
 NEEDS_GO = "Go is missing: apt-get install golang-go (Ollama's templates are Go text/template)"
 
@@ -94,6 +94,16 @@ def test_go_text_template_renders_doels_jinja_prompt_byte_for_byte(chat, tmp_pat
     want = [t.removeprefix("<|bos|>") for t in ollama.jinja_renders(ckpt, cases)]
     assert [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w] == []
     assert all(g.endswith("<|assistant|>") and not g.startswith("<|bos|>") for g in got)
+
+
+@pytest.mark.slow
+def test_ollamas_tool_parser_finds_the_tool_call_tag_in_the_template(chat, tmp_path):
+    """Ollama reads a model's calls back by the tag it finds in the TEMPLATE (tools/template.go
+    parseTag, as ollama_render walks Go's parse tree): <tool_call>, what the model writes."""
+    if ollama.go() is None:
+        pytest.skip(NEEDS_GO)
+    _, gguf = chat
+    assert ollama.go_run(gguf / "Modelfile", [], tmp_path)["tool_call_tag"] == TOOL_CALL
 
 
 @pytest.mark.slow

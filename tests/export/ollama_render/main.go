@@ -4,8 +4,9 @@
 // Usage: ollama_render MODELFILE < CONVERSATIONS.json > RENDERS.json
 //
 // The conversations (standard input) are a JSON list of {"messages": [...], "tools": [...]} in the shape of Ollama's
-// /api/chat request (api/types.go: Message, ToolCall, Tool). The output is a JSON list of the
-// rendered prompts, one per conversation.
+// /api/chat request (api/types.go: Message, ToolCall, Tool). The output is a JSON object:
+// "prompts", the rendered prompt of each conversation, and "tool_call_tag", the text Ollama's
+// tool parser would look for in the model's output.
 //
 // What is reproduced from Ollama (github.com/ollama/ollama, read, not copied):
 //   - parser/parser.go: a TEMPLATE value in """ ... """ is taken verbatim, no escapes.
@@ -18,6 +19,9 @@
 //   - template/template.go convertMessagesForTemplate / convertToolsForTemplate: tool-call
 //     arguments and tool parameters' properties reach the template as plain Go maps (so ranging
 //     them gives their keys sorted); a property's type is a list of strings (api.PropertyType).
+//   - tools/template.go parseTag: the tool-call tag is the first non-blank text inside the first
+//     `if` whose condition names .ToolCalls (the search of that text stops at the first action
+//     or nested block), cut before any "{" and trimmed; "{" when there is none.
 package main
 
 import (
@@ -27,6 +31,7 @@ import (
 	"os"
 	"strings"
 	"text/template"
+	"text/template/parse"
 )
 
 type property struct {
@@ -148,6 +153,93 @@ func render(t *template.Template, c conversation) (string, error) {
 	return b.String(), err
 }
 
+// namesToolCalls says whether an if's condition mentions the field .ToolCalls.
+func namesToolCalls(n *parse.IfNode) bool {
+	for _, cmd := range n.Pipe.Cmds {
+		for _, arg := range cmd.Args {
+			if f, ok := arg.(*parse.FieldNode); ok {
+				for _, id := range f.Ident {
+					if id == "ToolCalls" {
+						return true
+					}
+				}
+			}
+		}
+	}
+	return false
+}
+
+func branches(n parse.Node) []*parse.ListNode {
+	switch n := n.(type) {
+	case *parse.IfNode:
+		return []*parse.ListNode{n.List, n.ElseList}
+	case *parse.RangeNode:
+		return []*parse.ListNode{n.List, n.ElseList}
+	case *parse.WithNode:
+		return []*parse.ListNode{n.List, n.ElseList}
+	case *parse.ListNode:
+		return []*parse.ListNode{n}
+	}
+	return nil
+}
+
+func findToolCallsIf(nodes []parse.Node) *parse.IfNode {
+	for _, n := range nodes {
+		if i, ok := n.(*parse.IfNode); ok && namesToolCalls(i) {
+			return i
+		}
+		for _, b := range branches(n) {
+			if b != nil {
+				if found := findToolCallsIf(b.Nodes); found != nil {
+					return found
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// firstText returns the first non-blank text, and whether the search must stop here.
+func firstText(nodes []parse.Node) (string, bool) {
+	for _, n := range nodes {
+		switch n := n.(type) {
+		case *parse.TextNode:
+			if strings.TrimSpace(string(n.Text)) != "" {
+				return string(n.Text), true
+			}
+		case *parse.ActionNode:
+			return "", true
+		case *parse.ListNode:
+			if text, stop := firstText(n.Nodes); stop {
+				return text, true
+			}
+		case *parse.IfNode, *parse.RangeNode, *parse.WithNode:
+			for _, b := range branches(n) {
+				if b != nil {
+					if text, _ := firstText(b.Nodes); text != "" {
+						return text, true
+					}
+				}
+			}
+			return "", true
+		}
+	}
+	return "", false
+}
+
+func toolCallTag(t *template.Template) string {
+	n := findToolCallsIf(t.Tree.Root.Nodes)
+	if n == nil {
+		return "{"
+	}
+	text, _ := firstText(n.List.Nodes)
+	tag, _, _ := strings.Cut(strings.ReplaceAll(text, "\r\n", "\n"), "{")
+	if tag = strings.TrimSpace(tag); tag == "" {
+		return "{"
+	}
+	return tag
+}
+
 func run() error {
 	if len(os.Args) != 2 {
 		return fmt.Errorf("usage: ollama_render MODELFILE < CONVERSATIONS.json")
@@ -181,7 +273,7 @@ func run() error {
 	}
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetEscapeHTML(false)
-	return enc.Encode(out)
+	return enc.Encode(map[string]any{"prompts": out, "tool_call_tag": toolCallTag(t)})
 }
 
 func main() {
