@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from benchmarks.load.load_servers import BINARY, free_port
+from benchmarks.load.load_servers import BINARY, LLAMA_VERSION, free_port
 from benchmarks.runtimes.ollama import chat_checkpoint, conversations
 
 RUNTIME = "llama-server --jinja (llama.cpp)"
@@ -106,7 +106,8 @@ class LlamaServer:
 
     def version(self) -> str:
         props = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/props").read())
-        return str(props.get("build_info", "unknown"))
+        build = props.get("build_info", "unknown")
+        return f"{build} (llama-cpp-python {LLAMA_VERSION}'s llama.cpp)"
 
     def stream(self, request: dict, bias: dict[int, float], max_tokens: int = 8):
         """(the streamed reply's text, its finish_reason), greedy."""
