@@ -157,3 +157,32 @@ def test_a_doel_style_bundle_is_recorded_as_not_exact_in_genai(tiny_bundle):
     tok = og.Tokenizer(og.Model(str(tiny_bundle)))
     tok.update_options(add_special_tokens="true")
     assert tok.encode(CORNERS[0]).tolist() != want
+
+
+@pytest.mark.parametrize("which", ["0.18", "0.15.2"])
+def test_the_gguf_styles_byte_level_bpe_needs_nothing_in_genai(
+    spm_bundles, tmp_path, sample_paths, which
+):
+    # genai's tokenizer runs the gguf style's split regex and byte-level BPE as tokenizers does:
+    # its tokenizer files in a copy of a bundle (genai's tokenizer reads only those).
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from doel.export.genai import form
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
+
+    python = _python(which)
+    cfg = TokenizerConfig(vocab_size=2048, min_frequency=1, style="gguf")
+    tok = train_tokenizer(resolve_sources(sample_paths), cfg, tmp_path / "tok", progress=False)
+    assert form(json.loads(tok.read_text(encoding="utf-8"))) == "byte-level"
+    bundle = tmp_path / "bundle"
+    shutil.copytree(spm_bundles["int4"], bundle)
+    (bundle / "tokenizer_module.json").unlink()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(tok.parent / name, bundle / name)
+    texts = _lines()
+    got = run_probe(python, {"bundle": str(bundle), "texts": texts}, tmp_path)
+    want = [e.ids for e in Tokenizer.from_file(str(tok)).encode_batch(texts)]
+    assert [t for t, g, w in zip(texts, got["ids"], want) if g != w] == []
