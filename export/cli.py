@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("onnx", "gguf"),
         default="onnx",
         help="onnx (default): a bundle for doel-serve; gguf: DIR/model-QUANT.gguf + an Ollama "
-        "Modelfile for llama.cpp, Ollama, LM Studio (needs a `--style gguf` tokenizer)",
+        "Modelfile for llama.cpp, Ollama, LM Studio (needs a tokenizer llama.cpp runs id for id: "
+        "`--style spm`, the default, or `--style gguf`)",
     )
     p.add_argument(
         "--quant",
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--web",
         action="store_true",
-        help="also write web/: a static page that runs the model in a browser (onnxruntime-web)",
+        help="also write web/: a static page that runs the model in a browser: on WebAssembly "
+        "with doel's own 4-bit kernel (onnxruntime-web's int8 graph where the kernel cannot run), "
+        "on WebGPU with onnxruntime-web",
     )
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument(

@@ -18,6 +18,10 @@ from doel.train.cliparse import Parser, tokenizer_path
 from doel.train.common import DoelError, Interrupted  # standard library only
 
 EXTRA_HINT = "pip install 'doel[train]'"
+# TokenizerConfig's defaults and train/data/tokenizer.py's STYLES, written here so that --help
+# needs no extra (tests/cross/test_help_is_true.py holds them equal to the code's).
+TOKENIZER_DEFAULTS = {"vocab_size": 32768, "style": "spm"}
+STYLES = ("spm", "gguf", "doel", "doel-bytelevel", "marks-bytelevel", "gpt2")
 
 
 def _cmd_tokenizer(args) -> None:
@@ -273,11 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
             "Face side files into --out."
         ),
     )
-    t.add_argument("--vocab-size", type=int, default=None, help="default 32768")
+    t.add_argument(
+        "--vocab-size", type=int, default=None, help=f"default {TOKENIZER_DEFAULTS['vocab_size']}"
+    )
     t.add_argument(
         "--style",
-        help="doel (default), or spm / gguf: a tokenizer llama.cpp reproduces id for id "
-        "(doel-export --format gguf needs one; spm is SentencePiece BPE, gguf byte-level BPE)",
+        choices=STYLES,
+        help=f"{TOKENIZER_DEFAULTS['style']} (default): SentencePiece BPE; gguf: byte-level BPE "
+        "(llama.cpp runs either id for id, so doel-export --format gguf takes either); doel: "
+        "doel's own split, which a GGUF cannot carry; doel-bytelevel, marks-bytelevel, gpt2: "
+        "ablations",
     )
     _data_args(t, "TokenizerConfig", "each source's share of the training characters")
     t.set_defaults(func=_cmd_tokenizer)
