@@ -6,15 +6,16 @@ that ends at the end-of-turn marker <|end|>.
 
 llama.cpp leaves the template's leading <|bos|> out of the text when the model adds BOS itself
 (common/chat.cpp, `add_bos` and `bos_token`), so the server's text is compared with doel-serve's
-after its <|bos|>. The model is random (benchmarks/runtimes/ollama.py `chat_checkpoint`), so the
-stop is shown with `logit_bias`: +100 on <|end|> makes the model write it (the reply must end
-there: "stop", the marker not in the text), -100 keeps it out (the reply then runs to
-max_tokens: "length"), which shows that the stop is the marker's and not an accident.
+after its <|bos|>. The model is random (benchmarks/runtimes/ollama.py `chat_checkpoint`), and
+a copy fine-tuned on the sample's conversations (`trained_chat_gguf`) ends its replies itself.
+On the random one the stop is also shown with `logit_bias`: +100 on <|end|> makes the model
+write it (the reply must end there: "stop", the marker not in the text), -100 keeps it out
+(the reply then runs to max_tokens: "length"), so the stop is the marker's, not an accident.
 
 One difference is llama-server's, before its template engine: it reads an OpenAI function
 without `parameters` as `"parameters": {}` (common/chat.cpp, parsing the request's tools) and
 passes that to the template, where doel-serve (and Ollama) pass none; such conversations are
-counted apart, with that difference checked exactly (`without_parameters`). Rows from
+counted apart, with that difference checked exactly (`with_empty_parameters`). Rows from
 `rows(work)`; `python -m benchmarks.runtimes.llama_server` prints them as JSON.
 """
 
@@ -31,6 +32,8 @@ from benchmarks.load.load_servers import BINARY, LLAMA_VERSION, free_port
 from benchmarks.runtimes.ollama import chat_checkpoint, conversations
 
 RUNTIME = "llama-server --jinja (llama.cpp)"
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = ROOT / "train" / "sample" / "chat.jsonl"
 
 
 def openai_request(case: dict) -> dict:
@@ -123,6 +126,38 @@ class LlamaServer:
         return text, finish
 
 
+def trained_chat_gguf(work: Path) -> Path:
+    """`chat_checkpoint`'s model fine-tuned (doel-train sft, 400 steps of the tiny config) on
+    the sample's conversations until it answers them and ends its turn; its f32 GGUF."""
+    from doel.export.gguf import export_gguf
+    from doel.train.config import load_config
+    from doel.train.data.chat import SFTConfig
+    from doel.train.sft import sft
+
+    out = work / "sft-gguf"
+    if not (out / "manifest.json").is_file():
+        sets = ["seq_len=128", "batch_size=8", "steps=400", "lr=3e-3", "log_every=400",
+                "eval_every=0", "checkpoint_every=0"]  # fmt: skip
+        cfg = load_config(SFTConfig, ROOT / "configs" / "tiny.toml", sets)
+        base = chat_checkpoint(work)
+        final = sft(cfg, [str(CHAT)], base, work / "sft", log=lambda _m: None, skip_verify=True)
+        export_gguf(final, out, quant="f32", force=True, log=lambda _m: None)
+    return out / "model-f32.gguf"
+
+
+def questions(n: int = 3) -> list[list[dict]]:
+    """The first `n` sample conversations up to their first user message."""
+    rows = [json.loads(line) for line in CHAT.read_text(encoding="utf-8").splitlines()[:n]]
+    return [r["messages"][: 1 + [m["role"] for m in r["messages"]].index("user")] for r in rows]
+
+
+def trained_replies(work: Path) -> list[tuple[str, str]]:
+    """(text, finish_reason) of the trained chat model's streamed greedy reply to each
+    question, from llama-server."""
+    with LlamaServer(trained_chat_gguf(work), work / "llama-server-sft.log") as s:
+        return [s.stream({"messages": q}, {}, max_tokens=64) for q in questions()]
+
+
 def end_id(ckpt: Path) -> int:
     tok = json.loads((ckpt / "tokenizer.json").read_text(encoding="utf-8"))
     return next(a["id"] for a in tok["added_tokens"] if a["content"] == "<|end|>")
@@ -173,6 +208,8 @@ def rows(work: Path) -> list[dict]:
         ran_on = s.stream(request, {end: -100.0})
         version = s.version()
     stops = stopped[1] == "stop" and "<|end|>" not in stopped[0] and ran_on[1] == "length"
+    replies = trained_replies(work)
+    ended = sum(f == "stop" and t.strip() and "<|end|>" not in t for t, f in replies)
     (d, _, n), (ud, uf, un) = counts["declared"], counts["undeclared"]
     return [
         {"runtime": RUNTIME, "version": version,
@@ -187,6 +224,10 @@ def rows(work: Path) -> list[dict]:
          "check": "streamed reply stops at <|end|>",
          "result": f"<|end|> forced: finish_reason {stopped[1]!r}, text {stopped[0]!r}; "
                    f"<|end|> barred: {ran_on[1]!r}", "ok": stops},
+        {"runtime": RUNTIME, "version": version,
+         "check": "a chat model trained to end its turn: streamed greedy replies",
+         "result": f"{ended} of {len(replies)} end at <|end|> (finish_reason 'stop'), "
+                   f"e.g. {replies[0][0]!r}", "ok": ended == len(replies)},
     ]  # fmt: skip
 
 

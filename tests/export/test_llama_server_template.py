@@ -1,6 +1,7 @@
 """llama-server's own template engine (`--jinja`) on a doel chat GGUF: `POST /apply-template`
 gives doel-serve's prompt text for the conversations of benchmarks/runtimes/ollama.py (OpenAI
-messages and tools), and a streamed /v1/chat/completions reply ends at <|end|>."""
+messages and tools), and a streamed /v1/chat/completions reply ends at <|end|>: forced on a
+random model (and barred, for the contrast), and by itself on one fine-tuned to end its turns."""
 
 from __future__ import annotations
 
@@ -51,6 +52,15 @@ def test_a_streamed_reply_stops_at_the_end_of_turn_marker(server):
     text, finish = s.stream(request, {end: 100.0})
     assert finish == "stop" and "<|end|>" not in text
     assert s.stream(request, {end: -100.0}, max_tokens=4)[1] == "length"
+
+
+def test_a_chat_model_trained_to_end_its_turn_stops_there_in_llama_server(server):
+    """A fine-tuned copy answers the sample's questions and its streamed replies end at <|end|>
+    by themselves: finish_reason "stop", text without the marker."""
+    s, ckpt = server
+    replies = llama_server.trained_replies(ckpt.parent)
+    assert [f for _, f in replies] == ["stop"] * len(replies)
+    assert all(t.strip() and "<|end|>" not in t for t, _ in replies)
 
 
 def test_the_gguf_names_the_end_of_turn_token(server):
