@@ -1,6 +1,7 @@
 """Batches from token shards: memory-mapped, deterministic for a seed, resumable exactly.
 
-The shards of a split form one stream in which every document starts with <|bos|>. It is cut
+The shards of a split form one stream in which every document starts with <|bos|> and ends
+with <|eos|> (shard version 2; version 1 shards, without the <|eos|>, load the same). It is cut
 into windows of seq_len + 1 tokens (inputs and the targets shifted by one); each epoch visits
 all windows in an order drawn from (seed, epoch). The loader's position is (epoch, cursor), so
 `state_dict()` / `load_state_dict()` restore it exactly.
