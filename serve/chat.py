@@ -77,6 +77,8 @@ async def pieces(
     # response_format, or a required tool call: the reply is a document of its schema
     spec = req.format_spec()
     if fmt is None and plan.grammar is not None:
+        for param, schema in plan.each:
+            await svc.in_thread(svc.grammars.json_schema, schema, param)
         fmt = await svc.in_thread(svc.grammars.lark, plan.grammar, plan.param)
     elif fmt is None and plan.schema is not None:
         fmt = await svc.in_thread(svc.grammars.json_schema, plan.schema, plan.param)

@@ -31,7 +31,7 @@ from doel.serve.logprobs import Record, Scored, score_rows
 from doel.serve.prefix import Hit, Prefixes
 from doel.serve.sampling import SamplingParams, sample
 from doel.serve.settings import Settings
-from doel.serve.structured import Constraint, fill_all
+from doel.serve.structured import Constraint, DeadEnd, fill_all
 from doel.serve.tenants import ONE
 
 DONE = -1  # end of a sequence in its queue
@@ -255,6 +255,9 @@ class Scheduler:
         if c is not None:
             try:
                 return self._pick_constrained(s, c, logits)
+            except DeadEnd as e:  # the grammar ends here unfinished: "length", as a cut would
+                log.warning("grammar dead end, the request ends unfinished: %s", e)
+                return s, None, True
             except RuntimeError as e:  # a matcher in error: this sequence fails, not the step
                 log.error("grammar failed: %s", e)
                 return s, e, True

@@ -64,6 +64,12 @@ class Format:
         return Constraint(self, self._proto.deep_copy())
 
 
+class DeadEnd(RuntimeError):
+    """The grammar allows no next token where the text so far does not complete a document: a
+    dead end that compiling could not see. The scheduler ends that row ("length"), never the
+    batch."""
+
+
 class Constraint:
     """One sequence's place in its grammar. The scheduler calls `fill` (any thread), `mask`,
     then `advance` with the token picked; `done` ends the sequence, `finished` says whether the
@@ -97,7 +103,7 @@ class Constraint:
             if i < n:
                 allowed[i] = accepting
         if not allowed.any():
-            raise RuntimeError(f"the grammar allows no token: {self.matcher.get_error()}")
+            raise DeadEnd(f"the grammar allows no token: {self.matcher.get_error()}")
         return np.where(allowed, logits, -np.inf)
 
     def advance(self, token: int | None) -> None:
@@ -194,12 +200,32 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(400, unsupported(matcher.get_error(), param), param)
+        self._refuse_empty(matcher, param)
         fmt = Format(self, matcher, kind)
         with self._lock:
             self._cache[key] = fmt
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return fmt
+
+    def _refuse_empty(self, matcher: llguidance.LLMatcher, param: str) -> None:
+        """A grammar that admits no document (a `$ref` cycle with no base case) compiles, but its
+        first mask allows nothing: refused here, before the request queues. On a copy: filling
+        the mask of such a grammar puts its matcher in an error state."""
+        probe = matcher.deep_copy()
+        bits = llnp.allocate_token_bitmask(1, self.vocab_size)
+        llnp.fill_next_token_bitmask(probe, bits)
+        allowed = np.unpackbits(bits[0].view(np.uint8), count=self.vocab_size, bitorder="little")
+        if self.eos_id is not None and self.eos_id < self.vocab_size:
+            allowed[self.eos_id] = 0  # llguidance's end token is no document
+        if probe.is_error() or not (allowed.any() or probe.is_accepting()):
+            why = " ".join(probe.get_error().split())[:200] or "no first token is allowed"
+            raise RequestError(
+                400,
+                f"{param} admits no document ({why}): every $ref cycle needs a way out (a "
+                "property that is not required, an anyOf branch without the reference)",
+                param,
+            )
 
 
 def unsupported(engine_message: str, param: str) -> str:

@@ -48,6 +48,10 @@ class ToolPlan:
     grammar: str | None = None  # or a grammar (llguidance's Lark)
     name: str | None = None  # named: the function called
     param: str = "tools"  # where a schema the engine refuses came from
+    # required, several tools: each tool's arguments schema and its parameter, compiled alone
+    # first, so one that admits no document is refused by name (the grammar of all of them
+    # would still admit the others' calls)
+    each: tuple[tuple[str, dict], ...] = ()
 
 
 def plan(req) -> ToolPlan:
@@ -95,7 +99,12 @@ def _plan(req) -> ToolPlan:
     if choice in (None, "auto"):
         return ToolPlan("auto", shown, set(names))
     if choice == "required" and len(defs) > 1:
-        return ToolPlan("required", shown, set(names), CALL, grammar=_calls_grammar(defs))
+        each = tuple(
+            (f"tools[{i}].function.parameters", _parameters(f)) for i, f in enumerate(defs)
+        )
+        return ToolPlan(
+            "required", shown, set(names), CALL, grammar=_calls_grammar(defs), each=each
+        )
     name = defs[0].name if choice == "required" else choice.function.name
     if name not in names:
         raise RequestError(
