@@ -155,18 +155,29 @@ def doel_serve(bundle: Path, prompt: str) -> dict:
 def transformers_generate(ckpt: Path, prompt: str) -> dict:
     """transformers' generate() on the checkpoint, greedy: it stops at generation_config.json's
     eos_token_id or runs to max_new_tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    return _generate(AutoModelForCausalLM.from_pretrained(ckpt), ckpt, prompt)
+
+
+def optimum_generate(bundle: Path, prompt: str) -> dict:
+    """optimum's ORTModelForCausalLM on the ONNX bundle, greedy (its generation_config.json)."""
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    return _generate(ORTModelForCausalLM.from_pretrained(bundle), bundle, prompt)
+
+
+def _generate(model, folder: Path, prompt: str) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
     ids = tok(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=MAX_NEW, do_sample=False)[
-        0, ids.input_ids.shape[1] :
-    ]
-    new = out.tolist()
+    out = model.generate(**ids, max_new_tokens=MAX_NEW, do_sample=False)
+    new = out[0, ids.input_ids.shape[1] :].tolist()
     stopped = len(new) < MAX_NEW and new[-1] == model.generation_config.eos_token_id
-    return {"text": tok.decode(new, skip_special_tokens=True),
-            "finish": "stop" if stopped else "length", "tokens": len(new)}  # fmt: skip
+    new = new[:-1] if stopped else new  # the text before the id it stopped at
+    return {"text": tok.decode(new), "finish": "stop" if stopped else "length",
+            "tokens": len(new) + stopped}  # fmt: skip
 
 
 def llama_server(gguf: Path, prompt: str, log: Path) -> dict:
@@ -292,6 +303,13 @@ def rows(work: Path) -> list[dict]:
         transformers.__version__,
         lambda p: transformers_generate(built["checkpoint"], p),
     )
+    try:
+        import optimum.version
+
+        run = lambda p: optimum_generate(built["bundle"], p)  # noqa: E731
+        out += _runtime_rows("optimum ORTModelForCausalLM", optimum.version.__version__, run)
+    except ImportError:
+        out.append(_missing("optimum ORTModelForCausalLM", "optimum is not installed"))
     if BINARY.is_file():
         log = work / "llama-server.log"
         run = lambda p: llama_server(built["gguf"], p, log)  # noqa: E731

@@ -1,9 +1,10 @@
 """A base model's text ends where its document ends, in every runtime: prepare writes each
 document as `<|bos|> text <|eos|>` and records it (shard header version 2, meta.json); shards of
 version 1 still load; a tiny model trained on such shards ends a greedy completion with "stop"
-(the <|eos|> not in the text) in doel-serve, transformers' generate(), llama-server on its GGUF
-and onnxruntime-genai 0.18 on its bundle, and the Modelfile stops there; a chat render still holds
-no <|eos|> (chat turns end at <|end|>)."""
+(the <|eos|> not in the text) in doel-serve, transformers' generate(), optimum, llama-server on
+its GGUF and onnxruntime-genai 0.18 on its bundle, and the Modelfile stops there (the same model
+trained on version 1 shards runs to the limit); a chat render still holds no <|eos|> (chat
+turns end at <|end|>)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,13 @@ def test_doel_serve_stops_at_the_end_of_the_document(built, prompt, ending):
 def test_transformers_generate_stops_at_the_end_of_the_document(built, prompt, ending):
     pytest.importorskip("transformers")
     _ends(eod.transformers_generate(built["checkpoint"], prompt), ending)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt,ending", PROMPTS, ids=["bn", "en"])
+def test_optimum_stops_at_the_end_of_the_document(built, prompt, ending):
+    pytest.importorskip("optimum.onnxruntime")
+    _ends(eod.optimum_generate(built["bundle"], prompt), ending)
 
 
 @pytest.mark.slow
