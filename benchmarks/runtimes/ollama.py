@@ -76,6 +76,7 @@ def conversations() -> list[dict]:
     nested = {"query": 'ঢাকা "বৃষ্টি"\n', "limit": 3}
     nested["tags"] = ["আবহাওয়া", None, True, 2.5, {"b": 1, "a": [1, 2]}]
     many = [call, _call("search", nested), _call("now", {})]
+    odd = _call("search", {"query": "x & y < z\x01\b\f\u2028\x7f"})  # escapes JSON differs on
     turns = [_m(r, f"{r} বার্তা {i}") for i in range(3) for r in ("user", "assistant")]
     plain = [
         [_m("system", "শুধু সিস্টেম বার্তা।")],
@@ -102,8 +103,7 @@ def conversations() -> list[dict]:
           _m("user", "ধন্যবাদ")], [WEATHER]),
         ([user, _m("assistant", "", call), _m("tool", "")], [WEATHER]),
         ([_m("user", "<tool_call> লেখা থাকলেও শুধু লেখা")], [NO_ARGS]),
-        ([sys_bn, _m("user", "hi"), _m("assistant", "ok", _call("search", {"query": "x & y < z"})),
-          result], [SEARCH]),
+        ([sys_bn, _m("user", "hi"), _m("assistant", "ok", odd), result], [SEARCH]),
         ([_m("user", "দুটো টুল")], [NO_ARGS, WEATHER]),
     ]  # fmt: skip
     return [{"messages": m, "tools": None} for m in plain] + [
