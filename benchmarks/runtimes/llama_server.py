@@ -12,11 +12,12 @@ On the random one the stop is also shown with `logit_bias`: +100 on <|end|> make
 write it (the reply must end there: "stop", the marker not in the text), -100 keeps it out
 (the reply then runs to max_tokens: "length"), so the stop is the marker's, not an accident.
 
-One difference is llama-server's, before its template engine: it reads an OpenAI function
-without `parameters` as `"parameters": {}` (common/chat.cpp, parsing the request's tools) and
-passes that to the template, where doel-serve (and Ollama) pass none; such conversations are
-counted apart, with that difference checked exactly (`with_empty_parameters`). Rows from
-`rows(work)`; `python -m benchmarks.runtimes.llama_server` prints them as JSON.
+One difference is llama-server's, before its template engine: it rebuilds each OpenAI function
+as name, description and parameters, "" and {} where absent, other fields dropped
+(common/chat.cpp, parsing the request's tools), where doel-serve passes a definition's fields as
+sent; so a function without `parameters` reaches the template as `"parameters": {}`. Such
+conversations are counted apart, with that difference checked exactly (`as_llama_server_reads`).
+Rows from `rows(work)`; `python -m benchmarks.runtimes.llama_server` prints them as JSON.
 """
 
 from __future__ import annotations
@@ -167,19 +168,22 @@ def declares_parameters(request: dict) -> bool:
     return all("parameters" in t["function"] for t in request.get("tools", []))
 
 
-def with_empty_parameters(request: dict) -> dict:
-    """The request as llama-server reads it: each function without parameters given {}."""
+def as_llama_server_reads(request: dict) -> dict:
+    """The request's tools as llama-server passes them to a template (common/chat.cpp): each
+    function rebuilt as name, description ("" when absent) and parameters ({} when absent),
+    any other field (`strict`) dropped."""
     tools = [
-        t | {"function": {**t["function"], "parameters": t["function"].get("parameters", {})}}
-        for t in request.get("tools", [])
-    ]
+        {"type": "function", "function": {"name": f["name"],
+         "description": f.get("description", ""), "parameters": f.get("parameters", {})}}
+        for f in (t["function"] for t in request.get("tools", []))
+    ]  # fmt: skip
     return request | ({"tools": tools} if tools else {})
 
 
 def compare(server: LlamaServer, ckpt: Path) -> dict[str, tuple[int, int, int]]:
     """For the conversations whose every function declares parameters ("declared") and the
     others ("undeclared"): (how many /apply-template texts differ from doel-serve's prompt,
-    how many from doel-serve's prompt of the request with "parameters": {} filled in, how many
+    how many from doel-serve's prompt of the request as llama-server reads it, how many
     conversations)."""
     out = {"declared": [0, 0, 0], "undeclared": [0, 0, 0]}
     for case in conversations():
@@ -187,7 +191,7 @@ def compare(server: LlamaServer, ckpt: Path) -> dict[str, tuple[int, int, int]]:
         got = server.applied(request)
         row = out["declared" if declares_parameters(request) else "undeclared"]
         row[0] += got != doel_serve_prompt(ckpt, request).removeprefix("<|bos|>")
-        filled = doel_serve_prompt(ckpt, with_empty_parameters(request))
+        filled = doel_serve_prompt(ckpt, as_llama_server_reads(request))
         row[1] += got != filled.removeprefix("<|bos|>")
         row[2] += 1
     return {k: tuple(v) for k, v in out.items()}
@@ -218,7 +222,7 @@ def rows(work: Path) -> list[dict]:
         {"runtime": RUNTIME, "version": version,
          "check": "/apply-template, a function without parameters",
          "result": f"{ud} of {un} differ from doel-serve's prompt, llama-server passing "
-                   f'"parameters": {{}}; with that filled in, {uf} of {un} differ',
+                   f'"parameters": {{}}; of the request as it reads it, {uf} of {un}',
          "ok": ud == 0 and un > 0},
         {"runtime": RUNTIME, "version": version,
          "check": "streamed reply stops at <|end|>",

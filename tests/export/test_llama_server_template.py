@@ -28,7 +28,7 @@ def server(tmp_path_factory):
 def test_apply_template_gives_doel_serves_prompt(server):
     """Every conversation's text equals doel-serve's (after <|bos|>, which llama.cpp leaves to
     its tokenizer); where a function has no parameters llama-server passes "parameters": {},
-    and the text then equals doel-serve's for the request with that filled in."""
+    and the text then equals doel-serve's for the request as llama-server reads it."""
     s, ckpt = server
     counts = llama_server.compare(s, ckpt)
     assert counts["declared"][0] == 0 and counts["declared"][2] >= 18
