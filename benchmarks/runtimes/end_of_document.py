@@ -286,7 +286,7 @@ def _missing(name: str, why: str) -> dict:
 
 def _llama_version() -> str:
     out = subprocess.run([str(BINARY), "--version"], capture_output=True, text=True, timeout=30)
-    return (out.stdout + out.stderr).strip().splitlines()[0]
+    return (out.stdout + out.stderr).strip().splitlines()[0].removeprefix("version: ")
 
 
 def rows(work: Path) -> list[dict]:
