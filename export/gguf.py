@@ -37,7 +37,13 @@ from doel.contracts.quant import quant as quant_row
 from doel.export import card
 from doel.export.checkpoint import Checkpoint, inspect_checkpoint, source_record
 from doel.export.common import ExportError, file_table, staging, write_json
-from doel.export.modelfile import END_OF_TURN, chat_template, modelfile
+from doel.export.modelfile import (
+    END_OF_TURN,
+    RAW_TEMPLATE,
+    chat_template,
+    modelfile,
+    ollama_template,
+)
 
 EMBEDDING_AND_HEAD = ("token_embd.weight", "output.weight")  # at the row's head_bits
 STYLE_HINT = (
@@ -338,4 +344,6 @@ def export_gguf(
         result["files"] = file_table(stage)
         write_json(stage / "manifest.json", Manifest.from_dict(result).to_dict())
     log(f"wrote {out / name} ({info['pre_tokenizer']} pre-tokenizer) and {out / 'Modelfile'}")
+    if ollama_template(ckpt) == RAW_TEMPLATE:
+        log("    its TEMPLATE is {{ .Prompt }}: the checkpoint has no doel chat template")
     return result
