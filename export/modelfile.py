@@ -38,7 +38,7 @@ from doel.export.checkpoint import Checkpoint
 END_OF_TURN = "<|end|>"
 # sha256 of the Jinja templates CHAT_TEMPLATE_GO renders the same prompt as (doel's CHAT_TEMPLATE;
 # tests/export/test_ollama_template.py fails when the Jinja one changes and this does not).
-DOEL_TEMPLATES = ("982324acc6dcd279c3ac8ad1f8846797a24fe2ef7d2ffef6c584688d13dda91c",)
+DOEL_TEMPLATES = ("03d9f4f29b242a9f9642c6c5137ecb76c876c50c28eba6eb3c7f66c4a64088a2",)
 
 _STRING = (
     # "s": a JSON string as Python's json.dumps(ensure_ascii=False) writes it; "c": its bytes.
@@ -60,10 +60,12 @@ _VALUES = (
     '{{ template "s" $k }}: {{ template "v" $v }}{{ $sep = ", " }}{{ end }}}{{ end }}\n'
 )
 _TOOLS = (
-    # "f": a tool's function as Jinja's tojson writes the dict; "p": one parameter.
+    # "f": a tool's function as the Jinja template writes it (name, description, parameters:
+    # "" and {} where absent); "p": one parameter.
     '{{- define "f" }}{{ "{" }}"name": {{ template "s" .Name }}'
-    '{{ if .Description }}, "description": {{ template "s" .Description }}{{ end }}'
-    '{{ if .Parameters.Type }}, "parameters": {{ "{" }}"type": {{ template "s" .Parameters.Type }}'
+    ', "description": {{ template "s" .Description }}, "parameters": '
+    '{{ if not .Parameters.Type }}{{ "{" }}}{{ else }}'
+    '{{ "{" }}"type": {{ template "s" .Parameters.Type }}'
     ', "properties": {{ "{" }}{{ $sep := "" }}{{ range $k, $p := .Parameters.Properties }}'
     '{{ $sep }}{{ template "s" $k }}: {{ template "p" $p }}{{ $sep = ", " }}{{ end }}}'
     '{{ if .Parameters.Required }}, "required": [{{ range $i, $r := .Parameters.Required }}'

@@ -107,7 +107,7 @@ def turn_texts(conv: list[dict]) -> list[tuple[str, str]]:
         system = ""
         if messages[0]["role"] == "system":
             system = messages.pop(0)["content"] + "\n\n"
-        lines = "".join(_json(t.get("function", t)) + "\n" for t in tools)
+        lines = "".join(_json(tool_definition(t.get("function", t))) + "\n" for t in tools)
         turns.append(("system", system + TOOLS_HEADER + lines))
     for m in messages:
         if m["role"] == "tool":
@@ -118,6 +118,13 @@ def turn_texts(conv: list[dict]) -> list[tuple[str, str]]:
         else:
             turns.append((m["role"], m["content"]))
     return turns
+
+
+def tool_definition(f: dict) -> dict:
+    """A function as the template shows it: its name, description and parameters, "" and {}
+    where absent (llama-server's form of an OpenAI tool), nothing else."""
+    described = {"description": f.get("description", ""), "parameters": f.get("parameters", {})}
+    return {"name": f["name"]} | described
 
 
 def call_text(call: dict) -> str:

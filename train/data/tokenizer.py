@@ -67,7 +67,13 @@ CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
     "{{ " + repr(TOOLS_HEADER) + " }}"
     "{% for tool in tools %}"
-    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\\n' }}"
+    # Each function as name, description and parameters ("" and {} where absent, nothing
+    # else): what llama-server makes of an OpenAI tool before its template runs, so a request
+    # renders one prompt in every engine.
+    "{% set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ {'name': f['name'], 'description': f['description'] if f['description'] is defined "
+    "else '', 'parameters': f['parameters'] if f['parameters'] is defined else {}} | tojson }}"
+    "{{ '\\n' }}"
     "{% endfor %}{{ '<|end|>' }}{% endif %}"
     "{% for message in messages %}"
     "{% if tools and loop.first and message['role'] == 'system' %}"
