@@ -75,6 +75,13 @@ def post(port: int, path: str, body: dict, timeout: float = 60) -> bytes:
         return r.read()
 
 
+def llama_version(binary: Path = BINARY) -> str:
+    """The build `llama-server --version` names, and the source package it came from."""
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    line = next((x for x in (out.stdout + out.stderr).splitlines() if "version" in x), "?")
+    return f"{line.split(':', 1)[-1].strip()}, llama-cpp-python {LLAMA_VERSION}'s llama.cpp"
+
+
 class LlamaServer:
     """llama-server --jinja on one GGUF, on a free port; `with` stops it."""
 
@@ -105,13 +112,12 @@ class LlamaServer:
             self.proc.wait()
         self.log.close()
 
-    def applied(self, request: dict) -> str:
-        return json.loads(post(self.port, "/apply-template", request))["prompt"]
+    def json(self, path: str, body: dict, timeout: float = 60) -> dict:
+        """POST `body` to `path`; the answer's JSON."""
+        return json.loads(post(self.port, path, body, timeout))
 
-    def version(self) -> str:
-        props = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/props").read())
-        build = props.get("build_info", "unknown")
-        return f"{build} (llama-cpp-python {LLAMA_VERSION}'s llama.cpp)"
+    def applied(self, request: dict) -> str:
+        return self.json("/apply-template", request)["prompt"]
 
     def stream(self, request: dict, bias: dict[int, float], max_tokens: int = 8):
         """(the streamed reply's text, its finish_reason), greedy."""
@@ -210,7 +216,7 @@ def rows(work: Path) -> list[dict]:
         end = end_id(ckpt)
         stopped = s.stream(request, {end: 100.0})
         ran_on = s.stream(request, {end: -100.0})
-        version = s.version()
+    version = llama_version()
     stops = stopped[1] == "stop" and "<|end|>" not in stopped[0] and ran_on[1] == "length"
     replies = trained_replies(work)
     ended = sum(f == "stop" and t.strip() and "<|end|>" not in t for t, f in replies)
