@@ -23,11 +23,10 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from benchmarks.load.load_servers import BINARY, free_port
+from benchmarks.load.load_servers import BINARY
+from benchmarks.runtimes.llama_server import LlamaServer, llama_version
 
 ORTGENAI_PYTHON = Path("/root/.cache/doel/ortgenai-venv/bin/python")
 DIGITS = "০১২৩৪৫৬৭৮৯"
@@ -182,36 +181,12 @@ def _generate(model, folder: Path, prompt: str) -> dict:
 
 def llama_server(gguf: Path, prompt: str, log: Path) -> dict:
     """llama-server (llama.cpp) on the GGUF: POST /v1/completions, greedy."""
-    port = free_port()
-    cmd = [str(BINARY), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "128",
-           "-np", "1", "-t", "1", "--no-webui"]  # fmt: skip
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0}
-        r = _post_when_up(port, "/v1/completions", body, proc)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0}
+    with LlamaServer(gguf, log) as server:
+        r = server.json("/v1/completions", body)
     choice = r["choices"][0]
     return {"text": choice["text"], "finish": choice["finish_reason"],
             "tokens": r["usage"]["completion_tokens"]}  # fmt: skip
-
-
-def _post_when_up(port: int, path: str, body: dict, proc, timeout: float = 120) -> dict:
-    end = time.monotonic() + timeout
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return json.loads(r.read())
-        except (OSError, urllib.error.URLError):
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.3)
 
 
 GENAI_SCRIPT = """
@@ -250,6 +225,61 @@ def genai(bundle: Path, prompt: str) -> dict:
             "version": r["version"]}  # fmt: skip
 
 
+def web_export(ckpt: Path, work: Path) -> Path:
+    """The checkpoint at int4 with --web (the page's default path: doel's kernel on the int4
+    weights); the bundle's folder, its page in BUNDLE/web."""
+    from doel.export.bundle import ExportOptions, export_checkpoint
+
+    out = work / "bundle-int4-web"
+    opts = ExportOptions(quant="int4", web=True, eval_tokens=64, log=lambda _m: None)
+    export_checkpoint(ckpt, out, opts)
+    return out
+
+
+def chromium_version() -> str | None:
+    """Chromium's version ("156.0.7456.0"), or None where it or chromedriver is missing."""
+    from benchmarks.web.bench_web import CHROMIUM, DRIVER
+
+    if not (Path(CHROMIUM).is_file() and Path(DRIVER).is_file()):
+        return None
+    out = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.split()[1]  # "Chromium 156.0.7456.0 built on Debian ..."
+
+
+def browser_page(bundle: Path, prompts, stop_ids: list[int] | None = None) -> dict:
+    """BUNDLE/web on a loopback static server in headless Chromium, loaded as a visitor gets it
+    (its default path), each prompt completed greedily there by the page's own doel.generate()
+    (its stop ids: web.json's, or `stop_ids`): {"facts": the page's, prompt: {"text", "finish",
+    "tokens", "ids"}}; "tokens" leaves out the id it stopped at, as doel-serve's usage does."""
+    import threading
+
+    from benchmarks.web.bench_web import browser, settled
+    from doel.export.web import static_server
+
+    server = static_server(bundle / "web")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    driver = browser()
+    try:
+        driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
+        out = {"facts": settled(driver, "doel.ready", fail=False)}
+        if "error" in out["facts"]:
+            raise RuntimeError(f"the page did not load: {out['facts']['error']}")
+        for prompt in prompts:
+            req = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0}
+            if stop_ids is not None:
+                req["stop_ids"] = stop_ids
+            r = settled(driver, "doel.generate(arguments[0])", req, fail=False)
+            if "error" in r:
+                raise RuntimeError(f"the page failed on {prompt!r}: {r['error']}")
+            out[prompt] = {"text": r["text"], "finish": r["reason"], "ids": r["ids"],
+                           "tokens": len(r["ids"])}  # fmt: skip
+    finally:
+        driver.quit()
+        server.shutdown()
+        server.server_close()
+    return out
+
+
 def modelfile_stops(gguf_dir: Path) -> list[str]:
     """The `PARAMETER stop` values of the Modelfile as written (Ollama stops at each)."""
     lines = (gguf_dir / "Modelfile").read_text(encoding="utf-8").splitlines()
@@ -284,11 +314,6 @@ def _missing(name: str, why: str) -> dict:
             "result": f"not run: {why}", "ok": False}  # fmt: skip
 
 
-def _llama_version() -> str:
-    out = subprocess.run([str(BINARY), "--version"], capture_output=True, text=True, timeout=30)
-    return (out.stdout + out.stderr).strip().splitlines()[0].removeprefix("version: ")
-
-
 def rows(work: Path) -> list[dict]:
     import transformers
 
@@ -313,7 +338,7 @@ def rows(work: Path) -> list[dict]:
     if BINARY.is_file():
         log = work / "llama-server.log"
         run = lambda p: llama_server(built["gguf"], p, log)  # noqa: E731
-        out += _runtime_rows("llama-server (llama.cpp)", _llama_version(), run)
+        out += _runtime_rows("llama-server (llama.cpp)", llama_version(), run)
     else:
         out.append(_missing("llama-server (llama.cpp)", f"{BINARY} not built"))
     if ORTGENAI_PYTHON.is_file():
@@ -327,6 +352,25 @@ def rows(work: Path) -> list[dict]:
         out += [r | {"version": seen.get("version", "?")} for r in found]
     else:
         out.append(_missing("onnxruntime-genai", f"{ORTGENAI_PYTHON} missing"))
+    chromium = chromium_version()
+    if chromium:
+        page, name = {}, "the browser page (doel-export --web, int4, its default path)"
+
+        def run(p):
+            if not page:  # one browser for every prompt
+                page["bundle"] = web_export(built["checkpoint"], work)
+                page.update(browser_page(page["bundle"], PROMPTS))
+            return page[p]
+
+        out += _runtime_rows(name, f"Chromium {chromium}", run)
+        for p in PROMPTS if "bundle" in page else ():
+            serve = doel_serve(page["bundle"], p)["text"]
+            out.append({"runtime": name, "version": f"Chromium {chromium}",
+                        "check": f"its text for {p!r} is doel-serve's on the same int4 bundle",
+                        "result": f"page {page[p]['text']!r}, doel-serve {serve!r}",
+                        "ok": page[p]["text"] == serve})  # fmt: skip
+    else:
+        out.append(_missing("the browser page (doel-export --web)", "no Chromium"))
     before = build_before(work / "before", built)
     check = "control: the same model trained on documents without <|eos|> (shard version 1)"
     r = doel_serve(before, next(iter(PROMPTS)))
