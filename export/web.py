@@ -39,6 +39,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from doel.contracts.decoding import CONTEXT_IDS
 from doel.contracts.manifest import Manifest, ManifestError, read_manifest
 from doel.export.common import ExportError, fresh_dir, sha256_file, write_json
 from doel.export.web_graph import web_graph
@@ -223,6 +224,7 @@ def write_web(
         "vocab_size": m.vocab_size,
         "context_length": m.context_length,
         "stop_ids": stop_ids(m.special_tokens),
+        "context_ids": CONTEXT_IDS,  # prompt ids decoded in front of the completion
         "quant": m.quant,
         "quantization": m.extra["quantization"]["scheme"],
         "runtime": runtime_versions(),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer, normalizers
 
+from doel.contracts.decoding import CONTEXT_IDS
 from doel.serve.engine import Engine, read_bundle
 from doel.serve.logprobs import Record, openai_logprobs
 from doel.serve.metrics import Metrics
@@ -32,7 +33,6 @@ from doel.serve.template import ChatTemplate
 from doel.serve.tenants import ONE
 from doel.serve.textstream import TextStream
 
-CONTEXT_IDS = 4  # prompt ids decoded in front of the completion (see TextStream)
 # Tokenizing runs here, off the event loop: a long text takes seconds. The batch calls let go
 # of the GIL as they work (`encode` held it throughout, blocking the loop as much as if it ran
 # there). Two at a time, so long texts cannot take every core from the engine.

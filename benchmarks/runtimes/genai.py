@@ -159,7 +159,7 @@ def doel_side(bundle: Path, texts: list[str], prompts: list[list[int]]) -> dict:
 def serve_text(tok, prompt: list[int], made: list[int]) -> str:
     """The text doel-serve streams for `made` after `prompt` (its TextStream, with the prompt's
     last ids as context, so a first token's space is kept as it is inside the whole text)."""
-    from doel.serve.service import CONTEXT_IDS
+    from doel.contracts.decoding import CONTEXT_IDS
     from doel.serve.textstream import TextStream
 
     stream = TextStream(tok.decode, (), prompt[-CONTEXT_IDS:])

@@ -366,15 +366,24 @@ function openClusterStart(text) {
 }
 
 class TextStream {
-  constructor(decode) {
+  // context: the prompt's last ids (spec.context_ids of them), decoded in front of the
+  // completion and cut off, so its first token keeps a leading space as doel-serve's does.
+  constructor(decode, context = []) {
     this.decode = decode;
+    this.context = context;
+    this.prefix = context.length ? decode(context) : "";
     this.ids = [];
     this.text = ""; // decoded so far
     this.sent = 0; // characters of `text` sent
   }
+  whole() {
+    const text = this.decode([...this.context, ...this.ids]);
+    if (text.startsWith(this.prefix)) return text.slice(this.prefix.length);
+    return text.slice(this.prefix.replace(/\uFFFD+$/, "").length); // the prompt ended mid-character
+  }
   push(id) {
     this.ids.push(id);
-    const text = this.decode(this.ids);
+    const text = this.whole();
     // Half a UTF-8 character (byte tokens) decodes to U+FFFD until its other bytes arrive.
     if (text.endsWith(REPLACEMENT)) return "";
     this.text = text;
@@ -384,7 +393,7 @@ class TextStream {
     return this.emit(Math.max(safe, this.sent));
   }
   finish() {
-    this.text = this.decode(this.ids);
+    this.text = this.whole();
     return this.emit(this.text.length);
   }
   emit(upto) {
@@ -417,7 +426,7 @@ async function generate(req) {
     const known = ids.filter((i) => i < vocabSize);
     return known.length ? tokenizer.decode(known, { skip_special_tokens: true }) : "";
   };
-  const stream = new TextStream(decode);
+  const stream = new TextStream(decode, prompt.slice(-(spec.context_ids ?? 0)));
   const state = kernel ? { n: 0 } : { past: emptyPast(), n: 0 };
   const step = kernel ? kernelForward : forward;
   const seen = new Set(prompt);

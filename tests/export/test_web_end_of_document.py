@@ -3,8 +3,8 @@ runtime does (tests/train/test_end_of_document.py): benchmarks/runtimes/end_of_d
 tiny model, trained on prepare's shards (each document `<|bos|> text <|eos|>`), exported at int4
 with --web and run in headless Chromium on the page's default path (doel's kernel): a greedy
 completion stops at <|eos|> (web.json's stop ids) before the limit, with doel-serve's ids on
-the same bundle and no special token in its text (the text itself lacks doel-serve's leading
-space: a strict xfail below)."""
+the same bundle and no special token in its text, which is doel-serve's, the Bangla one's leading
+space included (the page decodes a few prompt ids in front, as doel-serve does)."""
 
 from __future__ import annotations
 
@@ -60,20 +60,7 @@ def test_the_page_stops_at_the_end_of_the_document_as_doel_serve_does(page, bund
     assert got["ids"] == _engine_ids(bundle, prompt), got
 
 
-# The page decodes a completion's ids alone; with the default (spm) tokenizer's Metaspace
-# decoder that strips the first token's leading space: the Bangla completion ("▁গায়।") reads
-# "গায়।" where doel-serve, which decodes a few prompt ids in front (serve/textstream.py), says
-# " গায়।", so the page shows "...বার গানগায়।". (The English one begins "0", no space to lose.)
-# Strict: it fails once the page keeps the space, and this mark goes.
-SPACE_DROPPED = pytest.mark.xfail(
-    reason="the page drops the completion's leading space (export/web/worker.js TextStream)",
-    strict=True,
-)
-
-
-@pytest.mark.parametrize(
-    "prompt", [pytest.param(PROMPTS[0][0], marks=SPACE_DROPPED), PROMPTS[1][0]], ids=["bn", "en"]
-)
+@pytest.mark.parametrize("prompt", [PROMPTS[0][0], PROMPTS[1][0]], ids=["bn", "en"])
 def test_the_pages_text_is_doel_serves(page, bundle, prompt):
     assert page[prompt]["text"] == eod.doel_serve(bundle, prompt)["text"]
 
