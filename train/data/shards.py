@@ -40,7 +40,6 @@ MAGIC = b"DOELTOKS"
 VERSION = 2
 READS = (1, 2)  # versions this doel reads
 HEADER_BYTES = 64
-_HEADER_V1 = struct.Struct("<8sIIQQII")
 _HEADER = struct.Struct("<8sIIQQIII")
 
 
@@ -63,11 +62,8 @@ class ShardHeader:
 
     def pack(self) -> bytes:
         head = (MAGIC, self.version, self.itemsize, self.n_tokens, self.n_docs, self.vocab_size)
-        if self.eos_id is None:
-            raw = _HEADER_V1.pack(*head, self.bos_id)
-        else:
-            raw = _HEADER.pack(*head, self.bos_id, self.eos_id)
-        return raw.ljust(HEADER_BYTES, b"\0")
+        eos = 0 if self.eos_id is None else self.eos_id  # version 1: those bytes are zero
+        return _HEADER.pack(*head, self.bos_id, eos).ljust(HEADER_BYTES, b"\0")
 
 
 def itemsize_for(vocab_size: int) -> int:
