@@ -32,14 +32,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from doel.export.common import write_json
+from doel.export.tokenform import is_sentencepiece
 
-SPACE = "\u2581"  # SentencePiece's space, "▁"
 MODULE = "tokenizer_module.json"  # onnxruntime-extensions' own override of tokenizer_config
 MODULE_CONFIG = {"tokenizer_class": "GemmaTokenizerFast", "add_bos_token": True}
-SPM_NORMALIZER = [
-    {"type": "Prepend", "prepend": SPACE},
-    {"type": "Replace", "pattern": {"String": " "}, "content": SPACE},
-]
 NOT_EXACT = (
     "onnxruntime-genai's own tokenizer does not give this tokenizer's ids (a BPE over characters "
     "without SentencePiece's '▁': the doel style); an app on genai must bring ids from "
@@ -49,18 +45,11 @@ NOT_EXACT = (
 
 def form(tok: dict) -> str:
     """ "spm" (doel's SentencePiece BPE form), "byte-level" (the gguf style) or "other"."""
-    model = tok.get("model") or {}
-    norm = tok.get("normalizer") or {}
-    decoder = tok.get("decoder") or {}
-    if model.get("type") != "BPE":
-        return "other"
-    if (
-        model.get("byte_fallback")
-        and tok.get("pre_tokenizer") is None
-        and norm.get("normalizers") == SPM_NORMALIZER
-        and [d.get("type") for d in decoder.get("decoders", [])][:1] == ["Replace"]
-    ):
+    if is_sentencepiece(tok):
         return "spm"
+    norm, decoder = tok.get("normalizer") or {}, tok.get("decoder") or {}
+    if (tok.get("model") or {}).get("type") != "BPE":
+        return "other"
     if decoder.get("type") == "ByteLevel" and norm == {}:
         return "byte-level"
     return "other"

@@ -44,19 +44,13 @@ from doel.export.modelfile import (
     modelfile,
     ollama_template,
 )
+from doel.export.tokenform import is_sentencepiece
 
 EMBEDDING_AND_HEAD = ("token_embd.weight", "output.weight")  # at the row's head_bits
 STYLE_HINT = (
     "train one it can with `doel-train tokenizer --style spm` or `--style gguf` (and a model on "
     "it), or export this one to ONNX (doel-export without --format gguf)"
 )
-SPACE = "\u2581"  # SentencePiece's space, "▁"
-# The SentencePiece form, as doel's spm style and transformers' legacy Llama conversion write it.
-SPM_NORMALIZER = [
-    {"type": "Prepend", "prepend": SPACE},
-    {"type": "Replace", "pattern": {"String": " "}, "content": SPACE},
-]
-SPM_DECODER = ["Replace", "ByteFallback", "Fuse", "Strip"]
 # tokenizer.json split regex -> llama.cpp pre-type that runs it (src/llama-vocab.cpp; the
 # pre-type also implies its flags: qwen35 keeps spaces and applies every merge by rank).
 PRE_TYPES = {
@@ -70,24 +64,6 @@ NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 3, 4, 5, 6
 def _refuse(path: Path, why: str) -> ExportError:
     return ExportError(
         f"{path}: llama.cpp cannot tokenize as this tokenizer does ({why}); {STYLE_HINT}"
-    )
-
-
-def is_sentencepiece(tok: dict) -> bool:
-    """Whether this tokenizer.json is the SentencePiece form llama.cpp's "llama" model runs."""
-    model = tok.get("model") or {}
-    norm = tok.get("normalizer") or {}
-    decoder = tok.get("decoder") or {}
-    return (
-        model.get("type") == "BPE"
-        and bool(model.get("byte_fallback"))
-        and not model.get("ignore_merges")
-        and not model.get("continuing_subword_prefix")
-        and not model.get("end_of_word_suffix")
-        and tok.get("pre_tokenizer") is None
-        and norm.get("type") == "Sequence"
-        and norm.get("normalizers") == SPM_NORMALIZER
-        and [d.get("type") for d in decoder.get("decoders", [])] == SPM_DECODER
     )
 
 
