@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 
 from benchmarks.load.load_servers import BINARY
+from benchmarks.runtimes.genai import GENAI_VENV
 from benchmarks.runtimes.llama_server import LlamaServer, llama_version
 
-ORTGENAI_PYTHON = Path("/root/.cache/doel/ortgenai-venv/bin/python")
+ORTGENAI_PYTHON = GENAI_VENV  # the interpreter with onnxruntime-genai 0.18
 DIGITS = "০১২৩৪৫৬৭৮৯"
 # A prompt, and how the document it begins ends (the number may grow a digit first).
 PROMPTS = {"ডোয়েল পাখি ৭ বার গান": "গায়।", "The bird sang 12": "songs."}
