@@ -32,6 +32,7 @@ from doel.contracts.errors import error_body
 from doel.serve import chat, playground, responses
 from doel.serve import completions as completion
 from doel.serve.answer import respond
+from doel.serve.bounds import LIMITS
 from doel.serve.guard import AllowedHosts, Guard
 from doel.serve.jsonbody import decode_error, parse_failure
 from doel.serve.metrics import CountRequests, Metrics
@@ -241,11 +242,13 @@ class ModelContext:
     (protocol.CONTEXT_LENGTH), and a chat's messages by --max-messages (MESSAGE_LIMIT), which
     the body's validation reads."""
 
-    def __init__(self, app, state, max_messages: int = Settings.max_messages):
+    def __init__(self, app, state, max_messages: int = Settings.max_messages, settings=None):
         self.app, self.state, self.max_messages = app, state, max_messages
+        self.settings = settings  # the other bounds of a request (bounds.LIMITS)
 
     async def __call__(self, scope, receive, send):
         messages = MESSAGE_LIMIT.set(self.max_messages)
+        limits = LIMITS.set(self.settings) if self.settings is not None else None
         svc = getattr(self.state, "service", None)
         token = CONTEXT_LENGTH.set(svc.context_length) if svc is not None else None
         try:
@@ -254,6 +257,8 @@ class ModelContext:
             if token is not None:
                 CONTEXT_LENGTH.reset(token)
             MESSAGE_LIMIT.reset(messages)
+            if limits is not None:
+                LIMITS.reset(limits)
 
 
 def create_app(settings: Settings, loader: Callable[[Settings], Service] | None = None) -> FastAPI:
@@ -269,7 +274,9 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
     install_errors(app)
     add_routes(app, settings)
     # Innermost: only the routes read it.
-    app.add_middleware(ModelContext, state=app.state, max_messages=settings.max_messages)
+    app.add_middleware(
+        ModelContext, state=app.state, max_messages=settings.max_messages, settings=settings
+    )
     # The last added is the outermost: CountRequests → AllowedHosts → CORS → Guard → routes.
     # A Host not ours is refused before anything else. CORS outside the key check answers a
     # browser's preflight (which carries no key) and puts its headers on a 401, so that a page

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from doel.serve import tools
 from doel.serve.answer import envelope, events, joined, usage_of
+from doel.serve.grammar_limits import compiled
 from doel.serve.protocol_chat import (
     AssistantMessage,
     ChatChoice,
@@ -78,16 +79,24 @@ async def pieces(
     spec = req.format_spec()
     if fmt is None and plan.grammar is not None:
         for param, schema in plan.each:
-            await svc.in_thread(svc.grammars.json_schema, schema, param)
-        fmt = await svc.in_thread(svc.grammars.lark, plan.grammar, plan.param)
+            await compiled(param, _json_schema, svc, schema, param)
+        fmt = await compiled(plan.param, _lark, svc, plan.grammar, plan.param)
     elif fmt is None and plan.schema is not None:
-        fmt = await svc.in_thread(svc.grammars.json_schema, plan.schema, plan.param)
+        fmt = await compiled(plan.param, _json_schema, svc, plan.schema, plan.param)
     elif fmt is None and spec is not None:
-        fmt = await svc.in_thread(svc.compile_format, spec)
+        fmt = await compiled("response_format", svc.compile_format, spec)
     run = svc.run(ids, params, req.stops(), cache=req.cache, fmt=fmt)
     async with contextlib.aclosing(run) as run:
         async for p in run:
             yield p
+
+
+def _json_schema(svc: Service, schema: dict, param: str) -> Format:
+    return svc.grammars.json_schema(schema, param)  # the compilers are built on first use
+
+
+def _lark(svc: Service, grammar: str, param: str) -> Format:
+    return svc.grammars.lark(grammar, param)
 
 
 def stream(

@@ -136,6 +136,7 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
         "messages in one chat request; more is refused with 400 (default %(default)s)",
         metavar="N",
     )
+    _request_bounds(p)
     add_flag(
         p,
         "serve the bundle without checking its files against the sha256 its manifest "
@@ -147,6 +148,18 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error"),
         help="the server's log level (default info)",
     )
+
+
+def _request_bounds(p: argparse.ArgumentParser) -> None:
+    """What one request may make the server hold and compile (serve/bounds.py); past each, 400."""
+    for flag, metavar, what in (
+        ("--max-tools", "N", "functions in one request's tools; more"),
+        ("--max-tool-schema-bytes", "BYTES", "bytes of one tool's parameters schema; more"),
+        ("--max-input-items", "N", "items in one /v1/responses input; more"),
+        ("--max-input-bytes", "BYTES", "bytes of the texts of one /v1/responses input; more"),
+        ("--compile-timeout", "S", "seconds a schema or grammar may take to compile; longer"),
+    ):
+        setting(p, flag, f"{what} is refused with 400 (default %(default)s)", metavar=metavar)
 
 
 def _connection_flags(limits) -> None:
@@ -287,10 +300,11 @@ def check_numbers(args: argparse.Namespace) -> None:
     for name in ("threads", "max_queue", "max_body_bytes", *rates):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
-    for name in ("slots", "max_connections", "max_headers", "max_messages"):
+    bounds = ("max_tools", "max_tool_schema_bytes", "max_input_items", "max_input_bytes")
+    for name in ("slots", "max_connections", "max_headers", "max_messages", *bounds):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name.replace('_', '-')} must be 1 or more")
-    for name in ("timeout_read", "timeout_keep_alive"):
+    for name in ("timeout_read", "timeout_keep_alive", "compile_timeout"):
         if not 0 < getattr(args, name) <= 3600:
             sys.exit(f"error: --{name.replace('_', '-')} must be between 0 and 3600 seconds")
 

@@ -6,16 +6,28 @@ chunks or answered whole with a choice for each prompt, through the answer skele
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from doel.serve.answer import envelope, events, joined, usage_of
+from doel.serve.grammar_limits import compiled
 from doel.serve.logprobs import Record
 from doel.serve.protocol import Choice, Completion, CompletionRequest, Logprobs, Usage
 from doel.serve.service import Piece, Service
+from doel.serve.structured import Format
 
 
-def pieces(svc: Service, req: CompletionRequest) -> AsyncIterator[Piece]:
-    return svc.complete(req)
+async def format_of(svc: Service, req: CompletionRequest) -> Format | None:
+    """response_format compiled off the event loop, bounded in time (`structured.compiled`)."""
+    spec = req.format_spec()
+    return None if spec is None else await compiled("response_format", svc.compile_format, spec)
+
+
+async def pieces(svc: Service, req: CompletionRequest) -> AsyncIterator[Piece]:
+    fmt = await format_of(svc, req)
+    async with contextlib.aclosing(svc.complete(req, fmt=fmt)) as run:
+        async for p in run:
+            yield p
 
 
 def stream(
@@ -33,13 +45,18 @@ def stream(
 
 
 async def one_choice(
-    svc: Service, req: CompletionRequest, index: int, prompt, slots: asyncio.Semaphore
+    svc: Service,
+    req: CompletionRequest,
+    index: int,
+    prompt,
+    slots: asyncio.Semaphore,
+    fmt: Format | None = None,
 ) -> tuple[Choice, int, int, int]:
     """One prompt's choice, whole: its pieces joined (behind the prompt with echo), and its
     prompt, completion and cached prompt token counts."""
     record = None if req.logprobs is None else Record(req.logprobs, req.echo)
     async with slots:
-        text, last = await joined(svc.complete(req, prompt, record))
+        text, last = await joined(svc.complete(req, prompt, record, fmt))
     logprobs = None
     if record is not None:
         lp = await svc.in_thread(svc.logprobs, last.ids, last.prompt_tokens, record, req.echo)
@@ -55,9 +72,9 @@ async def whole(svc: Service, req: CompletionRequest) -> Completion:
     """A non-streamed completion: a choice for each prompt, usage summed over them. The
     prompts of a batch run side by side, as many at once as the engine has slots, so that
     one request takes no more places in the queue than that."""
-    slots = asyncio.Semaphore(svc.engine.slots)
+    slots, fmt = asyncio.Semaphore(svc.engine.slots), await format_of(svc, req)
     jobs = [
-        asyncio.ensure_future(one_choice(svc, req, i, p, slots))
+        asyncio.ensure_future(one_choice(svc, req, i, p, slots, fmt))
         for i, p in enumerate(req.prompts())
     ]
     try:

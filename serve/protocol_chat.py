@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from doel.serve.bounds import few_tools, small_schema
 from doel.serve.logprobs import MAX_TOP
 from doel.serve.protocol import (
     MAX_TOKENS,
@@ -31,7 +32,7 @@ from doel.serve.settings import Settings
 # own (`--max-messages`, set by the app for each request) is lower.
 MAX_MESSAGES = 1 << 12
 MESSAGE_LIMIT: ContextVar[int] = ContextVar("doel_message_limit", default=Settings.max_messages)
-MAX_TOOLS = 128  # as OpenAI
+MAX_TOOLS = 128  # as OpenAI; the schema's bound, the server's is --max-tools
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # as OpenAI: a name that needs no quoting anywhere
 MAX_ID_CHARS = 256
 
@@ -124,6 +125,7 @@ class FunctionDefinition(Request):
     strict: bool | None = Field(None, description="the arguments are constrained either way")
 
     _unicode = field_validator("description")(unicode_text)
+    _small = field_validator("parameters")(small_schema)
 
 
 class Tool(Request):
@@ -158,6 +160,7 @@ class ChatCompletionRequest(SamplingRequest):
     _tool_plan: object = PrivateAttr(None)
 
     _few_messages = field_validator("messages", mode="before")(few_messages)
+    _few_tools = field_validator("tools", mode="before")(few_tools)
 
     @model_validator(mode="after")
     def _one_limit(self):

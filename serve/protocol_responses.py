@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import Field, PrivateAttr, field_validator
 from pydantic_core import PydanticCustomError
 
+from doel.serve.bounds import few_items, few_tools, small_input, small_schema
 from doel.serve.protocol import (
     MAX_SALT_CHARS,
     MAX_TOKENS,
@@ -29,7 +30,6 @@ from doel.serve.protocol_chat import (
     MAX_ID_CHARS,
     MAX_MESSAGES,
     MAX_TOOLS,
-    few_messages,
 )
 from doel.serve.refusal import RequestError
 
@@ -101,6 +101,12 @@ class FunctionCallOutputItem(Request):
     _unicode = field_validator("output")(unicode_text)
 
 
+def _item_text(item) -> str:
+    if item.type == "function_call":
+        return item.arguments
+    return item.output if item.type == "function_call_output" else item.text()
+
+
 InputItem = Annotated[
     InputMessage | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")
 ]
@@ -112,7 +118,7 @@ def known_items(items):
     another type (an item reference, a reasoning item) is refused by name."""
     if not isinstance(items, list):
         return items
-    few_messages(items)
+    few_items(items)
     out = []
     for i, item in enumerate(items):
         if isinstance(item, dict):
@@ -137,6 +143,8 @@ class FunctionTool(Request):
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+
+    _small = field_validator("parameters")(small_schema)
 
     def as_chat(self) -> dict:
         keys = ("name", "description", "parameters", "strict")
@@ -201,7 +209,15 @@ class ResponsesRequest(Partitioned):
 
     _items = field_validator("input", mode="before")(known_items)
     _functions = field_validator("tools", mode="before")(function_tools)
+    _few_tools = field_validator("tools", mode="before")(few_tools)
     _unicode = field_validator("input", "instructions")(unicode_text)
+
+    @field_validator("input")
+    @classmethod
+    def _small_input(cls, value):
+        """The input's texts, at most --max-input-bytes together (`bounds.small_input`)."""
+        small_input([value] if isinstance(value, str) else map(_item_text, value))
+        return value
 
     def refuse_state(self) -> None:
         """A 400 for what needs a server that remembers."""

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from doel.serve import chat, tools
 from doel.serve.answer import joined
+from doel.serve.grammar_limits import compiled
 from doel.serve.protocol_chat import ChatCompletionRequest
 from doel.serve.protocol_responses import (
     ResponsesRequest,
@@ -64,7 +65,9 @@ def _as_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 async def pieces(svc: Service, req: ResponsesRequest) -> AsyncIterator[Piece]:
     req.refuse_state()
     spec = req.format_spec()
-    fmt = None if spec is None else await svc.in_thread(svc.compile_format, spec, "text.format")
+    fmt = None
+    if spec is not None:
+        fmt = await compiled("text.format", svc.compile_format, spec, "text.format")
     try:
         async with contextlib.aclosing(chat.pieces(svc, as_chat(req), fmt)) as run:
             async for p in run:

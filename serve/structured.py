@@ -14,7 +14,7 @@ The API, for the routes (response_format, tools, /v1/responses):
   - `lark(grammar, param)`: a grammar in llguidance's Lark dialect (a JSON schema inside it is
     `%json { ... }`), for shapes a schema cannot say (a tool call's wrapper).
   Compiling can take milliseconds (a large schema, a hundred): call them through
-  `svc.in_thread`, off the event loop.
+  `compiled(param, compiler, ...)`, off the event loop and bounded in time (--compile-timeout).
 - `Service.run(ids, params, stops, ..., fmt=format)` and `Service.complete(req, ..., fmt=...)`
   take a Format; `complete` compiles `req.response_format` when none is
   given. Each request gets its own `Constraint` (`fmt.start()`), which the scheduler
@@ -43,11 +43,20 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
+from doel.serve.grammar_limits import limit_of, parser_limits, refusal
 from doel.serve.refusal import RequestError
 
 # JSON as json.dumps writes it: no whitespace but after separators.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled formats kept, least recently used dropped
+# The cache's bytes, estimated (`entry_bytes`): a client sending many large distinct schemas
+# cannot make it hold more, whatever their count.
+CACHE_BYTES = 128 << 20
+# An entry's estimate: a compiled matcher holds about this much, plus ENTRY_PER_BYTE bytes per
+# byte of its grammar's text (measured with llguidance 1.9 on doel's tokenizer: 80-100 KiB for
+# a small schema, 25-35 bytes a byte for schemas of 10-20 KiB).
+ENTRY_BASE = 96 << 10
+ENTRY_PER_BYTE = 32
 MAX_SCHEMA_CHARS = 1 << 20
 # Masks are computed here while the scheduler's worker thread runs the model.
 MASK_THREAD = ThreadPoolExecutor(1, thread_name_prefix="doel-grammar")
@@ -58,6 +67,7 @@ class Format:
 
     def __init__(self, grammars: Grammars, matcher: llguidance.LLMatcher, kind: str):
         self.grammars, self._proto, self.kind = grammars, matcher, kind
+        self.size = 0  # the cache's estimate of its bytes (`entry_bytes`)
 
     def start(self) -> Constraint:
         """A fresh state for one request (a copy of the compiled matcher: no compiling)."""
@@ -133,6 +143,7 @@ class Grammars:
         kwargs = {} if eos_id is None else {"eos_token": eos_id}
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, **kwargs)
         self._cache: collections.OrderedDict[str, Format] = collections.OrderedDict()
+        self.cache_bytes = 0  # the estimate of what the cache holds (`entry_bytes`)
         self._lock = threading.Lock()
 
     def response_format(self, rf: dict | None, param: str = "response_format") -> Format | None:
@@ -196,17 +207,29 @@ class Grammars:
         except ValueError as e:
             raise RequestError(400, f"{param}: {e}", param) from None
         # The matcher's constructor lets go of the GIL as it compiles, and never raises: a
-        # grammar it cannot build leaves it in an error state, which names the keyword.
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        # grammar it cannot build, or one past a limit, leaves it in an error state, which
+        # names the keyword or the limit.
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
-            raise RequestError(400, unsupported(matcher.get_error(), param), param)
+            raise RequestError(400, refusal(matcher.get_error(), param), param)
         self._refuse_empty(matcher, param)
         fmt = Format(self, matcher, kind)
-        with self._lock:
-            self._cache[key] = fmt
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        fmt.size = entry_bytes(grammar)
+        self._keep(key, fmt)
         return fmt
+
+    def _keep(self, key: str, fmt: Format) -> None:
+        """Cache `fmt`, dropping the least recently used past CACHE_SIZE entries or CACHE_BYTES
+        (one larger than the whole bound is not kept)."""
+        if fmt.size > CACHE_BYTES:
+            return
+        with self._lock:
+            if key in self._cache:  # compiled twice at once: the first one stays
+                return
+            self._cache[key] = fmt
+            self.cache_bytes += fmt.size
+            while len(self._cache) > CACHE_SIZE or self.cache_bytes > CACHE_BYTES:
+                self.cache_bytes -= self._cache.popitem(last=False)[1].size
 
     def _refuse_empty(self, matcher: llguidance.LLMatcher, param: str) -> None:
         """A grammar that admits no document (a `$ref` cycle with no base case) compiles, but its
@@ -218,6 +241,8 @@ class Grammars:
         allowed = np.unpackbits(bits[0].view(np.uint8), count=self.vocab_size, bitorder="little")
         if self.eos_id is not None and self.eos_id < self.vocab_size:
             allowed[self.eos_id] = 0  # llguidance's end token is no document
+        if probe.is_error() and limit_of(probe.get_error()):
+            raise RequestError(400, refusal(probe.get_error(), param), param)
         if probe.is_error() or not (allowed.any() or probe.is_accepting()):
             why = " ".join(probe.get_error().split())[:200] or "no first token is allowed"
             raise RequestError(
@@ -228,11 +253,6 @@ class Grammars:
             )
 
 
-def unsupported(engine_message: str, param: str) -> str:
-    """The one-line refusal of a schema the engine cannot enforce; the engine's own words name
-    the keyword (`Unimplemented keys: ["not"]`, `Unknown format: ...`, a regex feature)."""
-    why = " ".join(engine_message.split())[:300]
-    return (
-        f"{param} cannot be enforced by this server's grammar engine (llguidance): {why}; "
-        "remove or rewrite that part of the schema"
-    )
+def entry_bytes(grammar: str) -> int:
+    """The memory a compiled grammar holds, estimated from its text (ENTRY_BASE)."""
+    return ENTRY_BASE + ENTRY_PER_BYTE * len(grammar)
