@@ -4,22 +4,34 @@ It knows nothing of text. A request is a prefill (the prompt, in runs of PREFILL
 see Engine.forward) and then one run per new token through the KV cache; with several slots,
 one run steps many sequences (the `Scheduler` decides which). For the
 builder's graphs (manifest `past_present_share_buffer`) the cache is one buffer per layer,
-allocated once at the full context length and bound as both `past_key_values.*` input and
+reserved once at the full context length and bound as both `past_key_values.*` input and
 `present.*` output: GroupQueryAttention writes each new entry in place and reads only the first
 `attention_mask` positions, so no step copies or reallocates the cache (a cache grown by
 concatenation is copied whole at every token, a cost that grows with the context), and stale
 entries from an earlier request are never read. Other graphs (optimum's) get the growing cache
-they were built for, one slot only. Bundles whose graph takes `logits_to_keep`
+they were built for, one slot only.
+
+The buffer is reserved, not held: an anonymous mapping in small pages (`kv_buffer`), so memory
+is taken only where a run writes, a page of positions at a time, and `release` gives a slot's
+pages past what it still holds back to the system. Memory thus follows the positions in use, as
+a paged cache's does, while each slot stays one strided row that attention reads in place
+(numpy's own large arrays ask for 2 MB pages, and one entry written per slot then took every
+slot's whole context: docs/serving.md#memory). Bundles whose graph takes `logits_to_keep`
 are asked for the last position's logits only, the prompt's included, into
 one preallocated buffer.
 
 The bundle's manifest.json is read through doel.contracts.manifest: a folder this engine cannot
 run (a GGUF for llama.cpp, a manifest newer than this doel, a damaged one) is a BundleError in
-one line that says what the folder is and what to do.
+one line that says what the folder is and what to do. The folder may be a stranger's: its
+manifest's sizes are bounded by the contract, the files it reads must lie in the folder (no
+symlink out), tokenizer.json's counts and pipeline are bounded (doel.contracts.untrusted), and
+the KV cache the manifest asks for must fit this machine's memory, all before anything is
+allocated.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from doel.contracts import untrusted
 from doel.contracts.manifest import ManifestError, read_manifest
 from doel.serve.sampling import SamplingParams, sample
 
@@ -74,6 +87,9 @@ def read_bundle(folder: str | Path) -> Bundle:
     for a folder this engine cannot run."""
     folder = Path(folder)
     path = folder / "manifest.json"
+    ggufs = [] if path.exists() or not folder.is_dir() else sorted(folder.glob("*.gguf"))
+    if ggufs:  # never opened: doel reads no GGUF
+        raise BundleError(GGUF_HINT.format(folder=folder, gguf=ggufs[0].name))
     try:
         m = read_manifest(folder)
     except ManifestError as e:
@@ -107,7 +123,56 @@ def read_bundle(folder: str | Path) -> Bundle:
     for f in (bundle.model, bundle.tokenizer):
         if not f.is_file():
             raise BundleError(f"the bundle {folder} lacks {f.name}; export it again")
+    try:
+        _untrusted(bundle)
+    except untrusted.UntrustedError as e:
+        raise BundleError(str(e)) from None
     return bundle
+
+
+def _untrusted(b: Bundle) -> None:
+    """What a stranger's bundle could make serve read or allocate, bounded (module docstring)."""
+    for f in (b.model, b.model.with_name(b.model.name + ".data"), b.tokenizer):
+        if f.exists() or f.is_symlink():
+            untrusted.inside(b.folder, f, f"the bundle's {f.name}")
+    config = b.folder / "tokenizer_config.json"
+    if config.exists() or config.is_symlink():
+        untrusted.inside(b.folder, config, "the bundle's tokenizer_config.json")
+        untrusted.file_bytes(config, untrusted.MAX_RECORD_BYTES)
+    untrusted.check_tokenizer(b.tokenizer)
+    per = 2 if b.manifest["kv_cache"].get("dtype") == "float16" else 4
+    cache = b.layers * 2 * b.kv_heads * b.context_length * b.head_dim * per
+    memory = untrusted.memory_bytes()
+    if memory is not None and cache > memory:
+        raise untrusted.UntrustedError(
+            f"{b.folder / 'manifest.json'} kv_cache and context_length ask for a KV cache of "
+            f"{cache / 2**30:,.1f} GiB a slot (layers × 2 × kv_heads × context_length × head_dim "
+            f"× {per} bytes), more than this machine's {memory / 2**30:,.1f} GiB of memory; "
+            "serve it on a larger machine, or export it with a shorter context"
+        )
+
+
+PAGE = mmap.PAGESIZE
+
+
+def kv_buffer(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, mmap.mmap]:
+    """Zeros of `shape` in an anonymous mapping of small pages, and the mapping: the system
+    gives a page memory when it is first written, and takes it back at `give_back` (the
+    module docstring says why)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = mmap.mmap(-1, max(n, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the system's default pages
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype, count=int(np.prod(shape))).reshape(shape), buf
+
+
+def give_back(buf: mmap.mmap, lo: int, hi: int) -> None:
+    """Return the whole pages within bytes lo..hi of `buf` to the system; they read as zeros
+    after. Where the system cannot (no MADV_DONTNEED), nothing happens: what a slot holds past
+    its length is never read, so correctness does not depend on it."""
+    lo, hi = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE
+    if hi > lo and hasattr(mmap, "MADV_DONTNEED"):
+        buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def _positions_last(dims: list) -> bool:
@@ -155,13 +220,13 @@ class Engine:
         # fp32, or fp16 where the export keeps the cache in half precision
         self.kv_dtype = KV_DTYPES[inputs[self.past_names[0]].type]
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
-        # Allocated here, once: every request reuses them (see the module docstring). A slot's
+        # Reserved here, once: every request reuses them (see the module docstring). A slot's
         # rows are contiguous (batch is the outer axis), so slots lo..lo+n-1 are a plain view.
         # ONNX Runtime's session.gqa_value_layout=BNHS asks for the value cache positions-last
         self._positions_last = [_positions_last(inputs[n].shape) for n in self.past_names]
-        self.kv_arrays = [
-            np.zeros(self._cache_shape(t), self.kv_dtype) for t in self._positions_last
-        ]
+        made = [kv_buffer(self._cache_shape(t), self.kv_dtype) for t in self._positions_last]
+        self.kv_arrays = [a for a, _ in made]
+        self._maps = [m for _, m in made]
         self.logits_array = np.zeros((slots, 1, bundle.vocab_size), np.float32)
         self._view_cache: dict[tuple[int, int], tuple[list, object]] = {}
         self.kv = self._views(0, slots)[0]
@@ -183,6 +248,22 @@ class Engine:
                 a[dst, :, :, :n] = a[src, :, :, :n]
             else:
                 a[dst, :, :n] = a[src, :, :n]
+
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Give the memory of `slot`'s cache past its first `keep` positions back to the
+        system (whole pages; with the value cache positions-last, only a whole slot). Call only
+        between runs: a run writing the slot meanwhile could lose its entries."""
+        for a, buf, last in zip(self.kv_arrays, self._maps, self._positions_last):
+            row = a[slot]
+            start = row.ctypes.data - a.ctypes.data
+            if keep == 0:
+                give_back(buf, start, start + row.nbytes)
+            elif not last:  # each head's positions are one run of bytes
+                per_head = row.nbytes // row.shape[0]
+                per_position = per_head // row.shape[1]
+                for h in range(row.shape[0]):
+                    lo = start + h * per_head
+                    give_back(buf, lo + keep * per_position, lo + per_head)
 
     @property
     def context_length(self) -> int:

@@ -12,6 +12,15 @@ it (`Prefixes` keeps that account). An idle slot inside a step's span runs as a 
 row that attends over all its slot holds; one holding a conversation is first moved out of the
 span (`_park`), so it stays cached without slowing the others. Engine work and sampling run in a
 worker thread; slots, queues and cancellation are handled on the event loop alone.
+
+Two bounds keep a busy server smooth and a quiet one small. A step's work is bounded
+(`step_tokens`): the prompt chunk beside n decoding rows is step_tokens - n tokens (at least
+MIN_CHUNK), so a new prompt delays every stream by a short step instead of a whole chunk. The
+KV cache is one pool of `kv_positions` positions: a sequence is admitted while the prompts plus
+max_tokens of the running ones fit it (else it waits its turn), idle slots' held prefixes are
+let go, least recently used first, to make room, a slot's memory past what it holds goes back
+to the system once its sequence ends (`Engine.release`, between steps only), and a held prefix
+unused for `prefix_keep` seconds goes too.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 
@@ -35,6 +45,9 @@ from doel.serve.structured import Constraint, DeadEnd, fill_all
 from doel.serve.tenants import ONE
 
 DONE = -1  # end of a sequence in its queue
+# The smallest prompt chunk a step takes beside decoding rows: below it, the weights read for a
+# chunk cost more than its tokens (prefill times by chunk: benchmarks/results/profile_serve_*).
+MIN_CHUNK = 16
 log = logging.getLogger("doel.serve")
 
 
@@ -69,8 +82,23 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_queue: int = Settings.max_queue, park: bool = True):
+    def __init__(
+        self,
+        engine: Engine,
+        max_queue: int = Settings.max_queue,
+        park: bool = True,
+        kv_positions: int = Settings.kv_positions,
+        step_tokens: int = Settings.step_tokens,
+        prefix_keep: float = Settings.prefix_keep,
+    ):
         self.engine, self.max_queue = engine, max_queue
+        # The pool: 0 (or more) is every slot's whole context; a request past a smaller one is a
+        # 400 (Service.check_fits).
+        whole = engine.slots * engine.context_length
+        self.kv_positions = min(kv_positions or whole, whole)
+        self.step_tokens, self.prefix_keep = step_tokens, prefix_keep
+        self.ended: set[int] = set()  # slots whose sequence ended: pages to give back
+        self.idle_since: dict[int, float] = {}  # slot → when what it holds was last used
         self.park = park and engine.bundle.share_buffer  # held prefixes out of a step's span
         self.waiting: collections.deque[Seq] = collections.deque()
         self.running: dict[int, Seq] = {}  # slot → sequence
@@ -116,6 +144,7 @@ class Scheduler:
             seq.cancelled = True
             if self.running.get(seq.slot) is seq:
                 del self.running[seq.slot]
+                self._ended_at(seq.slot)
             self._wake.set()
 
     def _start(self) -> None:
@@ -131,8 +160,10 @@ class Scheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            self._settle()
             while self.waiting or self.running:
                 self._drop_cancelled()
+                self._settle()
                 self._admit()
                 if not self.running:
                     break
@@ -158,23 +189,77 @@ class Scheduler:
             s.out.put_nowait(RuntimeError(f"the engine failed: {error}"))
             if self.running.get(s.slot) is s:
                 del self.running[s.slot]
+                self._ended_at(s.slot)
 
     def _drop_cancelled(self) -> None:
         self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
         for slot in [k for k, s in self.running.items() if s.cancelled]:
             del self.running[slot]
+            self._ended_at(slot)
+
+    def _ended_at(self, slot: int) -> None:
+        """On the event loop: `slot`'s sequence ended; its held prefix expires in prefix_keep
+        seconds, when the loop wakes to give its memory back (`_settle`)."""
+        self.ended.add(slot)
+        self.idle_since[slot] = time.monotonic()
+        asyncio.get_running_loop().call_later(self.prefix_keep + 0.01, self._wake.set)
+
+    def _need(self, seq: Seq) -> int:
+        """The positions a sequence may come to hold: its prompt and max_tokens more."""
+        return min(len(seq.prompt) + seq.params.max_tokens, self.engine.context_length)
+
+    def _settle(self) -> None:
+        """Between steps: give back the memory of ended slots past what they hold, and all of
+        a held prefix unused for prefix_keep seconds."""
+        now = time.monotonic()
+        for slot, since in list(self.idle_since.items()):
+            if slot not in self.running and now - since >= self.prefix_keep:
+                self._evict(slot)
+        for slot in self.ended - set(self.running):
+            self.engine.release(slot, len(self.prefixes.held[slot]))
+        self.ended.clear()
+
+    def _evict(self, slot: int) -> None:
+        self.prefixes.forget(slot)
+        self.idle_since.pop(slot, None)
+        self.engine.release(slot, 0)
+
+    def held_positions(self) -> int:
+        """KV positions in use: the running sequences' and the idle slots' held prefixes."""
+        running = sum(s.fed if s.filling else s.n for s in self.running.values())
+        idle = (len(h) for i, h in enumerate(self.prefixes.held) if i not in self.running)
+        return running + sum(idle)
 
     def _admit(self) -> None:
         free = [i for i in range(self.engine.slots) if i not in self.running]
+        reserved = sum(self._need(s) for s in self.running.values())
         while self.waiting and free:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            need = self._need(seq)
+            if self.running and reserved + need > self.kv_positions:
+                break  # it waits, first come first served, for running sequences to end
+            self.waiting.popleft()
             # A prompt scored from its first token is computed whole.
             reuse = seq.record is None or not seq.record.prompt
             busy = tuple(self.running)
             seq.slot, seq.fed = self.prefixes.assign(seq.prompt, free, reuse, busy, seq.cache)
             seq.hit.tokens = seq.fed
             free.remove(seq.slot)
+            self.idle_since.pop(seq.slot, None)
             self.running[seq.slot] = seq  # the rest of its prompt goes in over the next steps
+            self.engine.release(seq.slot, seq.fed)  # what it held past the reused part
+            reserved += need
+            self._make_room(reserved, free)
+
+    def _make_room(self, reserved: int, free: list[int]) -> None:
+        """Let idle slots' held prefixes go, least recently used first, until they and the
+        running sequences' reservations fit the pool."""
+        held = {s: len(self.prefixes.held[s]) for s in free if self.prefixes.held[s]}
+        for s in sorted(held, key=lambda s: self.prefixes.used[s]):
+            if reserved + sum(held.values()) <= self.kv_positions:
+                return
+            self._evict(s)
+            del held[s]
 
     def _step(self, stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
         """In a worker thread: one batched step of the decoding sequences, then one prompt
@@ -214,7 +299,10 @@ class Scheduler:
         filling = [s for s in stepping if s.filling]
         if filling:
             s = filling[0]
-            chunk = s.prompt[s.fed : s.fed + self.engine.prefill_chunk]
+            size = self.engine.prefill_chunk
+            if decoding:  # the step's budget, shared with the rows that decoded
+                size = min(size, max(MIN_CHUNK, self.step_tokens - len(decoding)))
+            chunk = s.prompt[s.fed : s.fed + size]
             scored = s.record is not None and s.record.prompt
             logits = self.engine.forward(chunk, s.fed, slot=s.slot, every=scored)
             self.prefixes.wrote(s.slot, s.fed, chunk)
@@ -248,6 +336,9 @@ class Scheduler:
             if dst is not None:
                 self.engine.copy_slot(slot, dst, len(self.prefixes.held[slot]))
                 self.prefixes.moved(slot, dst)
+                self.engine.release(slot, 0)
+                if slot in self.idle_since:
+                    self.idle_since[dst] = self.idle_since.pop(slot)
 
     def _pick(self, s: Seq, logits: np.ndarray) -> tuple[Seq, int | None, bool]:
         """Sample the next id; (sequence, id or None at a stop id, finished)."""
@@ -307,5 +398,6 @@ class Scheduler:
                 s.out.put_nowait(DONE)
                 if self.running.get(s.slot) is s:
                     del self.running[s.slot]
+                    self._ended_at(s.slot)
             elif not s.cancelled:
                 self.running[s.slot] = s

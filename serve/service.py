@@ -62,9 +62,16 @@ class Piece:
 
 
 class Service:
-    def __init__(self, engine: Engine, tokenizer, name: str, max_queue: int = Settings.max_queue):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        name: str,
+        max_queue: int = Settings.max_queue,
+        **pool,  # kv_positions, step_tokens, prefix_keep: the Scheduler's
+    ):
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
-        self.scheduler = Scheduler(engine, max_queue)
+        self.scheduler = Scheduler(engine, max_queue, **pool)
         self.metrics = Metrics()  # the app puts its own here, shared with its middleware
         self.chat: ChatTemplate | None = None  # the bundle's, if its tokenizer has one
         # No token covers more characters than the longest vocabulary entry (byte tokens and
@@ -81,12 +88,13 @@ class Service:
         name: str | None = None,
         max_queue: int = Settings.max_queue,
         slots: int = Settings.slots,
+        **pool,  # kv_positions, step_tokens, prefix_keep: the Scheduler's
     ):
         b = read_bundle(bundle)
         tok = Tokenizer.from_file(str(b.tokenizer))
         engine = Engine(b, threads, slots if b.share_buffer else 1)
         engine.warm_up()
-        svc = cls(engine, tok, name or b.folder.resolve().name, max_queue)
+        svc = cls(engine, tok, name or b.folder.resolve().name, max_queue, **pool)
         svc.chat = ChatTemplate.load(b.folder)
         return svc
 
@@ -177,8 +185,18 @@ class Service:
     def check_fits(
         self, n: int, max_tokens: int, prompt: str = "prompt", param: str = "prompt"
     ) -> None:
-        """A prompt of `n` tokens and `max_tokens` more fit the context, or a 400 saying so."""
+        """A prompt of `n` tokens and `max_tokens` more fit the context and the KV pool, or a
+        400 saying so."""
         ctx = self.context_length
+        pool = self.scheduler.kv_positions
+        if n + max_tokens > pool and pool < ctx:
+            raise RequestError(
+                400,
+                f"the {prompt} is {n} tokens and max_tokens is {max_tokens}: {n + max_tokens}"
+                f" positions, but this server's KV cache holds {pool} (--kv-positions); shorten "
+                f"the {prompt} or ask for at most {max(pool - n, 0)} tokens",
+                "max_tokens" if n < pool else param,
+            )
         if n + max_tokens > ctx:
             raise RequestError(
                 400,

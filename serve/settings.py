@@ -22,10 +22,33 @@ if TYPE_CHECKING:  # it loads onnxruntime, which the command line imports later
 class Settings:
     bundle: str
     model_name: str | None = None  # default: the bundle folder's name
+    # Bundles served beside `bundle` (the default, answered when a request names no model): the
+    # command line's other BUNDLE arguments and the bundles in --models DIR (serve/models.py).
+    bundles: tuple[str, ...] = ()
+    # Seconds a model stays loaded after its last request; -1: never unloaded. Ollama's
+    # keep_alive and its 5 minutes: an idle model's memory is given back on a laptop.
+    keep_alive: float = 300.0
+    # Models loaded at once; one more unloads the least recently used idle one first. Ollama
+    # loads 3 at most on a CPU.
+    max_models: int = 3
+    checksums: bool = True  # each load hashes the bundle's files against its manifest
     threads: int = 0  # ONNX Runtime intra-op threads; 0: one per core
     api_key: str | None = None  # when set, `Authorization: Bearer KEY` on all but /health
     max_queue: int = 16  # requests waiting for a slot before 429
-    slots: int = 4  # sequences decoded together (each holds a full-context KV cache)
+    slots: int = 4  # sequences decoded together
+    # Positions of KV cache the slots share (llama-server's -c); 0: slots x the model's
+    # context. Memory is taken as sequences grow and given back as they end
+    # (docs/serving.md#memory); a request admitted reserves its prompt plus max_tokens, and one
+    # that would pass the pool waits for running ones to end.
+    kv_positions: int = 0
+    # Prompt tokens plus decoding rows in one step: a prompt's chunk shrinks to leave room for
+    # the rows that decode beside it, so a new prompt holds the running streams back by a
+    # bounded step (vLLM's chunked prefill, llama-server's -ub). Chosen by measurement:
+    # benchmarks/results/serve_load_0.4b_cpu-*.md.
+    step_tokens: int = 64
+    # Seconds a finished sequence's cache stays in its slot for a next turn to reuse; then its
+    # memory goes back, so an idle server holds almost none.
+    prefix_keep: float = 300.0
     max_body_bytes: int = 1 << 20  # a request body; more is 413
     cors_origins: tuple[str, ...] = ()  # none: CORS off
     max_headers: int = 256  # as vLLM; more is refused with 431

@@ -1,0 +1,147 @@
+"""The KV cache as one pool that follows the work (serve/engine.py's `kv_buffer` and `release`,
+serve/scheduler.py's admission and `_settle`): memory is taken as sequences grow and given back
+as they end, measured from /proc; more sequences than the pool holds wait; one longer than an
+even share fits; a step's prompt chunk shrinks beside decoding rows; and greedy ids equal those
+of an engine whose cache is the plain preallocated array it was before. On the session's long
+bundle (1,024 positions), so a slot's cache spans many pages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from long_bundle import long_bundle
+
+import doel.serve.engine as engine_module
+from doel.serve.engine import Engine, read_bundle
+from doel.serve.refusal import RequestError
+from doel.serve.sampling import SamplingParams
+from doel.serve.scheduler import MIN_CHUNK, Scheduler
+from doel.serve.service import Service
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tokenizer_path, tiny_model_config):
+    return read_bundle(long_bundle(tmp_path_factory, tokenizer_path, tiny_model_config))
+
+
+def resident(engine: Engine) -> int:
+    """Bytes of the engine's cache mappings the system holds in memory (/proc/self/smaps)."""
+    starts = {a.ctypes.data for a in engine.kv_arrays}
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = any(lo <= s < hi for s in starts)
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def position_bytes(engine: Engine) -> int:
+    """Bytes one position of one slot takes over every layer's keys and values."""
+    return sum(a[0].nbytes for a in engine.kv_arrays) // engine.context_length
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(8, 2000, size=length).tolist() for _ in range(n)]
+
+
+async def run_all(scheduler: Scheduler, asks: list[list[int]], new: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new, temperature=0)
+
+    async def one(p):
+        return [t async for t in scheduler.generate(p, params)]
+
+    return await asyncio.gather(*(one(p) for p in asks))
+
+
+def test_memory_is_taken_as_sequences_grow_and_given_back_after_a_burst(bundle):
+    engine = Engine(bundle, threads=1, slots=8)
+    engine.warm_up()
+    reserved = sum(a.nbytes for a in engine.kv_arrays)
+    idle = resident(engine)
+    assert idle < 0.1 * reserved  # warm-up wrote a chunk in slot 0 and one entry per slot
+
+    async def burst():
+        s = Scheduler(engine, prefix_keep=0.3)
+        await run_all(s, prompts(8, 300), 100)
+        held = resident(engine)  # each slot keeps its sequence for a next turn
+        await asyncio.sleep(0.6)  # past prefix_keep: the loop gives it all back
+        return held, resident(engine), s.held_positions()
+
+    held, after, positions = asyncio.run(burst())
+    assert held >= 0.9 * 8 * 399 * position_bytes(engine)
+    assert after <= idle + 8 * 4096 * 2 * len(engine.kv_arrays)  # a page or two per slot
+    assert positions == 0
+
+
+def test_more_sequences_than_the_pool_holds_wait_and_get_what_they_get_alone(bundle):
+    engine = Engine(bundle, threads=1, slots=4)
+    asks = prompts(4, 200, seed=1)
+    alone = [asyncio.run(run_all(Scheduler(engine), [p], 40))[0] for p in asks]
+    s = Scheduler(engine, kv_positions=2 * 240)  # two requests' prompts + max_tokens
+    widest, step = [], s._step
+    s._step = lambda stepping: widest.append(len(stepping)) or step(stepping)
+    assert asyncio.run(run_all(s, asks, 40)) == alone
+    assert max(widest) == 2
+
+
+def test_a_sequence_longer_than_an_even_share_of_the_pool_fits(bundle):
+    engine = Engine(bundle, threads=1, slots=4)
+    s = Scheduler(engine, kv_positions=engine.context_length)  # an even share: 256 each
+    (long,) = asyncio.run(run_all(s, prompts(1, 600, seed=2), 300))
+    assert len(long) == 300
+
+
+def test_a_request_past_a_smaller_pool_is_a_400_naming_the_flag(bundle):
+    engine = Engine(bundle, threads=1, slots=2)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(bundle.tokenizer))
+    svc = Service(engine, tok, "m", kv_positions=512)
+    svc.check_fits(400, 112)  # exactly the pool
+    with pytest.raises(RequestError) as e:
+        svc.check_fits(400, 200)
+    assert e.value.status == 400 and "--kv-positions" in str(e.value)
+    assert e.value.param == "max_tokens"
+
+
+def test_a_prompt_chunk_beside_decoding_rows_keeps_to_the_step_budget(bundle):
+    engine = Engine(bundle, threads=1, slots=4)
+    s = Scheduler(engine, step_tokens=24)
+    chunks, forward, decode = [], engine.forward, engine.decode
+    rows = [0]
+    engine.decode = lambda t, n, lo=0: rows.__setitem__(0, len(t)) or decode(t, n, lo)
+
+    def watched(ids, past_len, slot=0, every=False):
+        chunks.append((len(ids), rows[0]))
+        rows[0] = 0
+        return forward(ids, past_len, slot=slot, every=every)
+
+    engine.forward = watched
+    try:
+        asyncio.run(run_all(s, prompts(3, 300, seed=3), 60))
+    finally:
+        engine.forward, engine.decode = forward, decode
+    beside = [n for n, r in chunks if r > 0]
+    assert beside and max(beside) <= max(MIN_CHUNK, 24 - 1)
+    assert max(n for n, r in chunks if r == 0) == engine.prefill_chunk  # alone: a whole chunk
+
+
+def test_greedy_ids_equal_an_engine_with_the_plain_preallocated_cache(bundle, monkeypatch):
+    asks = [p[:n] for p, n in zip(prompts(4, 500, seed=4), (500, 37, 260, 129))]
+    engine = Engine(bundle, threads=1, slots=4)
+    got = asyncio.run(run_all(Scheduler(engine, step_tokens=20), asks, 50))
+    monkeypatch.setattr(
+        engine_module, "kv_buffer", lambda shape, dtype: (np.zeros(shape, dtype), None)
+    )
+    plain = Engine(bundle, threads=1, slots=1)
+    params = SamplingParams(max_tokens=50, temperature=0)
+    assert got == [list(plain.generate(p, params)) for p in asks]
