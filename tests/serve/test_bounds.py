@@ -192,3 +192,32 @@ def test_a_compile_past_the_timeout_is_a_400_and_the_loop_serves_meanwhile():
     assert 0.3 <= waited < 1.0  # not the compile's 1.5 s
     gaps = [b - a for a, b in zip(ticks, ticks[1:])]
     assert len(ticks) > 10 and max(gaps) < 0.2  # the loop kept running
+
+
+def test_the_serving_page_states_each_bound_as_the_code_sets_it():
+    """docs/serving.md's "What a request may ask for": each flag's row gives its Settings default,
+    each engine limit its PARSER_LIMITS value, and the cache its two bounds."""
+    from pathlib import Path
+
+    from doel.serve.protocol import MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOPS
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text("utf-8")
+    section = page.split("## What a request may ask for")[1].split("\n## ")[0]
+    rows = {line.split("|")[2].strip(): line for line in section.splitlines() if "| `" in line}
+    flags = ["max_body_bytes", "max_headers", "client_request_rate", "client_body_rate"]
+    flags += ["max_queue", "max_messages", "max_tools", "max_tool_schema_bytes"]
+    flags += ["max_input_items", "max_input_bytes"]
+    for name in flags:
+        flag = f"`--{name.replace('_', '-')}`"
+        (row,) = [r for bound, r in rows.items() if bound.startswith(flag)]
+        assert f"{flag} {getattr(Settings(bundle='x'), name):,}" in row, row
+    assert f"`--compile-timeout` {Settings.compile_timeout:g} s" in section
+    for limit, value in grammar_limits.PARSER_LIMITS.items():
+        assert f"| `{limit}` | {value:,} |" in section, limit
+    assert f"{structured.MAX_SCHEMA_CHARS:,} characters" in section
+    assert (
+        f"{MAX_STOPS}, of {MAX_STOP_CHARS} characters" in section
+        and f"| {MAX_PROMPTS} |" in section
+    )
+    cache = f"at most {structured.CACHE_SIZE} of them and {structured.CACHE_BYTES >> 20} MiB"
+    assert cache in " ".join(section.split())
