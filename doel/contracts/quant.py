@@ -46,15 +46,24 @@ class Quant:
         return self.bits is not None
 
 
-# Where the numbers come from:
-# - ONNX block sizes: int8 at 128 loses little to the larger block while each block costs ONNX
-#   Runtime's packed copy a scale and a block sum (peak memory falls), and one-row steps were
-#   slower at 256; int4 at 256 (4.125 bits a weight, q4_0 has 4.5) ran MatMulNBits fastest at
-#   0.4B (benchmarks/results/profile_serve_0.4b_cpu-*.md, "MatMulNBits alone") and raised the
-#   held-out loss less than 128 and than llama.cpp's q4_0 (quant_quality_block256.md). fp32's 32
-#   is never used by the graph (no blocks); it is what export/bundle.py's table held.
+# Where the numbers come from (docs/kernels.md, "The format, argued from the kernels and the
+# measurements", has the argument across CPU classes and which of it is measured):
+# - ONNX block sizes, at accuracy level 4 (export/graph.py; level 1 ran a step 8-48x slower,
+#   benchmarks/results/accuracy_level_0.4b_cpu-*.md). int4 at 256 (4.125 bits a weight, q4_0 has
+#   4.5): the fastest one-row MatMulNBits on amd-avx2 (../shared/notes/avx2-profile.md, not yet a
+#   committed result) and intel-avx512-amx, the fastest batched one on both AVX-512 classes
+#   (benchmarks/results/profile_serve_0.4b_cpu-*.md, "MatMulNBits alone"); MLAS runs blocks
+#   64-256 (AVX2) and 128-256 (AVX-512) through one kernel, so a larger block only reads fewer
+#   scales (docs/kernels.md, "The table"); it raised the held-out loss less than 128 and than
+#   llama.cpp's q4_0 (quant_quality_block256.md). int8 at 128: the fastest one-row step on
+#   amd-avx512-vnni, where 256 would drop int8 decode under its target; 256 is faster on amd-avx2
+#   and would raise the worst ratio there: open until bench_serve measures an int8 block-256
+#   bundle on both (docs/kernels.md). Each block also costs ONNX Runtime's packed copy a scale and
+#   a block sum. fp32's 32 is never used by the graph (no blocks); it is what export/bundle.py's
+#   table held.
 # - head_bits 8 on int4: the head at 4 bits is what costs int4 most
-#   (benchmarks/results/quant_quality_small.md).
+#   (benchmarks/results/quant_quality_small.md); the speed it costs on AVX2, where 8-bit weights
+#   have no one-row kernel, is argued, not measured (docs/kernels.md).
 # - loss bounds: export/parity.py's, the bound an export fails past.
 # - ONNX bytes_per_param: the recipe's budget (benchmarks/results/export_0.4b_cpu.md's bundles,
 #   rounded up for the side files and model.ort's copy).
