@@ -6,6 +6,11 @@ that `doel-train` wrote) has the files the export reads checked against them: da
 refused, naming the file, instead of being exported and then matched by parity against
 themselves.
 
+The folder may be a stranger's (a download): every size it claims is held to the bounds of
+doel.contracts.untrusted, and config.json's shape to the tensors the safetensors headers hold
+(export/claims.py), before anything is read whole or allocated by it; tokenizer.json's counts and
+pipeline are bounded before the tokenizers library builds it.
+
 Every refusal says what is wrong and what to pass instead; nothing is written before these checks
 pass.
 """
@@ -13,12 +18,13 @@ pass.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from doel.contracts import checksums
+from doel.contracts import checksums, untrusted
+from doel.export.claims import check_claims
 from doel.export.common import ExportError, sha256_file
+from doel.export.headers import check_safetensors
 
 # What `doel-train fit` writes; any Hugging Face folder with these files works too.
 HF_HINT = (
@@ -26,12 +32,13 @@ HF_HINT = (
     "RUN/final written by `doel-train fit` or a folder written by `save_pretrained`"
 )
 
-# Bytes per element of the safetensors dtypes a language model's weights use; a dtype not listed
-# (sub-byte ones) is checked only through the file's total length.
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+# Files beside the weights that the export reads whole (bundle.py, modelfile.py, card.py).
+SIDE_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "model_card.json",
+)
 
 
 @dataclass(frozen=True)
@@ -59,65 +66,25 @@ def _read_config(folder: Path) -> dict:
         raise ExportError(f"{folder} is not a folder; {HF_HINT}")
     path = folder / "config.json"
     if not path.is_file():
+        ggufs = sorted(folder.glob("*.gguf"))
+        if ggufs:  # never opened: doel reads no GGUF
+            raise ExportError(
+                f"{folder} holds a GGUF ({ggufs[0].name}), which doel-export does not read; "
+                "export the Hugging Face folder it was made from"
+            )
         raise ExportError(f"{folder} has no config.json; {HF_HINT}")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = untrusted.read_record(path)
+    except untrusted.UntrustedError:
+        raise
     except OSError as e:
         raise ExportError(f"cannot read {path} ({e.strerror}); {HF_HINT}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExportError(f"{path} is not valid JSON ({e}); {HF_HINT}") from None
     if not isinstance(config, dict) or not config.get("architectures"):
         raise ExportError(f"{path} names no architectures; {HF_HINT}")
+    untrusted.sizes(config, untrusted.CONFIG_BOUNDS, "config.json")
     return config
-
-
-def _safetensors_header(path: Path, size: int) -> tuple[int, dict]:
-    """(header length, {tensor: entry}) of a safetensors file; ValueError when unreadable."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if size < 8 or n > size - 8:
-            raise ValueError("no room for the header")
-        header = json.loads(f.read(n))  # its errors are ValueErrors
-    if not isinstance(header, dict):
-        raise ValueError("header is not an object")
-    return n, {k: v for k, v in header.items() if k != "__metadata__"}
-
-
-def _span(entry: dict) -> tuple[int, int, int]:
-    """(begin, end, bytes its shape and dtype need; 0 for a dtype not in DTYPE_BYTES)."""
-    begin, end = (int(x) for x in entry["data_offsets"])
-    return (
-        begin,
-        end,
-        math.prod(int(d) for d in entry["shape"]) * DTYPE_BYTES.get(entry["dtype"], 0),
-    )
-
-
-def _check_safetensors(path: Path) -> None:
-    """Parse the header and compare the sizes it states with the file's length: a truncated or
-    damaged file is refused here, in a second, not deep inside a graph builder minutes later."""
-    again = "copy it again or save the checkpoint again"
-    size = path.stat().st_size
-    try:
-        n, tensors = _safetensors_header(path, size)
-        spans = {name: _span(t) for name, t in tensors.items()}
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        raise ExportError(
-            f"{path} is truncated or not a safetensors file (no readable header in its {size} "
-            f"bytes); {again}"
-        ) from None
-    for name, (begin, stop, need) in spans.items():
-        if stop < begin or (need and stop - begin != need):
-            raise ExportError(
-                f"{path} is damaged: tensor {name!r} takes {stop - begin} bytes where its shape "
-                f"and dtype need {need}; {again}"
-            )
-    end = max((stop for _, stop, _ in spans.values()), default=0)
-    if 8 + n + end != size:
-        raise ExportError(
-            f"{path} is truncated or damaged: its header describes {8 + n + end} bytes, the file "
-            f"has {size}; {again}"
-        )
 
 
 def _check_shards(folder: Path) -> list[str]:
@@ -127,9 +94,13 @@ def _check_shards(folder: Path) -> list[str]:
     if not index.is_file():
         return []
     try:
-        names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        names = set(untrusted.read_record(index)["weight_map"].values())
+    except untrusted.UntrustedError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ExportError(f"{index} is not JSON with a weight_map; copy it again") from None
+    for name in names:  # a name, not a path: "../x" or "/x" would read outside the folder
+        untrusted.plain_name(name, f"{index} weight_map")
     missing = sorted(str(n) for n in names if not (folder / str(n)).is_file())
     if missing:
         raise ExportError(
@@ -138,17 +109,18 @@ def _check_shards(folder: Path) -> list[str]:
     return sorted(str(n) for n in names)
 
 
-def _weights(folder: Path) -> tuple[Path, ...]:
-    """The model's weights files, checked: those a sharded index names, else model.safetensors,
-    else every *.safetensors (a training checkpoint's optimizer and RNG files are not the
-    model's, and are neither read nor hashed)."""
+def _weights(folder: Path) -> tuple[tuple[Path, ...], dict[str, tuple[int, ...]]]:
+    """The model's weights files, checked, and the shapes of their tensors: the files a sharded
+    index names, else model.safetensors, else every *.safetensors (a training checkpoint's
+    optimizer and RNG files are not the model's, and are neither read nor hashed)."""
     found = tuple(sorted(folder.glob("*.safetensors")))
     if found:
         names = _check_shards(folder) or ["model.safetensors"]
         model = tuple(p for p in found if p.name in names) or found
+        shapes: dict[str, tuple[int, ...]] = {}
         for path in model:
-            _check_safetensors(path)
-        return model
+            shapes.update(check_safetensors(path))
+        return model, shapes
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
         raise ExportError(
             f"{folder} holds only pickled weights (.bin/.pt), which doel never loads; save the "
@@ -177,12 +149,18 @@ def _shape(config: dict) -> tuple[int, int, int, int]:
         )
     kv_heads = _first(config, "num_key_value_heads") or heads
     head_dim = _first(config, "head_dim") or hidden // heads
+    if heads % kv_heads:
+        raise ExportError(
+            f"config.json num_key_value_heads={kv_heads} does not divide num_attention_heads="
+            f"{heads}; {untrusted.AGAIN}"
+        )
     return vocab, context, kv_heads, head_dim
 
 
 def _tokenizer_info(path: Path, config: dict, vocab: int) -> tuple[int, dict]:
     from tokenizers import Tokenizer
 
+    untrusted.check_tokenizer(path)  # its counts and pipeline bounded before tokenizers builds it
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises bare Exceptions on bad files
@@ -226,9 +204,15 @@ def inspect_checkpoint(
 ) -> Checkpoint:
     """Check the folder and its tokenizer; raise ExportError naming the problem. `verify`: the
     files read checked against the folder's recorded hashes, where it records them."""
-    folder = Path(folder)
+    try:
+        return _inspect(Path(folder), tokenizer, verify)
+    except untrusted.UntrustedError as e:
+        raise ExportError(str(e)) from None
+
+
+def _inspect(folder: Path, tokenizer: str | Path | None, verify: bool) -> Checkpoint:
     config = _read_config(folder)
-    weights = _weights(folder)
+    weights, shapes = _weights(folder)
     vocab, context, kv_heads, head_dim = _shape(config)
     tok = Path(tokenizer) if tokenizer else folder / "tokenizer.json"
     if tok.is_dir():
@@ -238,8 +222,13 @@ def inspect_checkpoint(
             f"no tokenizer at {tok}: the bundle must carry the model's tokenizer.json; put it in "
             "the checkpoint folder or pass --tokenizer PATH"
         )
+    for side in {folder, tok.parent}:
+        for name in SIDE_FILES:
+            if (side / name).is_file():
+                untrusted.file_bytes(side / name, untrusted.MAX_RECORD_BYTES)
     hashes = _verified(folder, weights, tok) if verify else {}
     tok_size, special = _tokenizer_info(tok, config, vocab)
+    check_claims(config, shapes, head_dim)  # before anything is built by config.json's sizes
     return Checkpoint(
         folder=folder,
         config=config,

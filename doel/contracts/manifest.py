@@ -4,7 +4,9 @@ checks it before it trusts the folder.
 A manifest names its `format` ("doel-export"), its `version` (JSON key `format_version`) and its
 `kind` ("onnx": a bundle doel-serve runs; "gguf": a file for llama.cpp). Version 1 bundles
 (before `kind`) are ONNX bundles. A reader meets a folder it cannot use with a one-line error
-that says what the folder is and what to do, never a KeyError.
+that says what the folder is and what to do, never a KeyError. A manifest comes with a folder
+that may be a stranger's: its sizes are held to doel.contracts.untrusted's bounds and the files
+it names must be names in the folder, not paths, before a reader sizes or opens anything by them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,18 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from doel.contracts.untrusted import (
+    MAX_CONTEXT,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    UntrustedError,
+    plain_name,
+    read_record,
+    whole,
+)
 
 FORMAT = "doel-export"
 VERSION = 2  # 2: `kind` added, the GGUF manifest records no absolute path
@@ -98,7 +112,7 @@ class Manifest:
         }
         try:
             kv = data.get("kv_cache")
-            return cls(
+            manifest = cls(
                 kind=kind,
                 version=version,
                 model=data.get("model"),
@@ -110,12 +124,41 @@ class Manifest:
                 special_tokens=data.get("special_tokens") or {},
                 extra={k: v for k, v in data.items() if k not in known},
             )
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
             if isinstance(e, ManifestError):
                 raise ManifestError(f"{where}: {e}") from None
             raise ManifestError(
                 f"{where} is damaged ({type(e).__name__}: {e}); export the bundle again"
             ) from None
+        try:
+            _bounded(manifest, where)
+        except UntrustedError as e:
+            raise ManifestError(str(e)) from None
+        return manifest
+
+
+def _bounded(m: Manifest, where: str) -> None:
+    """The sizes a reader allocates by within doel.contracts.untrusted's bounds; the files it
+    opens, names in the folder (a bundle is flat)."""
+    for name, most in (
+        ("vocab_size", MAX_VOCAB),
+        ("context_length", MAX_CONTEXT),
+    ):
+        if getattr(m, name) is not None:
+            whole(getattr(m, name), f"{where} {name}", most)
+    if m.kv_cache is not None:
+        for name, most in (
+            ("layers", MAX_LAYERS),
+            ("kv_heads", MAX_HEADS),
+            ("head_dim", MAX_WIDTH),
+        ):
+            whole(getattr(m.kv_cache, name), f"{where} kv_cache.{name}", most)
+    for name in ("model", "gguf"):
+        if getattr(m, name) is not None:
+            plain_name(getattr(m, name), f"{where} {name}")
+    files = m.extra.get("files")
+    for name in files if isinstance(files, dict) else ():
+        plain_name(name, f"{where} files")
 
 
 def _int(value: Any) -> int | None:
@@ -139,7 +182,9 @@ def read_manifest(folder: str | Path) -> Manifest:
     if not path.is_file():
         raise ManifestError(f"{folder} has no manifest.json; give a folder written by doel-export")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_record(path)
+    except UntrustedError as e:
+        raise ManifestError(str(e)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path} is not JSON ({e}); export the bundle again") from None
     return Manifest.from_dict(data, str(path))
