@@ -11,8 +11,8 @@ needs FMA beside it; the AVX-512 tables need AVX-512 F, BW, DQ and VL and win ov
 and AVX-512 BF16 reach no MatMulNBits kernel (AMX serves MatMulInteger only); on ARM, dot product
 (asimddp) brings the int8-activation kernels and i8mm the signed 8-bit one.
 
-Read from /proc/cpuinfo (Linux); elsewhere the flags are empty and the class is the vendor or
-machine name alone.
+Read from /proc/cpuinfo (Linux); elsewhere the flags are empty, the class is the vendor or machine
+name alone and the MLAS path says it is not known.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ PATHS = {
         f"unsigned {INT8_ACTIVATIONS} and one more correction GEMM",
     ),
     "arm": MlasPath("NEON", "fp32 activations (no int8 kernel without dotprod)", DEQUANTIZED),
+    # No flags to read (no /proc/cpuinfo: macOS, Windows): say so rather than guess a path.
+    "unknown": MlasPath("unknown (no /proc/cpuinfo)", "not known here", "not known here"),
 }
 
 
@@ -130,6 +132,8 @@ def cpu_class(vendor: str, isa: dict[str, bool]) -> str:
 
 def mlas_path(flags: set[str] | frozenset[str], arm: bool) -> MlasPath:
     """The MatMulNBits dispatch ONNX Runtime's platform.cpp picks for these kernel flags."""
+    if not flags:
+        return PATHS["unknown"]
     if arm:
         return PATHS[
             "arm-i8mm" if "i8mm" in flags else "arm-dotprod" if "asimddp" in flags else "arm"

@@ -41,6 +41,9 @@ GRAVITON3 = {"fp", "asimd", "crc32", "atomics", "asimddp", "sve", "i8mm", "bf16"
         (GRAVITON3, "arm", "arm-i8mm", "NEON + i8mm"),
         ({"fp", "asimd", "asimddp"}, "arm", "arm-dotprod", "NEON + dotprod"),
         ({"fp", "asimd"}, "arm", "arm", "NEON"),
+        # no /proc/cpuinfo (macOS, Windows): no flags, and the line says the path is not known
+        (set(), "x86", "x86-sse", "unknown (no /proc/cpuinfo)"),
+        (set(), "arm", "arm", "unknown (no /proc/cpuinfo)"),
     ],
 )
 def test_each_class_gets_the_mlas_path_of_its_flags(flags, vendor, slug, path):
