@@ -40,7 +40,13 @@ from benchmarks.common.report import command, parser, publish, stamp
 from benchmarks.load.bench_load_report import figure, markdown, targets
 from benchmarks.load.load_client import run_level
 from benchmarks.load.load_model import Prompts, prepare
-from benchmarks.load.load_servers import BINARY, CACHE, Server, install_llama_server
+from benchmarks.load.load_servers import (
+    BINARY,
+    CACHE,
+    Server,
+    install_llama_server,
+    rss_tree_mb,
+)
 
 RESULTS = ("serve_load_0.4b_cpu-<class>",)
 
@@ -76,9 +82,15 @@ def level_prompts(prompts: Prompts, mode: str, n: int, clients: int, rounds: int
     return [[prompts.take(n) for _ in range(rounds)] for _ in range(clients)]
 
 
+IDLE_WAIT = 5.0  # seconds after a process's last level before its idle memory is read
+
+
 def http_process(kind: str, model: Path, pair: str, prompts: Prompts, args, work: Path) -> list:
-    """One server process through every level of the plan."""
-    server = Server(kind, model, work / f"{kind}.log")
+    """One server process through every level of the plan, then its resident memory once idle
+    (`idle_rss_mb` on each of its rows: what a burst leaves behind)."""
+    extra = tuple(args.doel_args.split()) if kind == "doel" else ()
+    server = Server(kind, model, work / f"{kind}.log", extra)
+    name = " ".join([NAMES[kind], *extra])
     rows = []
     try:
         server.wait_ready()
@@ -94,9 +106,12 @@ def http_process(kind: str, model: Path, pair: str, prompts: Prompts, args, work
             got = asyncio.run(
                 run_level("127.0.0.1", server.port, clients, texts, body, chat=mode == "chat")
             )
-            row = {"pair": pair, "server": NAMES[kind], "mode": mode, "prompt_tokens": n}
+            row = {"pair": pair, "server": name, "mode": mode, "prompt_tokens": n}
             rows.append(row | got | {"peak_rss_mb": server.stop_sampling(), "load_1min": load})
             print(_line(rows[-1]), flush=True)
+        time.sleep(IDLE_WAIT)
+        idle = rss_tree_mb(server.proc.pid)
+        rows = [r | {"idle_rss_mb": idle} for r in rows]
     finally:
         server.close()
     return rows
@@ -215,6 +230,12 @@ def build_parser():
         help="skip the levels of one prompt a request (with --chat: the chat alone)",
     )
     ap.add_argument("--no-http", dest="http", action="store_false", help="skip the HTTP levels")
+    ap.add_argument(
+        "--doel-args",
+        default="",
+        help="more doel-serve flags, e.g. '--step-tokens 32' (its rows are named with them, "
+        "beside the default's)",
+    )
     ap.add_argument("--chat", action="store_true", help="also the chat mode (8 clients, 3 turns)")
     ap.add_argument(
         "--inproc",

@@ -1,6 +1,9 @@
-"""The load benchmark's report: issue 33's targets as verdicts, Markdown tables and a PNG
-(aggregate tokens/s and p95 time to first token against clients, one line per server) from
-bench_load.py's merged result."""
+"""The load benchmark's report: issue 33's targets (throughput, time to first token) and issue
+45's (peak memory at 1, 8 and 16 clients, p95 time between tokens at 8 and 16, against
+llama-server with the same KV budget) as verdicts, Markdown tables and a PNG (aggregate tokens/s
+and p95 time to first token against clients, one line per server) from bench_load.py's merged
+result. Rows of doel-serve run with more flags (`--doel-args`) are shown beside the default's
+and never judged."""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ from benchmarks.common.report import cpu_name, heading
 
 PEER = "llama-server"
 NOTES = [
-    "doel-serve: `doel-serve BUNDLE --threads 2 --slots 16 --max-queue 256` (its prefix cache "
-    "per tenant, one tenant); llama-server (llama.cpp of llama-cpp-python 0.3.36's sources, "
+    "doel-serve: `doel-serve BUNDLE --threads 2 --slots 16 --max-queue 256 --kv-positions "
+    "32768` (its prefix cache per tenant, one tenant; the same 32,768 positions of KV budget as "
+    "llama-server's -c, taken as sequences grow); llama-server (llama.cpp of "
+    "llama-cpp-python 0.3.36's sources, "
     "built native without AMX): `llama-server -m GGUF -t 2 -tb 2 -np 16 -c 32768 --cache-ram "
     "2048 --no-webui` (2,048 positions a slot, its prompt cache on by default, flash attention "
     "auto: its defaults otherwise, as Ollama and LM Studio users get them).",
@@ -103,6 +108,7 @@ def targets(best: list[dict]) -> list[dict]:
                     1.3,
                 )
             )
+        out += memory_and_gaps(row, pair, peer, lengths)
         ours, theirs = row("doel-serve", mode="chat"), row(PEER, mode="chat")
         out.append(
             _target(
@@ -135,6 +141,43 @@ def targets(best: list[dict]) -> list[dict]:
     return out
 
 
+def memory_and_gaps(row, pair: str, peer: str, lengths: list[int]) -> list[dict]:
+    """Issue 45's targets: doel-serve's peak RSS no more than llama-server's at 1, 8 and 16
+    clients, and its p95 time between two tokens of a stream no more than llama-server's at 8
+    and 16."""
+    out = []
+    for n in lengths:
+        for c in (1, 8, 16):
+            ours, theirs = (
+                row("doel-serve", prompt_tokens=n, clients=c),
+                row(PEER, prompt_tokens=n, clients=c),
+            )
+            out.append(
+                _target(
+                    f"peak RSS doel-serve / llama-server, {pair} vs {peer}, {c} clients, "
+                    f"{n}-token prompts",
+                    _ratio(ours, theirs, "peak_rss_mb"),
+                    "<=",
+                    1.0,
+                )
+            )
+        for c in (8, 16):
+            ours, theirs = (
+                row("doel-serve", prompt_tokens=n, clients=c),
+                row(PEER, prompt_tokens=n, clients=c),
+            )
+            out.append(
+                _target(
+                    f"p95 time between tokens doel-serve / llama-server, {pair} vs {peer}, "
+                    f"{c} clients, {n}-token prompts",
+                    _ratio(ours, theirs, "tbt_ms_p95"),
+                    "<=",
+                    1.0,
+                )
+            )
+    return out
+
+
 def _f(v, fmt: str = ".1f") -> str:
     return "–" if v is None else format(v, fmt)
 
@@ -145,14 +188,15 @@ def verdict(t: dict) -> str:
 
 def level_table(rows: list[dict]) -> list[str]:
     out = [
-        "| server | clients | tok/s | chars/s | Bangla chars/s | TTFT p50 / p95 ms | "
-        "TBT p50 / p95 ms | latency p50 / p95 ms | errors | cached prompt tokens | peak RSS MB | "
-        "load before |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | clients | tok/s | chars/s | Bangla chars/s | TTFT p50 / p95 / p99 ms | "
+        "TBT p50 / p95 / p99 ms | latency p50 / p95 ms | errors | cached prompt tokens | "
+        "peak RSS MB | idle RSS MB after | load before |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["clients"], r["server"])):
         later = r.get("later_turns")
-        ttft = f"{_f(r['ttft_ms_p50'], '.0f')} / {_f(r['ttft_ms_p95'], '.0f')}"
+        ttft = " / ".join(_f(r.get(f"ttft_ms_p{q}"), ".0f") for q in (50, 95, 99))
+        tbt = " / ".join(_f(r.get(f"tbt_ms_p{q}"), ".0f") for q in (50, 95, 99))
         if later:
             p50, p95 = _f(later["ttft_ms_p50"], ".0f"), _f(later["ttft_ms_p95"], ".0f")
             ttft += f" (turns 2-3: {p50} / {p95})"
@@ -160,11 +204,10 @@ def level_table(rows: list[dict]) -> list[str]:
         chars = ("–", "–") if r["mode"] == "inproc" else (_f(r["chars_s"]), _f(r["bangla_chars_s"]))
         out.append(
             f"| {r['server']} | {r['clients']} | {_f(r['aggregate_tok_s'])} | {chars[0]} | "
-            f"{chars[1]} | {ttft} | {_f(r['tbt_ms_p50'], '.0f')} / "
-            f"{_f(r['tbt_ms_p95'], '.0f')} | {_f(r['latency_ms_p50'], '.0f')} / "
+            f"{chars[1]} | {ttft} | {tbt} | {_f(r['latency_ms_p50'], '.0f')} / "
             f"{_f(r['latency_ms_p95'], '.0f')} | {r['errors']} | "
             f"{_f(r.get('cached_prompt_tokens'), 'd')} | {_f(r['peak_rss_mb'], '.0f')} | "
-            f"{_f(r.get('load_1min'))} |"
+            f"{_f(r.get('idle_rss_mb'), '.0f')} | {_f(r.get('load_1min'))} |"
         )
     return out
 
@@ -181,7 +224,7 @@ def markdown(result: dict) -> str:
         "of the two servers interleaved. `python -m benchmarks.load.bench_load` "
         "(benchmarks/load/bench_load.py).",
         "",
-        "## Targets (issue 33)",
+        "## Targets (issues 33 and 45)",
         "",
         "| target | value | goal | verdict |",
         "|---|---:|---:|---|",

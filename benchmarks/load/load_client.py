@@ -171,8 +171,10 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
         "bangla_chars_s": bangla_chars(text) / wall if wall > 0 else 0.0,
         "ttft_ms_p50": pct([o.ttft for o in ok], 50),
         "ttft_ms_p95": pct([o.ttft for o in ok], 95),
+        "ttft_ms_p99": pct([o.ttft for o in ok], 99),
         "tbt_ms_p50": pct(gaps, 50),
         "tbt_ms_p95": pct(gaps, 95),
+        "tbt_ms_p99": pct(gaps, 99),
         "latency_ms_p50": pct([o.latency for o in ok], 50),
         "latency_ms_p95": pct([o.latency for o in ok], 95),
     }

@@ -90,16 +90,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(kind: str, model: Path, port: int) -> list[str]:
-    """The command line of `kind` ('doel' or 'llama') on `model` (a bundle, or a GGUF)."""
+def server_command(kind: str, model: Path, port: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The command line of `kind` ('doel' or 'llama') on `model` (a bundle, or a GGUF), with
+    `extra` flags. Both get the same KV budget: SLOTS x CONTEXT positions (llama-server's -c,
+    doel-serve's --kv-positions)."""
     if kind == "doel":
         return [sys.executable, "-m", "doel.serve", str(model), "--port", str(port),
                 "--threads", str(THREADS), "--slots", str(SLOTS), "--max-queue", "256",
-                "--log-level", "warning"]  # fmt: skip
+                "--kv-positions", str(SLOTS * CONTEXT), "--log-level", "warning",
+                *extra]  # fmt: skip
     return [str(BINARY), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(THREADS), "-tb", str(THREADS), "-np", str(SLOTS),
             "-c", str(SLOTS * CONTEXT), "--cache-ram", "2048", "--no-webui",
-            "--log-disable"]  # fmt: skip
+            "--log-disable", *extra]  # fmt: skip
 
 
 def _post(port: int, body: dict, timeout: float = 60) -> dict:
@@ -141,10 +144,10 @@ def rss_tree_mb(pid: int) -> float:
 class Server:
     """One server process: started, ready (a real completion answered), sampled, stopped."""
 
-    def __init__(self, kind: str, model: Path, log: Path):
+    def __init__(self, kind: str, model: Path, log: Path, extra: tuple[str, ...] = ()):
         self.kind, self.port = kind, free_port()
         self.log = open(log, "ab")
-        cmd = server_command(kind, model, self.port)
+        cmd = server_command(kind, model, self.port, extra)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.peak_mb, self._sampling = 0.0, None
 
