@@ -75,9 +75,10 @@ class Format:
 
 
 class DeadEnd(RuntimeError):
-    """The grammar allows no next token where the text so far does not complete a document: a
-    dead end that compiling could not see. The scheduler ends that row ("length"), never the
-    batch."""
+    """The grammar allows no next token where the text so far does not complete a document, or
+    it reached one of the engine's limits (a recursion with no way out grows the parse until
+    one stops it): a dead end that compiling could not see. The scheduler ends that row
+    ("length"), never the batch."""
 
 
 class Constraint:
@@ -122,7 +123,10 @@ class Constraint:
             self.finished = self.matcher.is_accepting()
             return
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            why = self.matcher.get_error()
+            if limit_of(why):  # past one of the engine's limits (grammar_limits): this row ends
+                raise DeadEnd(f"the grammar reached a limit: {' '.join(why.split())[:300]}")
+            raise RuntimeError(f"the grammar refused token {token}: {why}")
         if self.matcher.is_stopped():
             self.finished = self.matcher.is_accepting() and not self.matcher.is_error()
 

@@ -17,6 +17,7 @@ import gc
 import time
 import weakref
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -221,3 +222,18 @@ def test_the_serving_page_states_each_bound_as_the_code_sets_it():
     )
     cache = f"at most {structured.CACHE_SIZE} of them and {structured.CACHE_BYTES >> 20} MiB"
     assert cache in " ".join(section.split())
+
+
+def test_a_recursion_with_no_way_out_reaches_a_limit_as_a_dead_end_not_an_error(grammars):
+    """{"k": {"k": ...}} forever: every step allows a token, so no compile-time check refuses
+    it, and the parse grows until an engine limit stops it. That is a dead end of the row (the
+    scheduler ends it "length"), not a RuntimeError (a 500 before: found by
+    tests/serve/test_schema_property.py)."""
+    loop = {"$ref": "#/$defs/a"}
+    schema = {"$defs": {"a": {"type": "object", "properties": {"k": loop}, "required": ["k"]}}}
+    c = grammars.json_schema(schema | loop).start()
+    logits = np.linspace(0.0, 1.0, grammars.vocab_size, dtype=np.float32)
+    with pytest.raises(structured.DeadEnd, match="limit"):
+        for _ in range(200):
+            c.fill()
+            c.advance(int(np.argmax(c.mask(logits, ()))))
