@@ -36,6 +36,7 @@ from doel.serve.bounds import LIMITS
 from doel.serve.guard import AllowedHosts, Guard
 from doel.serve.jsonbody import decode_error, parse_failure
 from doel.serve.metrics import CountRequests, Metrics
+from doel.serve.models import LEASES, Cards, Model, Models
 from doel.serve.protocol import (
     CONTEXT_LENGTH,
     MAX_ERRORS_SHOWN,
@@ -44,8 +45,6 @@ from doel.serve.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -108,73 +107,74 @@ def install_errors(app: FastAPI) -> None:
         return error(500, why, "server_error")
 
 
-def service(request: Request, model: str | None = None) -> Service:
-    """The loaded service, or a 503 while loading; a 404 for another model's name."""
-    svc = getattr(request.app.state, "service", None)
-    if svc is None:
-        why = getattr(request.app.state, "load_error", None) or "Loading model"
-        raise RequestError(503, why, kind="unavailable_error")
-    if model is not None and model != svc.name:
-        raise RequestError(
-            404,
-            f"the model {model!r} does not exist; this server has {svc.name!r}",
-            "model",
-            "model_not_found",
-        )
-    return svc
+async def service(request: Request, model: str | None = None) -> Service:
+    """The Service of the model a request names (None: the default), loaded if it is not; a
+    404 for a name this server does not have, a 503 while the server starts (models.py)."""
+    return await request.app.state.models.get(model)
 
 
-def make_lifespan(settings: Settings, loader: Callable[[Settings], Service]):
+def make_lifespan(settings: Settings, models: Models):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.service, app.state.load_error = None, None
+        models.metrics = app.state.metrics
 
-        async def load():
-            try:
-                svc = await asyncio.to_thread(loader, settings)
-                svc.metrics = app.state.metrics
-                app.state.service = svc
-                if settings.url:  # the line a user looks for, whatever the log level
-                    key = "; key required" if settings.api_key or settings.api_keys else ""
+        async def start():
+            await models.start()
+            if models.default.state != "loaded":
+                return
+            if settings.url:  # the line a user looks for, whatever the log level
+                key = "; key required" if settings.api_key or settings.api_keys else ""
+                print(
+                    f"doel-serve: {models.default.name} ready at {settings.url}/v1 (OpenAI "
+                    f"API{key}), playground at {settings.url}/",
+                    flush=True,
+                )
+                others = [m.name for m in models.all.values() if m is not models.default]
+                if others:
                     print(
-                        f"doel-serve: {svc.name} ready at {settings.url}/v1 (OpenAI API{key}), "
-                        f"playground at {settings.url}/",
+                        f"doel-serve: also {', '.join(others)}, each loaded on its first request",
                         flush=True,
                     )
-                else:
-                    log.info("model %s ready", svc.name)
-            except Damaged as e:
-                damaged(settings, app, e)
-            except Exception as e:  # reported on /health; the server stays up to say so
-                log.exception("loading %s failed", settings.bundle)
-                app.state.load_error = f"loading the model failed: {type(e).__name__}: {e}"
+            else:
+                log.info("model %s ready", models.default.name)
 
-        task = asyncio.create_task(load())
+        task = asyncio.create_task(start())
         yield
         task.cancel()
-        if app.state.service is not None:
-            await app.state.service.scheduler.close()
+        await models.close()
 
     return lifespan
 
 
-def damaged(settings: Settings, app: FastAPI, e: Damaged) -> None:
-    """A bundle file that is not what its manifest records: one line, no traceback. doel-serve
-    then exits with status 1; nothing has been served (every request was a 503 while loading),
-    and uvicorn's graceful stop would end the process by the signal it stopped for, not with a
-    status a script can read."""
-    app.state.load_error = f"the bundle is damaged: {e}"
-    if not settings.exit_on_damage:
-        log.error("%s", e)
+def damaged(settings: Settings, models: Models, e: Damaged) -> None:
+    """A bundle file that is not what its manifest records, found as a model loads: one line,
+    no traceback (models.py logs it). A doel-serve of one bundle then exits with status 1;
+    nothing has been served (every request was a 503 while loading), and uvicorn's graceful
+    stop would end the process by the signal it stopped for, not with a status a script can
+    read. Among several models, the damaged one is "failed" and the others are served."""
+    if not settings.exit_on_damage or len(models.all) > 1:
         return
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
 
 
+def default_service(app: FastAPI, models: Models, model: Model) -> None:
+    """`app.state.service`: the default model's Service while it is loaded (tests read it)."""
+    if model is models.default:
+        app.state.service = model.service
+
+
 def default_loader(settings: Settings) -> Service:
     svc = Service.load(
-        settings.bundle, settings.threads, settings.model_name, settings.max_queue, settings.slots
+        settings.bundle,
+        settings.threads,
+        settings.model_name,
+        settings.max_queue,
+        settings.slots,
+        kv_positions=settings.kv_positions,
+        step_tokens=settings.step_tokens,
+        prefix_keep=settings.prefix_keep,
     )
     if settings.verify is not None:  # hashing since doel-serve started, beside the load
         seconds = settings.verify.wait()
@@ -194,53 +194,61 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
     async def playground_font():
         return Response(font, media_type="font/woff2", headers={"Cache-Control": "max-age=86400"})
 
+    keyed = bool(settings.api_key or settings.api_keys)
+
     @app.get("/health", responses=ERRORS)
     async def health(request: Request):
-        service(request)
-        return {"status": "ok"}
+        """200 once the server has started and some model can be served, with each model's
+        state, unless a key guards the API: /health answers without one, so it names no model
+        then (/metrics, behind the key, does)."""
+        models: Models = request.app.state.models
+        models.check_ready()
+        return {"status": "ok"} if keyed else {"status": "ok", "models": models.states()}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request):
-        svc = getattr(request.app.state, "service", None)
-        sched = svc.scheduler if svc else None
-        waiting, running = (len(sched.waiting), len(sched.running)) if sched else (0, 0)
-        text = request.app.state.metrics.render(waiting, running)
+        models: Models = request.app.state.models
+        scheds = [svc.scheduler for svc in models.loaded()]
+        waiting, running = sum(len(s.waiting) for s in scheds), sum(len(s.running) for s in scheds)
+        states = [(m.name, m.state, m.loads) for m in models.all.values()]
+        text = request.app.state.metrics.render(waiting, running, states)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=Cards)
     async def models(request: Request):
-        svc = service(request)
-        card = ModelCard(id=svc.name, created=int(time.time()), max_model_len=svc.context_length)
-        return ModelList(data=[card])
+        request.app.state.models.check_ready()
+        return request.app.state.models.cards(int(time.time()))
 
     @app.post("/v1/completions", response_model=Completion, responses=ERRORS)
     async def completions(req: CompletionRequest, request: Request):
-        return await respond(request, completion, service(request, req.model), req)
+        return await respond(request, completion, await service(request, req.model), req)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await respond(request, chat, service(request, req.model), req)
+        return await respond(request, chat, await service(request, req.model), req)
 
     @app.post("/v1/responses", responses=ERRORS)
     async def create_response(req: ResponsesRequest, request: Request):
-        return await respond(request, responses, service(request, req.model), req)
+        return await respond(request, responses, await service(request, req.model), req)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):
-        svc = service(request, req.model)
+        svc = await service(request, req.model)
         ids = await svc.in_thread(svc.encode, req.prompt, req.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=svc.context_length)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
     async def detokenize(req: DetokenizeRequest, request: Request):
-        svc = service(request, req.model)
+        svc = await service(request, req.model)
         return DetokenizeResponse(prompt=await svc.in_thread(svc.decode, req.tokens))
 
 
 class ModelContext:
-    """ASGI middleware: token-id lists in a request are bounded by the loaded model's context
-    (protocol.CONTEXT_LENGTH), and a chat's messages by --max-messages (MESSAGE_LIMIT), which
-    the body's validation reads."""
+    """ASGI middleware: token-id lists in a request are bounded by the models' longest context
+    (protocol.CONTEXT_LENGTH; its own model's is checked once it is known), and a chat's
+    messages by --max-messages (MESSAGE_LIMIT), which the body's validation reads. The models
+    a request holds (`LEASES`: `Models.get`) are released when its response has ended, its
+    last streamed byte included."""
 
     def __init__(self, app, state, max_messages: int = Settings.max_messages, settings=None):
         self.app, self.state, self.max_messages = app, state, max_messages
@@ -249,11 +257,16 @@ class ModelContext:
     async def __call__(self, scope, receive, send):
         messages = MESSAGE_LIMIT.set(self.max_messages)
         limits = LIMITS.set(self.settings) if self.settings is not None else None
-        svc = getattr(self.state, "service", None)
-        token = CONTEXT_LENGTH.set(svc.context_length) if svc is not None else None
+        models: Models = self.state.models
+        context = models.context_length()
+        token = CONTEXT_LENGTH.set(context) if context is not None else None
+        held = LEASES.set([])
         try:
             return await self.app(scope, receive, send)
         finally:
+            for model in LEASES.get():
+                models.release(model)
+            LEASES.reset(held)
             if token is not None:
                 CONTEXT_LENGTH.reset(token)
             MESSAGE_LIMIT.reset(messages)
@@ -264,11 +277,18 @@ class ModelContext:
 def create_app(settings: Settings, loader: Callable[[Settings], Service] | None = None) -> FastAPI:
     """The app; `loader` builds the Service (tests pass their own to control loading)."""
     pages = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"}
+    models = Models(
+        settings,
+        loader or default_loader,
+        on_change=lambda m: default_service(app, models, m),
+        on_damaged=lambda e: damaged(settings, models, e),
+    )
     app = FastAPI(
         title="doel",
-        lifespan=make_lifespan(settings, loader or default_loader),
+        lifespan=make_lifespan(settings, models),
         **{k: v if settings.docs else None for k, v in pages.items()},
     )
+    app.state.models, app.state.service = models, None
     app.state.metrics = Metrics()
     app.state.prefix_cache = settings.prefix_cache  # read by `respond`
     install_errors(app)

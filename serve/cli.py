@@ -1,4 +1,6 @@
-"""`doel-serve BUNDLE` (or `python -m doel.serve`): the HTTP server on an export bundle.
+"""`doel-serve BUNDLE [BUNDLE ...]` or `doel-serve --models DIR` (or `python -m doel.serve`): the
+HTTP server on export bundles, one or several (serve/models.py: the first is loaded at once,
+the others on their first request, each let go after --keep-alive idle seconds).
 
 It binds 127.0.0.1 unless told otherwise; an API key (`--api-key-file`, DOEL_API_KEY or
 `--api-key`) guards every route but /health and the playground page; binding another address
@@ -52,7 +54,7 @@ def setting(group, flag: str, help: str, **kw) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="doel-serve",
-        description="OpenAI-compatible completions over an export bundle, on CPU, without torch",
+        description="OpenAI-compatible completions over export bundles, on CPU, without torch",
     )
     _serving_flags(p)
     _client_flags(p)
@@ -62,7 +64,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serving_flags(p: argparse.ArgumentParser) -> None:
     """The bundle, where it is served, its keys, and how many requests it decodes and queues."""
-    p.add_argument("bundle", help="a folder written by doel-export")
+    p.add_argument(
+        "bundle",
+        nargs="*",
+        metavar="BUNDLE",
+        help="a folder written by doel-export; several: one server for them all, the first "
+        "answering requests that name no model",
+    )
+    p.add_argument(
+        "--models",
+        metavar="DIR",
+        help="serve every bundle folder in DIR as well (a folder that is not one, a GGUF's "
+        "among them, is named in one line and skipped)",
+    )
+    setting(
+        p,
+        "--keep-alive",
+        f"seconds a model stays loaded after its last request, then it is unloaded and its "
+        f"memory given back (default {Settings.keep_alive:g}; -1: never)",
+        metavar="S",
+    )
+    setting(
+        p,
+        "--max-models",
+        "models loaded at once; loading one more first unloads the least recently used idle "
+        "one (default %(default)s)",
+        metavar="N",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     setting(p, "--threads", "ONNX Runtime threads (0: per core)")
@@ -75,9 +103,31 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
         f"list)",
     )
     p.add_argument("--api-key", help="the key itself (prefer --api-key-file)")
-    p.add_argument("--model-name", help="the model's id in the API (default: the folder's name)")
+    p.add_argument(
+        "--model-name",
+        help="the model's id in the API, one bundle only (default: its folder's name)",
+    )
+    setting(p, "--slots", "requests decoded together (default %(default)s)")
     setting(
-        p, "--slots", "requests decoded together, each holding a KV cache (default %(default)s)"
+        p,
+        "--kv-positions",
+        "KV cache positions the slots share, taken as sequences grow and given back as they "
+        "end; a request reserves its prompt plus max_tokens (default %(default)s: slots x the "
+        "model's context)",
+        metavar="N",
+    )
+    setting(
+        p,
+        "--step-tokens",
+        "prompt tokens plus decoding rows in one step: bounds how long a new prompt holds the "
+        "running streams (default %(default)s)",
+        metavar="N",
+    )
+    setting(
+        p,
+        "--prefix-keep",
+        "seconds a finished request's cache is kept for its next turn (default %(default)s)",
+        metavar="SECONDS",
     )
     setting(p, "--max-queue", "waiting requests before 429 (default %(default)s)")
 
@@ -297,16 +347,52 @@ def log_config(level: str, floods) -> dict:
 def check_numbers(args: argparse.Namespace) -> None:
     """Exits with one line for a count, rate or timeout out of its range."""
     rates = ("client_body_rate", "client_request_rate")
-    for name in ("threads", "max_queue", "max_body_bytes", *rates):
+    for name in ("threads", "max_queue", "max_body_bytes", "kv_positions", "prefix_keep", *rates):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
     bounds = ("max_tools", "max_tool_schema_bytes", "max_input_items", "max_input_bytes")
-    for name in ("slots", "max_connections", "max_headers", "max_messages", *bounds):
+    counts = ("slots", "step_tokens", "max_connections", "max_headers", "max_messages")
+    counts += ("max_models",)
+    for name in (*counts, *bounds):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name.replace('_', '-')} must be 1 or more")
     for name in ("timeout_read", "timeout_keep_alive", "compile_timeout"):
         if not 0 < getattr(args, name) <= 3600:
             sys.exit(f"error: --{name.replace('_', '-')} must be between 0 and 3600 seconds")
+    if args.keep_alive < 0 and args.keep_alive != -1:
+        sys.exit("error: --keep-alive must be 0 or more seconds, or -1 (never unload)")
+
+
+def bundle_folders(args: argparse.Namespace, read_bundle, error) -> list[str]:
+    """The folders to serve: each BUNDLE (one that is not a bundle is a one-line error), then
+    each bundle folder in --models DIR, by name (one that is not is skipped, in one line)."""
+    folders = []
+    for folder in args.bundle:
+        try:
+            read_bundle(folder)
+        except error as e:
+            sys.exit(f"error: {e}")
+        folders.append(folder)
+    if args.models is not None:
+        if not Path(args.models).is_dir():
+            sys.exit(f"error: --models {args.models} is not a folder; give the folder of bundles")
+        for sub in sorted(p for p in Path(args.models).iterdir() if p.is_dir()):
+            try:
+                read_bundle(sub)
+            except error as e:
+                print(f"warning: skipping {sub}: {e}", file=sys.stderr)
+                continue
+            folders.append(str(sub))
+    if not folders:
+        where = f"--models {args.models} holds no bundle" if args.models else "none was given"
+        sys.exit(f"error: no bundle to serve ({where}); give BUNDLE folders or --models DIR")
+    names = [Path(f).resolve().name for f in folders]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        sys.exit(f"error: two bundles are named {twice[0]!r}; the API names a model by its folder")
+    if args.model_name and len(folders) > 1:
+        sys.exit("error: --model-name names one bundle; with several, each is named by its folder")
+    return folders
 
 
 def settings_of(args: argparse.Namespace, **given) -> Settings:
@@ -329,10 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         from doel.serve.verify import Verification
     except ModuleNotFoundError as e:
         sys.exit(f"doel-serve needs the {e.name!r} package, part of the serve extra: {EXTRA_HINT}")
-    try:
-        bundle = read_bundle(args.bundle)
-    except BundleError as e:
-        sys.exit(f"error: {e}")
+    folders = bundle_folders(args, read_bundle, BundleError)
     key = api_key(args)
     keys = key_file(args.api_key_file) if args.api_key_file else None
     check_port(args.host, args.port)
@@ -344,13 +427,16 @@ def main(argv: list[str] | None = None) -> None:
         )
     settings = settings_of(
         args,
+        bundle=folders[0],
+        bundles=tuple(folders[1:]),
+        checksums=not args.no_checksums,
         api_key=key,
         api_keys=keys,
         cors_origins=tuple(args.cors_origin),
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         url=base_url(args.host, args.port),
         # Started now: the files are hashed while the port opens and the model loads.
-        verify=None if args.no_checksums else Verification(bundle),
+        verify=None if args.no_checksums else Verification(read_bundle(folders[0])),
         exit_on_damage=True,
     )
     _, files = raise_open_files()

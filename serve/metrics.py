@@ -1,16 +1,19 @@
 """Prometheus text exposition for GET /metrics, without the client library (one dependency less):
 requests by route (the app's own routes, read from its router: see CountRequests) and status,
 tokens in and out, time to first token, decode speed, queue depth, open connections and those
-refused below HTTP (`Refusals`: timeouts, over the limit).
+refused below HTTP (`Refusals`: timeouts, over the limit), and each model's state (loaded,
+loading, unloaded or failed: serve/models.py) and loads.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Iterable
 
 from starlette.routing import Match
 
+MODEL_STATES = ("loaded", "loading", "unloaded", "failed")  # a model's (serve/models.py)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -57,7 +60,10 @@ class Metrics:
             self.decode_tokens += generated - 1
             self.last_tokens_per_second = (generated - 1) / (total - ttft)
 
-    def render(self, waiting: int, running: int) -> str:
+    def render(
+        self, waiting: int, running: int, models: Iterable[tuple[str, str, int]] = ()
+    ) -> str:
+        """The exposition; `models`: (name, state, loads) of each model."""
         def block(name: str, kind: str, help_: str, lines: list[str]) -> list[str]:
             return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *lines]
 
@@ -125,8 +131,28 @@ class Metrics:
                     for k, n in sorted(self.refused.items())
                 ],
             ),
+            *model_lines(list(models)),
         ]
         return "\n".join(out) + "\n"
+
+
+def model_lines(models: list[tuple[str, str, int]]) -> list[str]:
+    """Each model's state as a gauge of 1 on its state's line and 0 on the others (a scrape sees
+    one line change), and its loads so far: a model loaded again after an idle unload counts 2."""
+    states = [
+        f'doel_model_state{{model="{name}",state="{s}"}} {int(s == state)}'
+        for name, state, _ in models
+        for s in MODEL_STATES
+    ]
+    loads = [f'doel_model_loads_total{{model="{name}"}} {n}' for name, _, n in models]
+    return [
+        "# HELP doel_model_state each model's state: loaded, loading, unloaded or failed",
+        "# TYPE doel_model_state gauge",
+        *states,
+        "# HELP doel_model_loads_total times each model was loaded",
+        "# TYPE doel_model_loads_total counter",
+        *loads,
+    ]
 
 
 class CountRequests:

@@ -43,7 +43,8 @@ def test_health_is_503_while_loading_then_200(tiny_bundle):
         assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 503
         go.set()
-        assert ready(c).get("/health").json() == {"status": "ok"}
+        health = ready(c).get("/health").json()
+        assert health == {"status": "ok", "models": {tiny_bundle.name: "loaded"}}
 
 
 def test_a_bundle_that_fails_to_load_is_reported_on_health(tmp_path):
