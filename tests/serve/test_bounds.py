@@ -237,3 +237,48 @@ def test_a_recursion_with_no_way_out_reaches_a_limit_as_a_dead_end_not_an_error(
         for _ in range(200):
             c.fill()
             c.advance(int(np.argmax(c.mask(logits, ()))))
+
+
+def test_a_slow_compile_through_the_app_is_a_400_and_health_answers_meanwhile(
+    tiny_bundle, monkeypatch
+):
+    """A compile that hangs (planted: 3 s of sleep) is refused at --compile-timeout, naming
+    the parameter and the flag, while /health keeps answering at once."""
+    import threading
+
+    compile_ = Grammars.json_schema
+
+    def hanging(self, schema, param="response_format"):
+        if schema.get("title") == "slow":
+            time.sleep(3)
+        return compile_(self, schema, param)
+
+    monkeypatch.setattr(Grammars, "json_schema", hanging)
+    settings = Settings(bundle=str(tiny_bundle), threads=1, compile_timeout=0.5)
+    with TestClient(create_app(settings)) as c:
+        end = time.monotonic() + 30
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"title": "slow"}}}
+        body = {"prompt": "x", "max_tokens": 4, "response_format": rf}
+        got = {}
+
+        def post():
+            t0 = time.monotonic()
+            got["r"], got["s"] = c.post("/v1/completions", json=body), time.monotonic() - t0
+
+        slow = threading.Thread(target=post)
+        slow.start()
+        health = []
+        while slow.is_alive():
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            health.append(time.monotonic() - t0)
+        slow.join()
+    r = got["r"]
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "--compile-timeout" in error["message"]
+    assert 0.5 <= got["s"] < 2.5  # refused at the bound, not after the compile's 3 s
+    assert len(health) >= 3 and max(health) < 0.25, health
