@@ -120,6 +120,16 @@ def config_claims(folder: Path, **claims) -> Path:
     return checkpoint(folder, claims)
 
 
+def replaced(folder: Path, name: str, text: str | None = None, size: int = 0) -> Path:
+    """The checkpoint with its file `name` replaced by `text`, or by `size` bytes (a hole)."""
+    checkpoint(folder)
+    if text is None:
+        sparse(folder / name, size)
+    else:
+        (folder / name).write_text(text, encoding="utf-8")
+    return folder
+
+
 def header_beyond_the_file(folder: Path) -> Path:
     """model.safetensors whose first 8 bytes claim a header of 2^62 bytes."""
     checkpoint(folder)

@@ -72,6 +72,20 @@ CHECKPOINTS = {
         lambda p: h.config_claims(p, num_attention_heads=True),
         "config.json num_attention_heads is True, not a whole number",
     ),
+    "an enormous config.json": (
+        lambda p: h.replaced(p, "config.json", size=untrusted.MAX_RECORD_BYTES + 1),
+        f"config.json is {untrusted.MAX_RECORD_BYTES + 1:,} bytes, more than the",
+    ),
+    "a config.json nested deep": (
+        lambda p: h.replaced(p, "config.json", "[" * 100_000 + "]" * 100_000),
+        "config.json is JSON nested too deep to read",
+    ),
+    "a tokenizer.json nested deep": (
+        lambda p: h.replaced(
+            p, "tokenizer.json", '{"model": ' + "[" * 100_000 + "]" * 100_000 + "}"
+        ),
+        "tokenizer.json is JSON nested too deep to read",
+    ),
     "a header longer than the file": (
         h.header_beyond_the_file,
         "model.safetensors is truncated or not a safetensors file: its header length (the first 8 "
