@@ -4,8 +4,8 @@ The API, for the routes (response_format, tools, /v1/responses):
 
 - `Grammars(tokenizer_json, vocab_size, eos_id)`: one per served model (a Service has one,
   `svc.grammars`, built on first use). Its compilers return a `Format`, cached per schema text
-  (the same schema compiles once), or raise `RequestError(400, message naming the unsupported
-  keyword, param)`:
+  (the same schema compiles once; at most CACHE_SIZE of them and CACHE_BYTES, estimated), or
+  raise `RequestError(400, message naming the unsupported keyword or the limit, param)`:
   - `response_format(rf, param)`: OpenAI's `response_format` dict, `{"type": "text"}` (None:
     no format), `{"type": "json_object"}`, `{"type": "json_schema", "json_schema": {"name",
     "schema", "strict"}}`, or the Responses API's flat `{"type": "json_schema", "name",
