@@ -47,7 +47,7 @@ from doel.serve.tenants import ONE
 DONE = -1  # end of a sequence in its queue
 # The smallest prompt chunk a step takes beside decoding rows: below it, the weights read for a
 # chunk cost more than its tokens (prefill times by chunk: benchmarks/results/profile_serve_*).
-MIN_CHUNK = 16
+MIN_CHUNK = 8
 log = logging.getLogger("doel.serve")
 
 
@@ -262,10 +262,10 @@ class Scheduler:
             del held[s]
 
     def _step(self, stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
-        """In a worker thread: one batched step of the decoding sequences, then one prompt
-        chunk of the oldest filling one (admission order: the dict keeps it); sample. The first
-        chunks of prompts that arrive together are not batched: it saves little of their
-        prefill and would hold back the first one's first token."""
+        """In a worker thread: one batched step of the decoding sequences, then prompt chunks
+        of the filling ones in admission order (the dict keeps it) within the step's budget;
+        sample. Chunks of prompts that arrive together run one after another, not batched: it
+        saves little of their prefill and would hold back the first one's first token."""
         events = []
         decoding = [s for s in stepping if not s.filling]
         if decoding:
@@ -296,31 +296,40 @@ class Scheduler:
             for s in decoding:
                 self.prefixes.wrote(s.slot, s.n - 1, [int(s.context[s.n - 1])])
             events += [self._pick(s, logits[s.slot - lo]) for s in decoding]
-        filling = [s for s in stepping if s.filling]
-        if filling:
-            s = filling[0]
-            size = self.engine.prefill_chunk
-            if decoding:  # the step's budget, shared with the rows that decoded
-                size = min(size, max(MIN_CHUNK, self.step_tokens - len(decoding)))
-            chunk = s.prompt[s.fed : s.fed + size]
-            scored = s.record is not None and s.record.prompt
-            logits = self.engine.forward(chunk, s.fed, slot=s.slot, every=scored)
-            self.prefixes.wrote(s.slot, s.fed, chunk)
-            if scored:
-                # Row r predicts prompt token fed + r + 1; the last row of the last chunk
-                # predicts the first new token instead (scored when it is picked).
-                if s.fed == 0:
-                    s.record.entries.append(None)  # the first token has no context
-                targets = s.prompt[s.fed + 1 : s.fed + len(chunk) + 1]
-                s.record.entries += score_rows(logits, targets, s.record.top)
-                logits = logits[-1]
-            s.fed += len(chunk)
-            if not s.filling:
-                if s.params.max_tokens == 0:  # the prompt scored, nothing to generate
-                    events.append((s, None, True))
-                else:
-                    events.append(self._pick(s, logits))
+        # Prompt chunks, oldest prompt first, within what the decoding rows left of the step's
+        # budget: a lone prompt gets a whole chunk; prompts that wait together share a step.
+        budget = self.step_tokens - len(decoding)
+        for i, s in enumerate(x for x in stepping if x.filling):
+            if i and budget < MIN_CHUNK:
+                break
+            size = min(self.engine.prefill_chunk, max(MIN_CHUNK, budget))
+            if not decoding and not i:
+                size = self.engine.prefill_chunk
+            budget -= self._fill(s, size, events)
         return events
+
+    def _fill(self, s: Seq, size: int, events: list) -> int:
+        """In the worker thread: the next `size` prompt ids of `s` into its slot, and its first
+        new id once the prompt is in; the number of ids fed."""
+        chunk = s.prompt[s.fed : s.fed + size]
+        scored = s.record is not None and s.record.prompt
+        logits = self.engine.forward(chunk, s.fed, slot=s.slot, every=scored)
+        self.prefixes.wrote(s.slot, s.fed, chunk)
+        if scored:
+            # Row r predicts prompt token fed + r + 1; the last row of the last chunk
+            # predicts the first new token instead (scored when it is picked).
+            if s.fed == 0:
+                s.record.entries.append(None)  # the first token has no context
+            targets = s.prompt[s.fed + 1 : s.fed + len(chunk) + 1]
+            s.record.entries += score_rows(logits, targets, s.record.top)
+            logits = logits[-1]
+        s.fed += len(chunk)
+        if not s.filling:
+            if s.params.max_tokens == 0:  # the prompt scored, nothing to generate
+                events.append((s, None, True))
+            else:
+                events.append(self._pick(s, logits))
+        return len(chunk)
 
     def _park(self, lo: int, top: int, busy: set[int]) -> None:
         """In the worker thread, before a step of slots lo..top-1: move what idle slots among

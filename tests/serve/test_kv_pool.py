@@ -113,26 +113,43 @@ def test_a_request_past_a_smaller_pool_is_a_400_naming_the_flag(bundle):
     assert e.value.param == "max_tokens"
 
 
-def test_a_prompt_chunk_beside_decoding_rows_keeps_to_the_step_budget(bundle):
-    engine = Engine(bundle, threads=1, slots=4)
-    s = Scheduler(engine, step_tokens=24)
-    chunks, forward, decode = [], engine.forward, engine.decode
-    rows = [0]
-    engine.decode = lambda t, n, lo=0: rows.__setitem__(0, len(t)) or decode(t, n, lo)
+def steps_of(engine: Engine, scheduler: Scheduler, asks: list[list[int]]) -> list[tuple]:
+    """(decoding rows, prompt chunk lengths) of each step that runs `asks` together."""
+    steps, now = [], {"rows": 0, "chunks": []}
+    forward, decode, step = engine.forward, engine.decode, scheduler._step
+    engine.decode = lambda t, n, lo=0: now.__setitem__("rows", len(t)) or decode(t, n, lo)
 
     def watched(ids, past_len, slot=0, every=False):
-        chunks.append((len(ids), rows[0]))
-        rows[0] = 0
+        now["chunks"].append(len(ids))
         return forward(ids, past_len, slot=slot, every=every)
 
-    engine.forward = watched
+    def stepped(stepping):
+        now["rows"], now["chunks"] = 0, []
+        out = step(stepping)
+        steps.append((now["rows"], now["chunks"]))
+        return out
+
+    engine.forward, scheduler._step = watched, stepped
     try:
-        asyncio.run(run_all(s, prompts(3, 300, seed=3), 60))
+        asyncio.run(run_all(scheduler, asks, 60))
     finally:
         engine.forward, engine.decode = forward, decode
-    beside = [n for n, r in chunks if r > 0]
-    assert beside and max(beside) <= max(MIN_CHUNK, 24 - 1)
-    assert max(n for n, r in chunks if r == 0) == engine.prefill_chunk  # alone: a whole chunk
+    return steps
+
+
+@pytest.mark.parametrize("budget", [40, 300])
+def test_a_step_keeps_to_its_token_budget(bundle, budget):
+    engine = Engine(bundle, threads=1, slots=4)
+    steps = steps_of(engine, Scheduler(engine, step_tokens=budget), prompts(3, 300, seed=3))
+    for rows, chunks in steps:
+        if rows:  # beside decoding rows: what they left, at least MIN_CHUNK
+            assert sum(chunks) <= max(MIN_CHUNK, budget - rows)
+        elif chunks:  # the first prompt gets a whole chunk, others share what is left
+            assert chunks[0] <= engine.prefill_chunk
+            assert sum(chunks[1:]) <= max(0, budget - chunks[0])
+    assert any(rows and chunks for rows, chunks in steps)
+    shared = [chunks for rows, chunks in steps if not rows and len(chunks) > 1]
+    assert bool(shared) == (budget - engine.prefill_chunk >= MIN_CHUNK)
 
 
 def test_greedy_ids_equal_an_engine_with_the_plain_preallocated_cache(bundle, monkeypatch):
