@@ -41,11 +41,12 @@ class Settings:
     # (docs/serving.md#memory); a request admitted reserves its prompt plus max_tokens, and one
     # that would pass the pool waits for running ones to end.
     kv_positions: int = 0
-    # Prompt tokens plus decoding rows in one step: a prompt's chunk shrinks to leave room for
-    # the rows that decode beside it, so a new prompt holds the running streams back by a
-    # bounded step (vLLM's chunked prefill, llama-server's -ub). Chosen by measurement:
-    # benchmarks/results/serve_load_0.4b_cpu-*.md.
-    step_tokens: int = 64
+    # Prompt tokens plus decoding rows in one step (llama-server's -ub, vLLM's token budget):
+    # prompt chunks shrink to leave room for the rows that decode beside them, and prompts that
+    # wait together share a step. Chosen by measurement against 24-256 (the --step-tokens rows of
+    # benchmarks/results/serve_load_0.4b_cpu-amd-avx512-vnni.md): fewer, fuller prefill steps
+    # keep the p95 gap between tokens low; smaller budgets stall more steps a little each.
+    step_tokens: int = 512
     # Seconds a finished sequence's cache stays in its slot for a next turn to reuse; then its
     # memory goes back, so an idle server holds almost none.
     prefix_keep: float = 300.0
