@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from doel.contracts.checksums import add_flag
+from doel.contracts.cpu import this_class
 from doel.serve.ratelimit import BURST_SECONDS, MAX_BODY_WAIT, PROBE_FACTOR  # stdlib
 from doel.serve.settings import Settings  # stdlib only: every default below is its field's
 from doel.serve.tenants import MODES, KeyFileError, parse_keys
@@ -419,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     key = api_key(args)
     keys = key_file(args.api_key_file) if args.api_key_file else None
     check_port(args.host, args.port)
+    print(this_class().line(), file=sys.stderr)  # the row of docs/kernels.md this CPU reads
     if key is None and keys is None and not is_loopback(args.host):
         print(
             f"warning: serving on {args.host} without an API key: anyone who can reach it can "
