@@ -43,9 +43,10 @@ class Settings:
     kv_positions: int = 0
     # Prompt tokens plus decoding rows in one step (llama-server's -ub, vLLM's token budget):
     # prompt chunks shrink to leave room for the rows that decode beside them, and prompts that
-    # wait together share a step. Chosen by measurement against 24-256 (the --step-tokens rows of
+    # wait together share a step. Chosen by measurement among 24-512 (the --step-tokens rows of
     # benchmarks/results/serve_load_0.4b_cpu-amd-avx512-vnni.md): fewer, fuller prefill steps
-    # keep the p95 gap between tokens low; smaller budgets stall more steps a little each.
+    # keep the p95 gap between tokens low (at a longer p99 gap); smaller budgets stall more
+    # steps a little each, and lengthen the time to first token.
     step_tokens: int = 512
     # Seconds a finished sequence's cache stays in its slot for a next turn to reuse; then its
     # memory goes back, so an idle server holds almost none.
