@@ -64,6 +64,7 @@ class Metrics:
         self, waiting: int, running: int, models: Iterable[tuple[str, str, int]] = ()
     ) -> str:
         """The exposition; `models`: (name, state, loads) of each model."""
+
         def block(name: str, kind: str, help_: str, lines: list[str]) -> list[str]:
             return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *lines]
 
