@@ -59,9 +59,20 @@ def _ratio(a: dict | None, b: dict | None, key: str, sub: str | None = None):
     return a[key] / b[key]
 
 
+# (what, row key, op, threshold, client levels) of each target a plain level has: issue 33's
+# throughput and time to first token, issue 45's memory and gaps between tokens.
+LEVEL_TARGETS = (
+    ("aggregate tok/s", "aggregate_tok_s", ">=", 1.5, (8, 16)),
+    ("p95 TTFT", "ttft_ms_p95", "<=", 1.0, (8, 16)),
+    ("tok/s", "aggregate_tok_s", ">=", 1.3, (1,)),
+    ("peak RSS", "peak_rss_mb", "<=", 1.0, (1, 8, 16)),
+    ("p95 time between tokens", "tbt_ms_p95", "<=", 1.0, (8, 16)),
+)
+
+
 def targets(best: list[dict]) -> list[dict]:
-    """Issue 33's targets for every pair and prompt length that has rows; value None: not
-    measured (its verdict says so)."""
+    """Issues 33's and 45's targets for every pair and prompt length that has rows; value
+    None: not measured (its verdict says so)."""
     out = []
     pairs = sorted({r["pair"] for r in best})
     lengths = sorted({r["prompt_tokens"] for r in best if r["mode"] == "plain"}) or [128]
@@ -72,43 +83,19 @@ def targets(best: list[dict]) -> list[dict]:
             return _find(best, pair=pair, server=server, mode=mode, **kw)
 
         for n in lengths:
-            for c in (8, 16):
-                ours, theirs = (
-                    row("doel-serve", prompt_tokens=n, clients=c),
-                    row(PEER, prompt_tokens=n, clients=c),
-                )
-                out.append(
-                    _target(
-                        f"aggregate tok/s doel-serve / llama-server, {pair} vs {peer}, "
-                        f"{c} clients, {n}-token prompts",
-                        _ratio(ours, theirs, "aggregate_tok_s"),
-                        ">=",
-                        1.5,
+            for what, key, op, threshold, levels in LEVEL_TARGETS:
+                for c in levels:
+                    ours = row("doel-serve", prompt_tokens=n, clients=c)
+                    theirs = row(PEER, prompt_tokens=n, clients=c)
+                    out.append(
+                        _target(
+                            f"{what} doel-serve / llama-server, {pair} vs {peer}, "
+                            f"{c} client{'s' * (c > 1)}, {n}-token prompts",
+                            _ratio(ours, theirs, key),
+                            op,
+                            threshold,
+                        )
                     )
-                )
-                out.append(
-                    _target(
-                        f"p95 TTFT doel-serve / llama-server, {pair} vs {peer}, "
-                        f"{c} clients, {n}-token prompts",
-                        _ratio(ours, theirs, "ttft_ms_p95"),
-                        "<=",
-                        1.0,
-                    )
-                )
-            ours, theirs = (
-                row("doel-serve", prompt_tokens=n, clients=1),
-                row(PEER, prompt_tokens=n, clients=1),
-            )
-            out.append(
-                _target(
-                    f"tok/s doel-serve / llama-server, {pair} vs {peer}, 1 client, "
-                    f"{n}-token prompts",
-                    _ratio(ours, theirs, "aggregate_tok_s"),
-                    ">=",
-                    1.3,
-                )
-            )
-        out += memory_and_gaps(row, pair, peer, lengths)
         ours, theirs = row("doel-serve", mode="chat"), row(PEER, mode="chat")
         out.append(
             _target(
@@ -138,43 +125,6 @@ def targets(best: list[dict]) -> list[dict]:
                 "PagedAttention graph)",
             )
         )
-    return out
-
-
-def memory_and_gaps(row, pair: str, peer: str, lengths: list[int]) -> list[dict]:
-    """Issue 45's targets: doel-serve's peak RSS no more than llama-server's at 1, 8 and 16
-    clients, and its p95 time between two tokens of a stream no more than llama-server's at 8
-    and 16."""
-    out = []
-    for n in lengths:
-        for c in (1, 8, 16):
-            ours, theirs = (
-                row("doel-serve", prompt_tokens=n, clients=c),
-                row(PEER, prompt_tokens=n, clients=c),
-            )
-            out.append(
-                _target(
-                    f"peak RSS doel-serve / llama-server, {pair} vs {peer}, {c} clients, "
-                    f"{n}-token prompts",
-                    _ratio(ours, theirs, "peak_rss_mb"),
-                    "<=",
-                    1.0,
-                )
-            )
-        for c in (8, 16):
-            ours, theirs = (
-                row("doel-serve", prompt_tokens=n, clients=c),
-                row(PEER, prompt_tokens=n, clients=c),
-            )
-            out.append(
-                _target(
-                    f"p95 time between tokens doel-serve / llama-server, {pair} vs {peer}, "
-                    f"{c} clients, {n}-token prompts",
-                    _ratio(ours, theirs, "tbt_ms_p95"),
-                    "<=",
-                    1.0,
-                )
-            )
     return out
 
 
