@@ -232,7 +232,12 @@ def web_export(ckpt: Path, work: Path) -> Path:
     from doel.export.bundle import ExportOptions, export_checkpoint
 
     out = work / "bundle-int4-web"
-    opts = ExportOptions(quant="int4", web=True, eval_tokens=64, log=lambda _m: None)
+    # A model trained for seconds to end its documents: what int4 adds to its held-out loss
+    # depends on the CPU's kernels (0.21 nats/token on amd-avx512-vnni, over the default 0.1)
+    # and says nothing of the format, which bench_quant_quality measures on a trained model.
+    opts = ExportOptions(
+        quant="int4", web=True, eval_tokens=64, max_loss_increase=1.0, log=lambda _m: None
+    )
     export_checkpoint(ckpt, out, opts)
     return out
 
