@@ -18,7 +18,6 @@ import asyncio
 import os
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,33 +25,11 @@ from benchmarks.common.cpu_class import this_cpu
 from benchmarks.common.report import cpu_name, heading, parser, publish, stamp
 from benchmarks.load.load_client import run_level
 from benchmarks.load.load_model import Prompts, prepare
-from benchmarks.load.load_servers import BINARY, CACHE, THREADS, Server, rss_tree_mb
+from benchmarks.load.load_servers import BINARY, CACHE, THREADS, Peak, Server
 
 RESULTS = ("serve_models_0.4b_cpu-<class>",)
 
 SLOTS, POSITIONS, CLIENTS, NEW_TOKENS, PROMPT = 4, 8192, 4, 128, 128
-
-
-class Peak:
-    """The peak of the summed resident memory of some processes, sampled every 0.2 s."""
-
-    def __init__(self, pids: list[int]):
-        self.pids, self.mb, self._stop = pids, self.now(pids), threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def now(pids: list[int]) -> float:
-        return sum(rss_tree_mb(p) for p in pids)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.2):
-            self.mb = max(self.mb, self.now(self.pids))
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return max(self.mb, self.now(self.pids))
 
 
 def start(kind: str, made: dict, work: Path) -> tuple[list[Server], list[str], float]:

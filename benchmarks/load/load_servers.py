@@ -141,6 +141,29 @@ def rss_tree_mb(pid: int) -> float:
     return total / 1024
 
 
+class Peak:
+    """The peak of the summed resident memory of some process trees, sampled every 0.2 s from
+    its start until stop()."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.mb, self._stop = pids, self.now(pids), threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def now(pids: list[int]) -> float:
+        return sum(rss_tree_mb(p) for p in pids)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self.mb = max(self.mb, self.now(self.pids))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.mb, self.now(self.pids))
+
+
 class Server:
     """One server process: started, ready (a real completion answered), sampled, stopped."""
 
@@ -149,7 +172,7 @@ class Server:
         self.log = open(log, "ab")
         cmd = server_command(kind, model, self.port, extra)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
-        self.peak_mb, self._sampling = 0.0, None
+        self._sampling: Peak | None = None
 
     def wait_ready(self, timeout: float = 300) -> None:
         """Until a 4-token completion comes back (two in a row: the first after /health has
@@ -171,21 +194,10 @@ class Server:
 
     def sample_rss(self):
         """Start sampling the tree's resident memory (every 0.2 s) until stop_sampling()."""
-        self.peak_mb, stop = 0.0, threading.Event()
-
-        def loop():
-            while not stop.wait(0.2):
-                self.peak_mb = max(self.peak_mb, rss_tree_mb(self.proc.pid))
-
-        self.peak_mb = rss_tree_mb(self.proc.pid)
-        self._sampling = (stop, threading.Thread(target=loop, daemon=True))
-        self._sampling[1].start()
+        self._sampling = Peak([self.proc.pid])
 
     def stop_sampling(self) -> float:
-        stop, thread = self._sampling
-        stop.set()
-        thread.join()
-        return max(self.peak_mb, rss_tree_mb(self.proc.pid))
+        return self._sampling.stop()
 
     def close(self) -> None:
         self.proc.terminate()
