@@ -364,30 +364,28 @@ def check_numbers(args: argparse.Namespace) -> None:
         sys.exit("error: --keep-alive must be 0 or more seconds, or -1 (never unload)")
 
 
-def bundle_folders(args: argparse.Namespace, read_bundle, error) -> list[str]:
-    """The folders to serve: each BUNDLE (one that is not a bundle is a one-line error), then
-    each bundle folder in --models DIR, by name (one that is not is skipped, in one line)."""
+def bundle_folders(args: argparse.Namespace, read_bundle, error) -> list[tuple]:
+    """(folder, its bundle as read_bundle read it) of each to serve: each BUNDLE (one that is not a
+    bundle is a one-line error), then each bundle folder in --models DIR, by name (one that is
+    not is skipped, in one line)."""
     folders = []
     for folder in args.bundle:
         try:
-            read_bundle(folder)
+            folders.append((folder, read_bundle(folder)))
         except error as e:
             sys.exit(f"error: {e}")
-        folders.append(folder)
     if args.models is not None:
         if not Path(args.models).is_dir():
             sys.exit(f"error: --models {args.models} is not a folder; give the folder of bundles")
         for sub in sorted(p for p in Path(args.models).iterdir() if p.is_dir()):
             try:
-                read_bundle(sub)
+                folders.append((str(sub), read_bundle(sub)))
             except error as e:
                 print(f"warning: skipping {sub}: {e}", file=sys.stderr)
-                continue
-            folders.append(str(sub))
     if not folders:
         where = f"--models {args.models} holds no bundle" if args.models else "none was given"
         sys.exit(f"error: no bundle to serve ({where}); give BUNDLE folders or --models DIR")
-    names = [Path(f).resolve().name for f in folders]
+    names = [Path(f).resolve().name for f, _ in folders]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         sys.exit(f"error: two bundles are named {twice[0]!r}; the API names a model by its folder")
@@ -416,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         from doel.serve.verify import Verification
     except ModuleNotFoundError as e:
         sys.exit(f"doel-serve needs the {e.name!r} package, part of the serve extra: {EXTRA_HINT}")
-    folders = bundle_folders(args, read_bundle, BundleError)
+    bundles = bundle_folders(args, read_bundle, BundleError)
+    folders = [f for f, _ in bundles]
     key = api_key(args)
     keys = key_file(args.api_key_file) if args.api_key_file else None
     check_port(args.host, args.port)
@@ -438,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         allowed_hosts=allowed_hosts(args.host, args.allowed_host),
         url=base_url(args.host, args.port),
         # Started now: the files are hashed while the port opens and the model loads.
-        verify=None if args.no_checksums else Verification(read_bundle(folders[0])),
+        verify=None if args.no_checksums else Verification(bundles[0][1]),
         exit_on_damage=True,
     )
     _, files = raise_open_files()
