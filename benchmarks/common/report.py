@@ -61,8 +61,10 @@ def stamp(python: bool = False) -> dict:
 
 
 def cpu_name(cpu: dict) -> str:
-    """`AMD EPYC 9R14, class **amd-avx512-vnni**`: how a report names the CPU it ran on."""
-    return f"{cpu.get('model_name', '?')}, class **{cpu['class']}**"
+    """`AMD EPYC 9R14 (Zen 4 (family 25, model 17)), class **amd-avx512-vnni**`: how a report
+    names the CPU it ran on (results made before the core was recorded name the model alone)."""
+    core = f" ({cpu['core']})" if cpu.get("core") else ""
+    return f"{cpu.get('model_name', '?')}{core}, class **{cpu['class']}**"
 
 
 def cpu_line(cpu: dict) -> str:

@@ -33,6 +33,19 @@ ISA = {
     "ARM i8mm": ("i8mm",),
 }
 VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+# Cores of one class can differ twofold in a compute-bound step (Zen 5 runs AVX-512 on full-width
+# units, Zen 4 in two halves), so a result also names the core: AMD's by family, Intel's server
+# cores by model. A core missing here is named by its numbers alone.
+AMD_CORES = {23: "Zen or Zen 2", 25: "Zen 3 or Zen 4", 26: "Zen 5"}
+INTEL_CORES = {
+    85: "Skylake or Cascade Lake",
+    106: "Ice Lake",
+    143: "Sapphire Rapids",
+    207: "Emerald Rapids",
+    173: "Granite Rapids",
+    151: "Alder Lake",
+    183: "Raptor Lake",
+}
 AVX512_CORE = ("avx512f", "avx512bw", "avx512dq", "avx512vl")  # platform.cpp's Avx512Supported_
 
 
@@ -160,6 +173,18 @@ def _read(cpuinfo: str, machine: str) -> tuple[dict, set[str], str]:
     return fields, flags, "arm" if arm else VENDORS.get(fields.get("vendor_id", ""), "x86")
 
 
+def core(fields: dict, vendor: str, isa: dict[str, bool]) -> str:
+    """`Zen 4 (family 25, model 17)`: the core behind the model name, where /proc/cpuinfo says."""
+    family, model = fields.get("cpu family", ""), fields.get("model", "")
+    if not (family.isdigit() and model.isdigit()):
+        return ""
+    name = {"amd": AMD_CORES.get(int(family)), "intel": INTEL_CORES.get(int(model))}.get(vendor)
+    if vendor == "amd" and int(family) == 25:  # Zen 3 has no AVX-512; Zen 4 does
+        name = "Zen 4" if isa["AVX-512F"] else "Zen 3"
+    numbers = f"family {family}, model {model}"
+    return f"{name} ({numbers})" if name else numbers
+
+
 def describe(cpuinfo: str, machine: str) -> dict:
     """Model name, ISA flags, class and MLAS path from a /proc/cpuinfo text and
     `platform.machine()`: what a result records of the CPU it ran on."""
@@ -169,6 +194,7 @@ def describe(cpuinfo: str, machine: str) -> dict:
     isa = isa_flags(flags)
     return {
         "model_name": name,
+        "core": core(fields, vendor, isa),
         "vendor": vendor,
         "isa": isa,
         "class": found.slug,

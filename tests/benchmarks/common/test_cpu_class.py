@@ -62,3 +62,28 @@ def test_cpu_class_reads_arm_features_and_names_the_result_file():
     assert describe("", "x86_64")["model_name"] == "x86_64"  # no /proc/cpuinfo: still a name
     assert bench.result_name("bangla-0.4b", "amd-avx2") == "serve_0.4b_cpu-amd-avx2"
     assert bench.result_name("tiny", this_cpu()["class"]).startswith("serve_tiny_cpu-")
+
+
+@pytest.mark.parametrize(
+    "vendor, family, model, flags, core",
+    [
+        ("AuthenticAMD", 25, 1, ZEN3, "Zen 3 (family 25, model 1)"),
+        ("AuthenticAMD", 25, 17, ZEN5, "Zen 4 (family 25, model 17)"),  # same flags, Zen 4
+        ("AuthenticAMD", 26, 2, ZEN5, "Zen 5 (family 26, model 2)"),
+        ("GenuineIntel", 6, 143, SAPPHIRE_RAPIDS, "Sapphire Rapids (family 6, model 143)"),
+        ("GenuineIntel", 6, 250, ALDER_LAKE, "family 6, model 250"),  # not named: numbers
+    ],
+)
+def test_a_result_names_the_core_two_cpus_of_one_class_can_differ_in(
+    vendor, family, model, flags, core
+):
+    from benchmarks.common.cpu_class import describe
+    from benchmarks.common.report import cpu_name
+
+    text = _cpuinfo(vendor, "EPYC", flags).replace(
+        "model name", f"cpu family\t: {family}\nmodel\t\t: {model}\nmodel name", 1
+    )
+    cpu = describe(text, "x86_64")
+    assert cpu["core"] == core
+    assert cpu_name(cpu) == f"EPYC ({core}), class **{cpu['class']}**"
+    assert describe(_cpuinfo(vendor, "EPYC", flags), "x86_64")["core"] == ""  # not in the file
