@@ -125,15 +125,20 @@ def _line(r: dict) -> str:
     )
 
 
-def inproc_process(kind: str, bundle: Path, pair: str, prompts: Prompts, args, work: Path):
-    """One process of doel's engine or onnxruntime-genai's through the in-process levels."""
+def inproc_process(
+    kind: str, bundle: Path, pair: str, prompts: Prompts, args, work: Path, n: int | None = None
+):
+    """One process of doel's engine or onnxruntime-genai's through the in-process levels, or
+    (`ceiling`) of doel's engine timing its prefill and steps alone at the HTTP levels."""
     prompts.reset()
+    n = n or args.prompt_tokens[0]
+    levels = args.clients if kind == "ceiling" else args.inproc_clients
     spec = {"threads": 2, "slots": 16, "new_tokens": NEW_TOKENS, "rounds": args.rounds}
-    spec |= {"levels": args.inproc_clients, "prompts": []}
-    need = 2 + sum(args.inproc_clients) * args.rounds
-    spec["prompts"] = [prompts.ids_of(args.prompt_tokens[0]) for _ in range(need)]
+    spec |= {"levels": levels, "prompts": []}
+    need = max(levels) if kind == "ceiling" else 2 + sum(levels) * args.rounds
+    spec["prompts"] = [prompts.ids_of(n) for _ in range(need)]
     (work / "inproc.json").write_text(json.dumps(spec))
-    py = sys.executable if kind == "doel" else str(args.ortgenai_python)
+    py = str(args.ortgenai_python) if kind == "genai" else sys.executable
     cmd = [py] + command(
         "load.bench_load_inproc", kind, bundle, work / "inproc.json", work / "o.json"
     )[1:]
@@ -142,13 +147,16 @@ def inproc_process(kind: str, bundle: Path, pair: str, prompts: Prompts, args, w
     if proc.returncode != 0:
         raise SystemExit(f"{kind} in-process run failed:\n{proc.stderr[-3000:]}")
     got = json.loads((work / "o.json").read_text())
-    server = "doel engine" if kind == "doel" else f"onnxruntime-genai {got.get('version', '')}"
+    server = {"doel": "doel engine", "ceiling": "doel engine, kernels alone"}.get(
+        kind, f"onnxruntime-genai {got.get('version', '')}".strip()
+    )
+    mode = "ceiling" if kind == "ceiling" else "inproc"
     rows = []
     for pt in got["points"]:
-        row = {"pair": pair, "server": server.strip(), "mode": "inproc"}
-        row |= {"prompt_tokens": args.prompt_tokens[0], "load_1min": load}
-        rows.append(row | pt | {"peak_rss_mb": got["peak_rss_mb"]})
-        print(_line(rows[-1]), flush=True)
+        row = {"pair": pair, "server": server, "mode": mode, "prompt_tokens": n}
+        rows.append(row | {"load_1min": load} | pt | {"peak_rss_mb": got["peak_rss_mb"]})
+        if mode == "inproc":
+            print(_line(rows[-1]), flush=True)
     return rows
 
 
@@ -169,6 +177,11 @@ def measure(args, work: Path, save) -> None:
             if args.inproc:
                 for kind in ("doel", "genai")[:: 1 if p % 2 == 0 else -1]:
                     got = inproc_process(kind, made[pair], pair, prompts, args, work)
+                    rows += [r | {"process": p} for r in got]
+                    save(rows)
+            if args.ceiling and "doel" in args.servers and args.http and args.plain:
+                for n in args.prompt_tokens:
+                    got = inproc_process("ceiling", made[pair], pair, prompts, args, work, n)
                     rows += [r | {"process": p} for r in got]
                     save(rows)
 
@@ -241,6 +254,13 @@ def build_parser():
         "--inproc",
         action="store_true",
         help="also doel's engine against onnxruntime-genai's, in-process",
+    )
+    ap.add_argument(
+        "--no-ceiling",
+        dest="ceiling",
+        action="store_false",
+        help="skip timing doel's engine alone (its prefill and steps: the most any scheduling "
+        "could serve at each HTTP level)",
     )
     ap.add_argument(
         "--inproc-clients",

@@ -2,11 +2,12 @@
 prompts (ids) and client levels, no HTTP (onnxruntime-genai has no server).
 
 Run by benchmarks/load/bench_load.py, one process per engine and draw:
-`python -m benchmarks.load.bench_load_inproc doel|genai BUNDLE SPEC.json OUT.json`. The `genai` side
-runs in its own virtualenv (onnxruntime-genai's newest release pins a builder the export extra
-cannot take), so this module imports only the standard library and benchmarks.load.load_client at
-its top. Clients are closed loops as over HTTP: each sends `rounds` requests in turn, the next
-when the last is done, greedy, `new_tokens` each.
+`python -m benchmarks.load.bench_load_inproc doel|genai|ceiling BUNDLE SPEC.json OUT.json`
+(`ceiling`: doel's engine timing its prefill and steps alone, what bench_load_report compares
+with the HTTP levels). The `genai` side runs in its own virtualenv (onnxruntime-genai's newest
+release pins a builder the export extra cannot take), so this module imports only the standard
+library and benchmarks.load.load_client at its top. Clients are closed loops as over HTTP: each
+sends `rounds` requests in turn, the next when the last is done, greedy, `new_tokens` each.
 
 onnxruntime-genai's continuous batching (`engine.dynamic_batching`) needs a PagedAttention graph
 ("Paged cache input must have rank four ...": the export's GroupQueryAttention graph is refused),
@@ -71,6 +72,51 @@ def run_doel(bundle: str, spec: dict) -> list[dict]:
         return points
 
     return asyncio.run(main())
+
+
+def ceiling(prefill_s: float, step_s: float, clients: int, new_tokens: int) -> float:
+    """The most tokens/s `clients` closed-loop clients can get from an engine that prefills a
+    prompt in `prefill_s` and steps `clients` rows in `step_s`: each request costs its prefill
+    (which gives its first token) and its share of new_tokens - 1 full steps, and runs never
+    overlap (one session holds every core). A step of fewer rows costs less but serves fewer
+    tokens, so for any scheduling this is an upper bound when tokens per step-second grow with
+    the rows (they do: benchmarks/results/profile_serve_0.4b_cpu-*.md)."""
+    return clients * new_tokens / (clients * prefill_s + (new_tokens - 1) * step_s)
+
+
+def run_ceiling(bundle: str, spec: dict) -> list[dict]:
+    """What the kernels allow, whatever the scheduling: the engine's prefill of one prompt and
+    its step of c rows (each row mid-answer) timed alone, the best of several, and ceiling()."""
+    from doel.serve.engine import Engine, read_bundle
+
+    engine = Engine(read_bundle(bundle), threads=spec["threads"], slots=spec["slots"])
+    engine.warm_up()
+    prompt, new = spec["prompts"][0], spec["new_tokens"]
+    top = max(spec["levels"])
+    times = []
+    for slot in range(top):  # every row a prompt of its own, as the clients send
+        t0 = time.perf_counter()
+        engine.forward(list(spec["prompts"][slot % len(spec["prompts"])]), 0, slot=slot)
+        times.append(time.perf_counter() - t0)
+    prefill = min(times[1:] or times)  # the first run of a slot's pages included once
+    points = []
+    for c in spec["levels"]:
+        length = len(prompt) + new // 2  # the mean context of a row's answer
+        steps = []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            engine.decode([0] * c, [length] * c)
+            steps.append(time.perf_counter() - t0)
+        step = min(steps)
+        points.append(
+            {
+                "clients": c,
+                "prefill_ms": prefill * 1e3,
+                "step_ms": step * 1e3,
+                "aggregate_tok_s": ceiling(prefill, step, c, new),
+            }
+        )
+    return points
 
 
 def genai_folder(bundle: Path, spec: dict, into: Path) -> Path:
@@ -144,7 +190,7 @@ def main(argv: list[str]) -> None:
     engine, bundle, spec_path, out = argv
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
-    points = (run_doel if engine == "doel" else run_genai)(bundle, spec)
+    points = {"doel": run_doel, "genai": run_genai, "ceiling": run_ceiling}[engine](bundle, spec)
     with open("/proc/self/status") as f:
         peak = next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmHWM:"))
     result = {"engine": engine, "points": points, "peak_rss_mb": peak}

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from benchmarks.load.bench_load import best, merged
-from benchmarks.load.bench_load_report import targets
+from benchmarks.load.bench_load_inproc import ceiling, run_ceiling
+from benchmarks.load.bench_load_report import CEILING, ceiling_table, targets
 from benchmarks.load.load_client import bangla_chars, percentile, run_level, summarize
 
 TOKENS = ["আমি ", "বাংলায় ", "গান ", "গাই", "।"]
@@ -205,3 +206,35 @@ def test_targets_are_ratios_of_the_two_servers_with_verdicts():
 def test_summarize_of_nothing_is_zero_not_an_error():
     res = summarize([], 0.0)
     assert res["requests"] == 0 and res["aggregate_tok_s"] == 0.0 and res["ttft_ms_p50"] is None
+
+
+def test_the_ceiling_is_prefills_and_full_steps_with_nothing_overlapping():
+    # 1 client: a 0.2 s prefill and 127 steps of 10 ms give 128 tokens in 1.47 s
+    assert ceiling(0.2, 0.01, 1, 128) == pytest.approx(128 / 1.47)
+    # 16 clients: 16 prefills, then 127 steps of 16 rows
+    assert ceiling(0.2, 0.05, 16, 128) == pytest.approx(16 * 128 / (3.2 + 6.35))
+    assert ceiling(0.2, 0.05, 16, 128) > ceiling(0.2, 0.05, 8, 128)  # same step, more rows
+
+
+def test_a_throughput_target_says_what_the_kernels_allow():
+    rows = [_row("doel-serve", 16, 180, 900), _row("llama-server", 16, 150, 1000)]
+    rows.append(_row(CEILING, 16, 210, 0, mode="ceiling", prefill_ms=220.0, step_ms=50.0))
+    by = {t["target"]: t for t in targets(rows)}
+    tok16 = next(t for n, t in by.items() if n.startswith("aggregate") and "16 clients" in n)
+    assert tok16["met"] is False and tok16["note"] == "the kernels allow at most 1.40"
+    ttft = next(t for n, t in by.items() if n.startswith("p95 TTFT") and "16 clients" in n)
+    assert ttft["note"] == ""  # only throughput has a ceiling
+    (line,) = [x for x in ceiling_table(rows) if x.startswith("| int4 |")]
+    assert line == "| int4 | 128 | 16 | 220 | 50.0 | 210.0 | 180.0 (86%) | 150.0 | 1.40 |"
+    assert ceiling_table(rows[:2]) == []  # not measured: no section
+
+
+def test_run_ceiling_times_the_engine_alone(tiny_bundle):
+    spec = {"threads": 1, "slots": 4, "new_tokens": 16, "levels": [1, 4]}
+    spec["prompts"] = [[5 + i] * 12 for i in range(4)]
+    one, four = run_ceiling(str(tiny_bundle), spec)
+    assert (one["clients"], four["clients"]) == (1, 4)
+    assert one["prefill_ms"] == four["prefill_ms"] > 0 and four["step_ms"] > 0
+    assert four["aggregate_tok_s"] == pytest.approx(
+        ceiling(four["prefill_ms"] / 1e3, four["step_ms"] / 1e3, 4, 16)
+    )
