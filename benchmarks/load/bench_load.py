@@ -39,7 +39,7 @@ from benchmarks.common.cpu_class import this_cpu
 from benchmarks.common.report import command, parser, publish, stamp
 from benchmarks.load.bench_load_report import figure, markdown, targets
 from benchmarks.load.load_client import run_level
-from benchmarks.load.load_model import Prompts, prepare
+from benchmarks.load.load_model import PAIRS, Prompts, prepare
 from benchmarks.load.load_servers import (
     BINARY,
     CACHE,
@@ -51,7 +51,6 @@ from benchmarks.load.load_servers import (
 RESULTS = ("serve_load_0.4b_cpu-<class>",)
 
 ROOT = Path(__file__).resolve().parents[2]
-PAIRS = {"int4": "q4_0", "int8": "q8_0"}
 NAMES = {"doel": "doel-serve", "llama": "llama-server"}
 GENAI_VENV = CACHE / "ortgenai-venv"
 NEW_TOKENS, CHAT_TURNS, CHAT_PIECE, CHAT_CLIENTS = 128, 3, 64, 8
@@ -210,8 +209,9 @@ def build_parser():
         "--pair",
         nargs="+",
         choices=list(PAIRS),
-        default=list(PAIRS),
-        help="doel widths to measure, each against its llama.cpp peer",
+        default=["int4", "int8"],
+        help="doel bundles to measure, each against its llama.cpp peer (default int4 int8; "
+        "int4-kv16: int4 with an fp16 KV cache, against q4_0)",
     )
     ap.add_argument(
         "--clients",

@@ -11,6 +11,7 @@ matrix kernels."""
 from __future__ import annotations
 
 from benchmarks.common.report import cpu_name, heading
+from benchmarks.load.load_model import PAIRS
 
 PEER = "llama-server"
 CEILING = "doel engine, kernels alone"
@@ -81,7 +82,7 @@ def targets(best: list[dict]) -> list[dict]:
     pairs = sorted({r["pair"] for r in best})
     lengths = sorted({r["prompt_tokens"] for r in best if r["mode"] == "plain"}) or [128]
     for pair in pairs:
-        peer = {"int4": "q4_0", "int8": "q8_0"}[pair]
+        peer = PAIRS[pair]
 
         def row(server, mode="plain", pair=pair, **kw):
             return _find(best, pair=pair, server=server, mode=mode, **kw)
@@ -245,8 +246,7 @@ def markdown(result: dict) -> str:
     for pair, mode, n in groups:
         lines += [
             "",
-            f"## {pair} / {dict(int4='q4_0', int8='q8_0')[pair]}: {titles[mode]}, "
-            f"{n}-token prompts",
+            f"## {pair} / {PAIRS[pair]}: {titles[mode]}, {n}-token prompts",
             "",
         ]
         lines += level_table(

@@ -74,8 +74,20 @@ def _export(ckpt: Path, out: Path, *flags: str) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
 
+# Each doel bundle the load benchmarks serve: its llama.cpp peer of the same weights and width,
+# and its export flags. int4-kv16 is int4 with the KV cache in fp16 (`doel-export --kv-cache`):
+# half the cache's memory, at what cost in speed is what its rows measure.
+PAIRS = {"int4": "q4_0", "int8": "q8_0", "int4-kv16": "q4_0"}
+EXPORT_FLAGS = {
+    "int4": ("--quant", "int4"),
+    "int8": ("--quant", "int8"),
+    "int4-kv16": ("--quant", "int4", "--kv-cache", "fp16"),
+}
+
+
 def prepare(work: Path, pairs: list[tuple[str, str]]) -> dict[str, Path]:
-    """{variant: bundle folder or GGUF file} for each (doel quant, llama.cpp quant) pair."""
+    """{variant: bundle folder or GGUF file} for each (doel variant of EXPORT_FLAGS, llama.cpp
+    quant) pair."""
     work.mkdir(parents=True, exist_ok=True)
     ckpt = checkpoint(work)
     made: dict[str, Path] = {}
@@ -83,7 +95,7 @@ def prepare(work: Path, pairs: list[tuple[str, str]]) -> dict[str, Path]:
         bundle = work / f"bundle-{ours}"
         if not (bundle / "manifest.json").is_file():
             print(f"exporting {ours} ...", flush=True)
-            _export(ckpt, bundle, "--quant", ours, "--eval-tokens", "256")
+            _export(ckpt, bundle, *EXPORT_FLAGS[ours], "--eval-tokens", "256")
         made[ours] = bundle
         gguf = work / f"gguf-{peer}"
         if not list(gguf.glob("*.gguf")):
