@@ -402,7 +402,8 @@ def settings_of(args: argparse.Namespace, **given) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    # Bundles may come between flags (`doel-serve A --threads 2 B`), as a shell user writes them.
+    args = build_parser().parse_intermixed_args(argv)
     check_numbers(args)
     try:
         import uvicorn

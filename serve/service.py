@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, normalizers
 
 from doel.contracts.decoding import CONTEXT_IDS
 from doel.serve.engine import Engine, read_bundle
+from doel.serve.grammar_limits import compiled
 from doel.serve.logprobs import Record, openai_logprobs
 from doel.serve.metrics import Metrics
 from doel.serve.prefix import Hit
@@ -219,7 +220,8 @@ class Service:
         response_format's). Raises RequestError before the first piece."""
         spec = req.format_spec()
         if fmt is None and spec is not None:
-            fmt = await self.in_thread(self.compile_format, spec)
+            # bounded in time as the routes' compiles are (a caller may leave fmt to us)
+            fmt = await compiled("response_format", self.compile_format, spec)
         if fmt is not None and req.echo:
             raise RequestError(400, ECHO_WITH_FORMAT, "echo")
         ids = await self.in_thread(self.prompt_ids, req, prompt)

@@ -282,3 +282,41 @@ def test_a_slow_compile_through_the_app_is_a_400_and_health_answers_meanwhile(
     assert error["param"] == "response_format" and "--compile-timeout" in error["message"]
     assert 0.5 <= got["s"] < 2.5  # refused at the bound, not after the compile's 3 s
     assert len(health) >= 3 and max(health) < 0.25, health
+
+
+def test_service_complete_bounds_a_compile_it_is_left_to_make(tiny_bundle, monkeypatch):
+    """A caller of Service.complete that passes no compiled format gets the same time bound as
+    the routes: a hanging compile is a 400 naming --compile-timeout, not a wait."""
+    from tokenizers import Tokenizer
+
+    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.protocol import CompletionRequest
+    from doel.serve.service import Service
+
+    compile_ = Grammars.json_schema
+
+    def hanging(self, schema, param="response_format"):
+        if schema.get("title") == "slow":
+            time.sleep(2)
+        return compile_(self, schema, param)
+
+    monkeypatch.setattr(Grammars, "json_schema", hanging)
+    bundle = read_bundle(tiny_bundle)
+    svc = Service(Engine(bundle, threads=1), Tokenizer.from_file(str(bundle.tokenizer)), "m")
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"title": "slow"}}}
+    req = CompletionRequest(prompt="x", max_tokens=2, response_format=rf)
+
+    async def main():
+        token = LIMITS.set(Settings(bundle="none", compile_timeout=0.3))
+        try:
+            t0 = time.perf_counter()
+            with pytest.raises(RequestError) as e:
+                async for _ in svc.complete(req):
+                    pass
+            return e.value, time.perf_counter() - t0
+        finally:
+            LIMITS.reset(token)
+
+    error, waited = asyncio.run(main())
+    assert error.status == 400 and "--compile-timeout" in error.message
+    assert waited < 1.5  # not the compile's 2 s

@@ -30,6 +30,13 @@ def test_a_folder_that_is_not_a_bundle_is_one_line_error(tmp_path):
         main([str(tmp_path), "--slots", "0"])
 
 
+def test_bundles_may_come_between_flags(tiny_bundle, tmp_path):
+    """`doel-serve A --threads 2 B` names two bundles: B is checked (and refused here, as a
+    folder with no manifest), not taken for a stray argument."""
+    with pytest.raises(SystemExit, match=f"error: {tmp_path} has no manifest.json"):
+        main([str(tiny_bundle), "--threads", "2", str(tmp_path)])
+
+
 def test_a_gguf_folder_is_one_line_that_says_how_to_run_it(tmp_path):
     """A folder written by `doel-export --format gguf`: no traceback, the line names the file
     and what runs it."""
