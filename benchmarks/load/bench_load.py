@@ -39,7 +39,7 @@ from benchmarks.common.cpu_class import this_cpu
 from benchmarks.common.report import command, parser, publish, stamp
 from benchmarks.load.bench_load_report import figure, markdown, targets
 from benchmarks.load.load_client import run_level
-from benchmarks.load.load_model import PAIRS, Prompts, prepare
+from benchmarks.load.load_model import DEFAULT_PAIRS, PAIRS, Prompts, prepare
 from benchmarks.load.load_servers import (
     BINARY,
     CACHE,
@@ -209,7 +209,7 @@ def build_parser():
         "--pair",
         nargs="+",
         choices=list(PAIRS),
-        default=["int4", "int8"],
+        default=DEFAULT_PAIRS,
         help="doel bundles to measure, each against its llama.cpp peer (default int4 int8; "
         "int4-kv16: int4 with an fp16 KV cache, against q4_0)",
     )

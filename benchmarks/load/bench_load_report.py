@@ -11,7 +11,7 @@ matrix kernels."""
 from __future__ import annotations
 
 from benchmarks.common.report import cpu_name, heading
-from benchmarks.load.load_model import PAIRS
+from benchmarks.load.load_model import DEFAULT_PAIRS, PAIRS
 
 PEER = "llama-server"
 CEILING = "doel engine, kernels alone"
@@ -108,6 +108,8 @@ def targets(best: list[dict]) -> list[dict]:
                             note,
                         )
                     )
+        if pair not in DEFAULT_PAIRS:  # a variant (int4-kv16) is judged at the HTTP levels only
+            continue
         ours, theirs = row("doel-serve", mode="chat"), row(PEER, mode="chat")
         out.append(
             _target(

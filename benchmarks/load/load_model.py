@@ -78,6 +78,7 @@ def _export(ckpt: Path, out: Path, *flags: str) -> None:
 # and its export flags. int4-kv16 is int4 with the KV cache in fp16 (`doel-export --kv-cache`):
 # half the cache's memory, at what cost in speed is what its rows measure.
 PAIRS = {"int4": "q4_0", "int8": "q8_0", "int4-kv16": "q4_0"}
+DEFAULT_PAIRS = ["int4", "int8"]  # what a run measures unless --pair says otherwise
 EXPORT_FLAGS = {
     "int4": ("--quant", "int4"),
     "int8": ("--quant", "int8"),

@@ -239,6 +239,18 @@ def test_a_recursion_with_no_way_out_reaches_a_limit_as_a_dead_end_not_an_error(
             c.advance(int(np.argmax(c.mask(logits, ()))))
 
 
+def plant_a_hanging_compile(monkeypatch, seconds: float) -> None:
+    """JSON schemas titled "slow" take `seconds` to compile; the others compile as they do."""
+    compile_ = Grammars.json_schema
+
+    def hanging(self, schema, param="response_format"):
+        if schema.get("title") == "slow":
+            time.sleep(seconds)
+        return compile_(self, schema, param)
+
+    monkeypatch.setattr(Grammars, "json_schema", hanging)
+
+
 def test_a_slow_compile_through_the_app_is_a_400_and_health_answers_meanwhile(
     tiny_bundle, monkeypatch
 ):
@@ -246,14 +258,7 @@ def test_a_slow_compile_through_the_app_is_a_400_and_health_answers_meanwhile(
     the parameter and the flag, while /health keeps answering at once."""
     import threading
 
-    compile_ = Grammars.json_schema
-
-    def hanging(self, schema, param="response_format"):
-        if schema.get("title") == "slow":
-            time.sleep(3)
-        return compile_(self, schema, param)
-
-    monkeypatch.setattr(Grammars, "json_schema", hanging)
+    plant_a_hanging_compile(monkeypatch, 3)
     settings = Settings(bundle=str(tiny_bundle), threads=1, compile_timeout=0.5)
     with TestClient(create_app(settings)) as c:
         end = time.monotonic() + 30
@@ -293,14 +298,7 @@ def test_service_complete_bounds_a_compile_it_is_left_to_make(tiny_bundle, monke
     from doel.serve.protocol import CompletionRequest
     from doel.serve.service import Service
 
-    compile_ = Grammars.json_schema
-
-    def hanging(self, schema, param="response_format"):
-        if schema.get("title") == "slow":
-            time.sleep(2)
-        return compile_(self, schema, param)
-
-    monkeypatch.setattr(Grammars, "json_schema", hanging)
+    plant_a_hanging_compile(monkeypatch, 2)
     bundle = read_bundle(tiny_bundle)
     svc = Service(Engine(bundle, threads=1), Tokenizer.from_file(str(bundle.tokenizer)), "m")
     rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"title": "slow"}}}
