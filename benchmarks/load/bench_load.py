@@ -211,7 +211,7 @@ def build_parser():
         choices=list(PAIRS),
         default=DEFAULT_PAIRS,
         help="doel bundles to measure, each against its llama.cpp peer (default int4 int8; "
-        "int4-kv16: int4 with an fp16 KV cache, against q4_0)",
+        "variants: int4-kv16, int4 with an fp16 KV cache; int8-b256, int8 in blocks of 256)",
     )
     ap.add_argument(
         "--clients",
