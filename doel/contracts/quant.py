@@ -55,10 +55,11 @@ class Quant:
 #   (benchmarks/results/profile_serve_0.4b_cpu-*.md, "MatMulNBits alone"); MLAS runs blocks
 #   64-256 (AVX2) and 128-256 (AVX-512) through one kernel, so a larger block only reads fewer
 #   scales (docs/kernels.md, "The table"); it raised the held-out loss less than 128 and than
-#   llama.cpp's q4_0 (quant_quality_block256.md). int8 at 128: the fastest one-row step on
-#   amd-avx512-vnni, where 256 would drop int8 decode under its target; 256 is faster on amd-avx2
-#   and would raise the worst ratio there: open until bench_serve measures an int8 block-256
-#   bundle on both (docs/kernels.md). Each block also costs ONNX Runtime's packed copy a scale and
+#   llama.cpp's q4_0 (quant_quality_block256.md). int8 at 128: the fastest one-row step in the
+#   MLP profile of an amd-avx512-vnni host, where 256 would drop int8 decode under its target;
+#   256 is faster on amd-avx2 and would raise the worst ratio there, and was faster end to end on
+#   a Zen 4 amd-avx512-vnni host (serve_load_0.4b_cpu-amd-avx512-vnni.md, int8-b256): open until
+#   bench_serve measures an int8 block-256 bundle on an AVX2-only host (docs/kernels.md). Each block also costs ONNX Runtime's packed copy a scale and
 #   a block sum. fp32's 32 is never used by the graph (no blocks); it is what export/bundle.py's
 #   table held.
 # - head_bits 8 on int4: the head at 4 bits is what costs int4 most
