@@ -60,8 +60,8 @@ class Quant:
 #   256 is faster on amd-avx2 and would raise the worst ratio there, and was faster end to end on
 #   a Zen 4 amd-avx512-vnni host (serve_load_0.4b_cpu-amd-avx512-vnni.md, int8-b256): open until
 #   bench_serve measures an int8 block-256 bundle on an AVX2-only host (docs/kernels.md). Each
-#   block also costs ONNX Runtime's packed copy a scale and a block sum. fp32's 32 is never used by the graph (no blocks); it is what export/bundle.py's
-#   table held.
+#   block also costs ONNX Runtime's packed copy a scale and a block sum. fp32's 32 is never used
+#   by the graph (no blocks); it is what export/bundle.py's table held.
 # - head_bits 8 on int4: the head at 4 bits is what costs int4 most
 #   (benchmarks/results/quant_quality_small.md); the speed it costs on AVX2, where 8-bit weights
 #   have no one-row kernel, is argued, not measured (docs/kernels.md).
