@@ -10,19 +10,12 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
+from ready import ready
 
 from doel.contracts.errors import error_body, error_dict
 from doel.serve.app import Settings, create_app, default_loader
 from doel.serve.engine import Engine, read_bundle
 from doel.serve.sampling import SamplingParams
-
-
-def ready(client: TestClient, timeout: float = 30) -> TestClient:
-    end = time.monotonic() + timeout
-    while client.get("/health").status_code != 200:
-        assert time.monotonic() < end, client.get("/health").json()
-        time.sleep(0.02)
-    return client
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import weakref
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from ready import ready
 
 from doel.serve import grammar_limits, structured
 from doel.serve.app import Settings, create_app
@@ -261,10 +262,7 @@ def test_a_slow_compile_through_the_app_is_a_400_and_health_answers_meanwhile(
     plant_a_hanging_compile(monkeypatch, 3)
     settings = Settings(bundle=str(tiny_bundle), threads=1, compile_timeout=0.5)
     with TestClient(create_app(settings)) as c:
-        end = time.monotonic() + 30
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < end
-            time.sleep(0.02)
+        ready(c)
         rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"title": "slow"}}}
         body = {"prompt": "x", "max_tokens": 4, "response_format": rf}
         got = {}

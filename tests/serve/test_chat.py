@@ -13,6 +13,7 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
+from ready import ready
 
 from doel.serve.app import Settings, create_app
 from doel.serve.prefix import MIN_REUSE, PARK_MIN, Hit, Prefixes
@@ -270,10 +271,7 @@ def test_an_interrupted_or_failed_prefill_claims_only_what_it_wrote(tiny_bundle)
 @pytest.fixture(scope="module")
 def client(tiny_bundle):
     with TestClient(create_app(Settings(bundle=str(tiny_bundle), threads=1, slots=2))) as c:
-        end = time.monotonic() + 30
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < end
-            time.sleep(0.02)
+        ready(c)
         yield c
 
 
@@ -352,10 +350,7 @@ def test_a_bundle_without_a_chat_template_refuses_chat(tiny_bundle, tmp_path):
     # The edited file no longer matches the manifest's sha256, which each load checks.
     settings = Settings(bundle=str(bundle), threads=1, slots=1, checksums=False)
     with TestClient(create_app(settings)) as c:
-        deadline = time.monotonic() + 60
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, c.get("/health").json()
-            time.sleep(0.02)
+        ready(c, 60)
         r = _chat(c, [{"role": "user", "content": "নদী"}])
         assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": "নদী", "max_tokens": 2}).is_success

@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from ready import ready
 
 from doel.serve.app import Settings, create_app
 
@@ -71,8 +72,7 @@ PROMPTS = st.one_of(
 @pytest.fixture(scope="module")
 def client(tiny_bundle):
     with TestClient(create_app(Settings(bundle=str(tiny_bundle), threads=1))) as c:
-        while c.get("/health").status_code != 200:
-            pass
+        ready(c)
         yield c
 
 

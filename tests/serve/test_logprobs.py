@@ -4,11 +4,10 @@ brute-force softmax; the bounds and OpenAI-shaped refusals of the new fields."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from ready import ready
 
 from doel.serve.app import Settings, create_app
 from doel.serve.engine import Engine, read_bundle
@@ -80,10 +79,7 @@ def test_new_fields_are_bounded():
 @pytest.fixture(scope="module")
 def client(tiny_bundle):
     with TestClient(create_app(Settings(bundle=str(tiny_bundle), threads=1, slots=2))) as c:
-        end = time.monotonic() + 30
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < end, "the tiny bundle did not load"
-            time.sleep(0.05)
+        ready(c)
         yield c
 
 

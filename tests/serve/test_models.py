@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from ready import ready
 
 from doel.serve.app import create_app, default_loader
 from doel.serve.settings import Settings
@@ -77,14 +78,6 @@ def app_of(pair, loader=default_loader, **kw):
     chat, base = pair
     settings = Settings(bundle=str(chat), bundles=(str(base),), threads=1, **kw)
     return create_app(settings, loader=loader)
-
-
-def ready(c: TestClient, timeout: float = 30) -> TestClient:
-    end = time.monotonic() + timeout
-    while c.get("/health").status_code != 200:
-        assert time.monotonic() < end, c.get("/health").json()
-        time.sleep(0.02)
-    return c
 
 
 def states(c: TestClient) -> dict[str, str]:

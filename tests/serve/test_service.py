@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from ready import ready
 
 from doel.serve import chat, completions
 from doel.serve.answer import first_piece
@@ -105,8 +106,7 @@ def test_429_over_http_carries_retry_after(tiny_bundle):
     go = _blocked(loaded)
     app = create_app(Settings(bundle=str(tiny_bundle)), loader=lambda _s: loaded)
     with TestClient(app) as c:
-        while c.get("/health").status_code != 200:
-            pass
+        ready(c)
         stream = c.portal.call(_started, loaded)  # runs on the app's own event loop
         r = c.post("/v1/completions", json={"prompt": "a"})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"

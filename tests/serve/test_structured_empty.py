@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 from fastapi.testclient import TestClient
 from long_bundle import long_bundle
+from ready import ready
 
 from doel.serve import structured
 from doel.serve.app import Settings, create_app
@@ -57,10 +57,7 @@ def client(tmp_path_factory, tokenizer_path, tiny_model_config):
     """The app on a bundle whose context holds a prompt with tool definitions."""
     bundle = long_bundle(tmp_path_factory, tokenizer_path, tiny_model_config)
     with TestClient(create_app(Settings(bundle=str(bundle), threads=1))) as c:
-        end = time.monotonic() + 30
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < end
-            time.sleep(0.02)
+        ready(c)
         yield c
 
 

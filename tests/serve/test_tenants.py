@@ -8,10 +8,10 @@ tell a right guess from a wrong one across tenants. /metrics' cached-token count
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from fastapi.testclient import TestClient
+from ready import ready
 from tenant_story import KEY_FILE, KEYS, PIN, PUBLIC, SUFFIX, VICTIM
 
 from doel.serve.app import Settings, create_app
@@ -75,10 +75,7 @@ def _client(tiny_bundle, **settings):
     app = create_app(Settings(bundle=str(tiny_bundle), threads=1, slots=4, **settings))
     client = TestClient(app)
     client.__enter__()
-    end = time.monotonic() + 30
-    while client.get("/health").status_code != 200:
-        assert time.monotonic() < end
-        time.sleep(0.02)
+    ready(client)
     return client
 
 
