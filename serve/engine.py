@@ -11,14 +11,19 @@ concatenation is copied whole at every token, a cost that grows with the context
 entries from an earlier request are never read. Other graphs (optimum's) get the growing cache
 they were built for, one slot only.
 
-The buffer is reserved, not held: an anonymous mapping in small pages (`kv_buffer`), so memory
-is taken only where a run writes, a page of positions at a time, and `release` gives a slot's
-pages past what it still holds back to the system. Memory thus follows the positions in use, as
-a paged cache's does, while each slot stays one strided row that attention reads in place
+The buffer is reserved, not held: a private anonymous mapping in small pages (`kv_buffer`), so
+memory is taken only where a run writes, a page of positions at a time, and `release` gives a
+slot's pages past what it still holds back to the system. Memory thus follows the positions in
+use, as a paged cache's does, while each slot stays one strided row that attention reads in place
 (numpy's own large arrays ask for 2 MB pages, and one entry written per slot then took every
-slot's whole context: docs/serving.md#memory). Bundles whose graph takes `logits_to_keep`
-are asked for the last position's logits only, the prompt's included, into
-one preallocated buffer.
+slot's whole context: docs/serving.md#memory). Private, because only there does giving back
+free anything: Python's `mmap.mmap(-1, n)` alone is MAP_SHARED, whose pages live in the kernel's
+shmem, and MADV_DONTNEED on them drops the mapping but keeps the pages (and their old contents),
+so the process's resident memory fell while the machine's stayed at its high-water mark.
+doel.contracts.memory measures what the system pays (Pss), and flags such mappings.
+
+Bundles whose graph takes `logits_to_keep` are asked for the last position's logits only, the
+prompt's included, into one preallocated buffer.
 
 The bundle's manifest.json is read through doel.contracts.manifest: a folder this engine cannot
 run (a GGUF for llama.cpp, a manifest newer than this doel, a damaged one) is a BundleError in
@@ -156,20 +161,24 @@ PAGE = mmap.PAGESIZE
 
 
 def kv_buffer(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, mmap.mmap]:
-    """Zeros of `shape` in an anonymous mapping of small pages, and the mapping: the system
-    gives a page memory when it is first written, and takes it back at `give_back` (the
-    module docstring says why)."""
+    """Zeros of `shape` in a private anonymous mapping of small pages, and the mapping: the
+    system gives a page memory when it is first written, and takes it back at `give_back` (the
+    module docstring says why private)."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    buf = mmap.mmap(-1, max(n, 1))
+    # With no file, MAP_PRIVATE is MAP_PRIVATE | MAP_ANONYMOUS. Windows has no flags: its
+    # anonymous mappings are private already (and it has no MADV_DONTNEED either).
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    buf = mmap.mmap(-1, max(n, 1), **private)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the system's default pages
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype, count=int(np.prod(shape))).reshape(shape), buf
 
 
 def give_back(buf: mmap.mmap, lo: int, hi: int) -> None:
-    """Return the whole pages within bytes lo..hi of `buf` to the system; they read as zeros
-    after. Where the system cannot (no MADV_DONTNEED), nothing happens: what a slot holds past
-    its length is never read, so correctness does not depend on it."""
+    """Return the whole pages within bytes lo..hi of `buf` (a `kv_buffer` mapping: private and
+    anonymous) to the system: freed, not only unmapped, and they read as zeros after. Where the
+    system cannot (no MADV_DONTNEED), nothing happens: what a slot holds past its length is
+    never read, so correctness does not depend on it."""
     lo, hi = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE
     if hi > lo and hasattr(mmap, "MADV_DONTNEED"):
         buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)

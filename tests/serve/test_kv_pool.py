@@ -1,20 +1,26 @@
 """The KV cache as one pool that follows the work (serve/engine.py's `kv_buffer` and `release`,
 serve/scheduler.py's admission and `_settle`): memory is taken as sequences grow and given back
-as they end, measured from /proc; more sequences than the pool holds wait; one longer than an
-even share fits; a step's prompt chunk shrinks beside decoding rows; and greedy ids equal those
-of an engine whose cache is the plain preallocated array it was before. On the session's long
-bundle (1,024 positions), so a slot's cache spans many pages."""
+as they end, measured from /proc with doel.contracts.memory (Pss: resident memory alone cannot
+tell pages given back from pages a shared mapping still holds in shmem); what is given back
+reads as zeros and leaves the machine's Shmem where it was; the serving process has no shared
+anonymous mapping at all; more sequences than the pool holds wait; one longer than an even
+share fits; a step's prompt chunk shrinks beside decoding rows; and greedy ids equal those of an
+engine whose cache is the plain preallocated array it was before. On the session's long bundle
+(1,024 positions), so a slot's cache spans many pages."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
+from live_server import live_server
 from long_bundle import long_bundle
 
 import doel.serve.engine as engine_module
-from doel.serve.engine import Engine, read_bundle
+from doel.contracts import memory
+from doel.serve.engine import Engine, give_back, kv_buffer, read_bundle
 from doel.serve.refusal import RequestError
 from doel.serve.sampling import SamplingParams
 from doel.serve.scheduler import MIN_CHUNK, Scheduler
@@ -29,18 +35,19 @@ def bundle(tmp_path_factory, tokenizer_path, tiny_model_config):
 
 
 def resident(engine: Engine) -> int:
-    """Bytes of the engine's cache mappings the system holds in memory (/proc/self/smaps)."""
-    starts = {a.ctypes.data for a in engine.kv_arrays}
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = any(lo <= s < hi for s in starts)
-            elif inside and head == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total
+    """Bytes of the engine's cache mappings the system pays for (their Pss), which are all
+    private: a shared mapping's given-back pages would stay in shmem, unseen here."""
+    got = memory.mappings(a.ctypes.data for a in engine.kv_arrays)
+    assert got.complete, got.shmem_mappings
+    return got.pss_bytes
+
+
+def shmem_bytes() -> int:
+    """The machine's shared memory (/proc/meminfo Shmem): where a shared mapping's pages stay."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem in /proc/meminfo")
 
 
 def position_bytes(engine: Engine) -> int:
@@ -80,6 +87,52 @@ def test_memory_is_taken_as_sequences_grow_and_given_back_after_a_burst(bundle):
     assert held >= 0.9 * 8 * 399 * position_bytes(engine)
     assert after <= idle + 8 * 4096 * 2 * len(engine.kv_arrays)  # a page or two per slot
     assert positions == 0
+
+
+def test_a_released_slots_positions_read_back_as_zeros(bundle):
+    """Pages given back are the system's again: they read as zeros (a shared mapping's read
+    back their old entries, still held in shmem)."""
+    engine = Engine(bundle, threads=1, slots=2)
+    engine.forward(prompts(1, 600, seed=5)[0], 0, slot=1)
+    before = [a[1].copy() for a in engine.kv_arrays]
+    assert all(np.any(b[:, :600]) for b in before)
+    engine.release(1, keep=300)  # whole pages past position 300: from 320 on here
+    page = engine_module.PAGE // (engine.kv_arrays[0][1, 0, 0].nbytes)  # positions a page
+    past = -(-300 // page) * page
+    for a, b, last in zip(engine.kv_arrays, before, engine._positions_last):
+        if not last:
+            assert np.array_equal(a[1][:, :300], b[:, :300])  # what it keeps stays
+            assert not np.any(a[1][:, past:])
+    engine.release(1, keep=0)
+    assert not any(np.any(a[1]) for a in engine.kv_arrays)
+
+
+def test_a_buffer_given_back_leaves_the_machines_shmem_and_the_processs_pss():
+    """64 MiB written, then given back: Pss falls by it, and Shmem (system-wide) does not
+    keep it (a MAP_SHARED buffer's Shmem stays up by the whole buffer)."""
+    size = 64 * 2**20
+    stages = [(shmem_bytes(), memory.measure())]
+    array, buf = kv_buffer((size // 4,), np.float32)
+    array[:: engine_module.PAGE // 4] = 1.0  # every page written
+    stages.append((shmem_bytes(), memory.measure()))
+    give_back(buf, 0, size)
+    stages.append((shmem_bytes(), memory.measure()))
+    for what, of in (("Shmem", lambda s: s[0]), ("Pss", lambda s: s[1].pss_bytes),
+                     ("RSS", lambda s: s[1].rss_bytes)):  # fmt: skip
+        print(what, " -> ".join(f"{of(s) / 2**20:.0f}" for s in stages), "MiB")
+    (shmem0, m0), (shmem1, m1), (shmem2, m2) = stages
+    assert m1.pss_bytes - m0.pss_bytes >= 0.95 * size
+    assert m1.pss_bytes - m2.pss_bytes >= 0.95 * size
+    assert shmem2 - shmem0 < size / 2
+    assert not np.any(array)
+    assert memory.mappings([array.ctypes.data]).complete
+
+
+def test_the_serving_process_has_no_shared_anonymous_mapping(bundle, tmp_path):
+    with live_server(bundle.folder, tmp_path, "--slots", "4") as server:
+        got = memory.measure(server.proc.pid)
+    assert got.pss_bytes > 0
+    assert got.shmem_mappings == ()
 
 
 def test_more_sequences_than_the_pool_holds_wait_and_get_what_they_get_alone(bundle):
