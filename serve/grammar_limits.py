@@ -6,7 +6,13 @@
   limit and its value (or, for a schema the engine cannot enforce, the keyword).
 - `compiled`: a compile on a thread of its own, off the event loop, bounded in time
   (--compile-timeout): past it the request is a 400, and the loop serves the other clients
-  throughout.
+  throughout. The bound counts the compile's own work only, for the 400 tells the client to
+  simplify its schema: the clock starts when the compile starts on its thread (a burst of valid
+  schemas queues for the two threads, and that wait is the server's, not the schema's), and
+  stops while the compile is `uncounted` (the first-use build of a tokenizer's compilers,
+  `Service.grammars`: the server's cost, once). The wait for a thread is bounded on its own:
+  QUEUE_BOUNDS times --compile-timeout, then a 503 with Retry-After, the compile taken out of
+  the queue unrun (a request that leaves takes its queued compile with it too).
 
 The compiled-format cache's bound in bytes is `structured`'s (CACHE_BYTES); the bounds on what
 a request may send (tools, input) are `bounds`'.
@@ -15,6 +21,10 @@ a request may send (tools, input) are `bounds`'.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
@@ -57,7 +67,13 @@ LIMIT_WORDS = {
 }
 # Compiles run here, off the event loop and apart from the tokenizer's threads: a slow compile
 # holds no thread that encodes prompts.
-COMPILE_THREADS = ThreadPoolExecutor(2, thread_name_prefix="doel-compile")
+COMPILE_THREAD_COUNT = 2
+COMPILE_THREADS = ThreadPoolExecutor(COMPILE_THREAD_COUNT, thread_name_prefix="doel-compile")
+# A compile waits for a thread at most this many --compile-timeouts (20 s by default): each
+# compile ahead of it takes well under one, so a longer wait is a server swamped with them.
+QUEUE_BOUNDS = 4
+# The Clock of the compile running on this thread, if any (`uncounted` stops it).
+_RUNNING = threading.local()
 
 
 def parser_limits() -> llguidance.LLParserLimits:
@@ -65,22 +81,104 @@ def parser_limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
 
 
+class Clock:
+    """One compile's own time, kept by its thread and read by the request awaiting it: from
+    when the thread starts it, less the time spent `uncounted`. The thread writes `_marks` in
+    one assignment (start, seconds uncounted, uncounted since or None), so a read is whole."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.started = loop.create_future()  # set when a thread takes the compile
+        self._loop = loop
+        self._marks: tuple[float, float, float | None] = (0.0, 0.0, None)
+
+    def run(self, compile_, *args):
+        """`compile_(*args)`, on the compile thread, timed."""
+        self._marks = (time.perf_counter(), 0.0, None)
+        self._loop.call_soon_threadsafe(_settle, self.started)
+        _RUNNING.clock = self
+        try:
+            return compile_(*args)
+        finally:
+            _RUNNING.clock = None
+
+    def spent(self) -> float:
+        start, skipped, since = self._marks
+        now = time.perf_counter()
+        return now - start - skipped - (0.0 if since is None else now - since)
+
+    def pause(self) -> bool:
+        """Stop the clock; False if it was stopped already (an `uncounted` inside another)."""
+        start, skipped, since = self._marks
+        if since is not None:
+            return False
+        self._marks = (start, skipped, time.perf_counter())
+        return True
+
+    def resume(self) -> None:
+        start, skipped, since = self._marks
+        self._marks = (start, skipped + time.perf_counter() - since, None)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():  # its request may have left
+        future.set_result(None)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Work inside is not the compile's own (a tokenizer's compilers built on first use): the
+    clock of the compile running on this thread stops meanwhile. Elsewhere, nothing."""
+    clock = getattr(_RUNNING, "clock", None)
+    if clock is None or not clock.pause():
+        yield
+        return
+    try:
+        yield
+    finally:
+        clock.resume()
+
+
 async def compiled(param: str, compile_, *args):
     """`compile_(*args)` (a Grammars compiler, or the Service's) on a compile thread, or a 400
-    naming `param` once it takes over --compile-timeout seconds: the event loop serves the
-    other clients meanwhile. The engine cannot be interrupted: a compile past the bound runs on
-    to its end (its limits keep that short) and is cached, but nobody waits for it."""
+    naming `param` once its own work passes --compile-timeout seconds (a 503 when no thread
+    takes it within QUEUE_BOUNDS of them): the event loop serves the other clients meanwhile.
+    The engine cannot be interrupted: a compile past the bound runs on to its end (its limits
+    keep that short) and is cached, but nobody waits for it."""
     seconds = limits().compile_timeout
-    work = asyncio.get_running_loop().run_in_executor(COMPILE_THREADS, compile_, *args)
+    loop = asyncio.get_running_loop()
+    clock = Clock(loop)
+    work = loop.run_in_executor(COMPILE_THREADS, clock.run, compile_, *args)
     try:
-        return await asyncio.wait_for(work, seconds)
-    except TimeoutError:
-        raise RequestError(
-            400,
-            f"{param} took over {seconds:g} s to compile, this server's limit "
-            "(--compile-timeout); simplify it",
-            param,
-        ) from None
+        await _started(clock, work, seconds)
+        while not work.done():
+            left = seconds - clock.spent()
+            if left <= 0:
+                raise RequestError(
+                    400,
+                    f"{param} took over {seconds:g} s to compile, this server's limit "
+                    "(--compile-timeout); simplify it",
+                    param,
+                )
+            await asyncio.wait({work}, timeout=left)
+        return work.result()
+    finally:
+        work.cancel()  # a compile still queued is not run; one running ends unwatched
+
+
+async def _started(clock: Clock, work: asyncio.Future, seconds: float) -> None:
+    """Returns once a thread has taken the compile; a 503 past QUEUE_BOUNDS x `seconds`."""
+    wait = QUEUE_BOUNDS * seconds
+    await asyncio.wait({clock.started, work}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+    if clock.started.done() or work.done():
+        return
+    error = RequestError(
+        503,
+        f"the server's grammar compiler is busy: this request waited {wait:g} s for one of its "
+        f"{COMPILE_THREAD_COUNT} compile threads; retry shortly",
+        kind="unavailable_error",
+    )
+    error.headers = {"Retry-After": str(max(1, math.ceil(seconds)))}
+    raise error
 
 
 def limit_of(engine_message: str) -> str | None:

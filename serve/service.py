@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, normalizers
 
 from doel.contracts.decoding import CONTEXT_IDS
 from doel.serve.engine import Engine, read_bundle
-from doel.serve.grammar_limits import compiled
+from doel.serve.grammar_limits import compiled, uncounted
 from doel.serve.logprobs import Record, openai_logprobs
 from doel.serve.metrics import Metrics
 from doel.serve.prefix import Hit
@@ -101,10 +101,13 @@ class Service:
 
     @property
     def grammars(self) -> Grammars:
-        """The structured-output compilers of this model's tokenizer, built on first use
-        (it takes a while for a large vocabulary): call on a tokenizer
-        thread (`in_thread`)."""
-        with self._grammars_lock:
+        """The structured-output compilers of this model's tokenizer, built on first use (it
+        takes a while for a large vocabulary): call off the event loop (a compile thread).
+        Building them, or waiting for another thread to, is `uncounted`: the server's cost,
+        once, not the time of the schema whose compile asked first (--compile-timeout)."""
+        if self._grammars is not None:
+            return self._grammars
+        with uncounted(), self._grammars_lock:
             if self._grammars is None:
                 self._grammars = Grammars(
                     self.tokenizer.to_str(), self.vocab_size, self.engine.bundle.eos_id
@@ -113,7 +116,7 @@ class Service:
 
     def compile_format(self, rf: dict | None, param: str = "response_format") -> Format | None:
         """`response_format` as a Format (None: plain text), or a 400 naming what the engine
-        cannot enforce; cached per schema. Call on a tokenizer thread."""
+        cannot enforce; cached per schema. Call through `compiled` (a compile thread)."""
         return None if rf is None else self.grammars.response_format(rf, param)
 
     @property

@@ -14,7 +14,9 @@ The API, for the routes (response_format, tools, /v1/responses):
   - `lark(grammar, param)`: a grammar in llguidance's Lark dialect (a JSON schema inside it is
     `%json { ... }`), for shapes a schema cannot say (a tool call's wrapper).
   Compiling can take milliseconds (a large schema, a hundred): call them through
-  `compiled(param, compiler, ...)`, off the event loop and bounded in time (--compile-timeout).
+  `compiled(param, compiler, ...)`, off the event loop and bounded in time (--compile-timeout,
+  which counts the compile's own work: not its wait for a thread, nor the first-use build of
+  `svc.grammars`, which is `grammar_limits.uncounted`).
 - `Service.run(ids, params, stops, ..., fmt=format)` and `Service.complete(req, ..., fmt=...)`
   take a Format; `complete` compiles `req.response_format` when none is
   given. Each request gets its own `Constraint` (`fmt.start()`), which the scheduler
