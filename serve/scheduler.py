@@ -1,53 +1,51 @@
-"""Continuous batching: concurrent requests share decode steps.
+"""Continuous batching on an engine thread of its own: concurrent requests share decode steps.
 
-Each request gets a slot of the engine's cache. One loop runs steps while there is work: a step
-advances every sequence whose prompt is in the cache by one token in a single batched run, so the
-weights are read once per step for all of them and throughput grows with load; then it feeds one
-chunk (the engine's prefill chunk, PREFILL_CHUNK tokens) of the oldest prompt not yet in. A
-prompt of any length thus delays the running streams by one chunk's time per token, not by its
-whole prefill (prefill times by prompt length: benchmarks/results/serve_0.4b_cpu-*.md). A finished
-or abandoned sequence frees its slot at the next step, and a waiting request takes it: the free
-slot whose cache already holds the longest start of its prompt, whose prefill then begins after
-it (`Prefixes` keeps that account). An idle slot inside a step's span runs as a placeholder
-row that attends over all its slot holds; one holding a conversation is first moved out of the
-span (`_park`), so it stays cached without slowing the others. Engine work and sampling run in a
-worker thread; slots, queues and cancellation are handled on the event loop alone.
+Each request gets a slot of the engine's cache. One thread owns the engine and every account of
+it (slots, the pool, the prefix cache) and runs steps while there is work (`step.Steps`): every
+sequence whose ids are in its slot advances by one token in a single batched run, so the weights
+are read once per step for all of them, and prompts go in by chunks within the step's budget. The
+event loop only submits and aborts (`submit` → `Handle`, `Handle.abort`, both thread-safe and
+the abort idempotent) and reads what the thread posts to each request's queue: the engine is
+paced by itself, not by the loop's turn between parsing bodies and writing SSE (vLLM V1 keeps its
+engine core apart from the API process for the same reason). `generate` owns its handle in one
+try/finally, so a client gone, a stop string or a failure frees the slot at the next step.
 
-Two bounds keep a busy server smooth and a quiet one small. A step's work is bounded
-(`step_tokens`): the prompt chunk beside n decoding rows is step_tokens - n tokens (at least
-MIN_CHUNK), so a new prompt delays every stream by a short step instead of a whole chunk. The
-KV cache is one pool of `kv_positions` positions: a sequence is admitted while the prompts plus
-max_tokens of the running ones fit it (else it waits its turn), idle slots' held prefixes are
-let go, least recently used first, to make room, a slot's memory past what it holds goes back
-to the system once its sequence ends (`Engine.release`, between steps only), and a held prefix
-unused for `prefix_keep` seconds goes too.
+The KV cache is one pool of `kv_positions` positions, taken as sequences grow (the engine gives a
+slot's memory back as it ends: docs/serving.md#memory). A request is admitted when a slot is free
+and its prompt, plus one step's growth of every running sequence, fits beside what they hold;
+idle slots' held prefixes are let go, least recently used first, to make room. When the running
+sequences outgrow the pool, the youngest is preempted (vLLM's recompute): its slot is given back,
+it waits at the head of the queue, and once admitted again it refills its prompt and the ids it
+had made, then decodes on; the client sees only a pause. A request is never reserved its
+`max_tokens` up front, so chats that send none run as many at once as their use allows.
+
+Nothing the thread does between steps can end it: an error in admission, settling or dispatch
+fails the sequences it held, each with the error, and the thread carries on (issue 53, item 11).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 
-import anyio
 import numpy as np
 
 from doel.serve.engine import Engine
-from doel.serve.logprobs import Record, Scored, score_rows
+from doel.serve.logprobs import Record
 from doel.serve.prefix import Hit, Prefixes
-from doel.serve.sampling import SamplingParams, sample
+from doel.serve.sampling import SamplingParams
 from doel.serve.settings import Settings
-from doel.serve.structured import Constraint, DeadEnd, fill_all
+from doel.serve.step import Failed, Steps
+from doel.serve.structured import Constraint
 from doel.serve.tenants import ONE
 
 DONE = -1  # end of a sequence in its queue
-# The smallest prompt chunk a step takes beside decoding rows: below it, the weights read for a
-# chunk cost more than its tokens (prefill times by chunk: benchmarks/results/profile_serve_*).
-MIN_CHUNK = 8
+IDLE_EXIT = 1.0  # seconds an engine thread with nothing to do or expire waits before it ends
 log = logging.getLogger("doel.serve")
 
 
@@ -58,10 +56,14 @@ class Seq:
     context: np.ndarray  # prompt + completion ids so far, [context length]
     rng: np.random.Generator
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    loop: asyncio.AbstractEventLoop | None = None  # whose queue `out` is
     n: int = 0  # ids in `context`
     slot: int = -1
     cancelled: bool = False
-    fed: int = 0  # prompt ids in the slot's cache; the sequence decodes once all are
+    fed: int = 0  # ids of `context` in the slot's cache; it decodes once `target` are
+    target: int = 0  # ids to have in the cache: the prompt, or after preemption n - 1
+    admitted: int = 0  # admission order: the youngest is preempted first
+    preempted: int = 0  # times it gave its slot back
     record: Record | None = None  # log-probabilities asked for, written as the steps go
     hit: Hit = field(default_factory=Hit)  # prompt ids found in the slot's cache
     cache: Hashable | None = ONE  # the prefix cache's partition (tenants.partition)
@@ -70,18 +72,39 @@ class Seq:
 
     @property
     def filling(self) -> bool:
-        return self.fed < len(self.prompt)
+        return self.fed < self.target
 
     @property
     def made(self) -> int:
         return self.n - len(self.prompt)
+
+    def post(self, item) -> None:
+        """From the engine thread: `item` into the request's queue, on its event loop."""
+        if self.loop is not None and not self.cancelled:
+            try:
+                self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+            except RuntimeError:  # its loop is closed: nobody is reading
+                self.cancelled = True
 
 
 class QueueFull(Exception):
     pass
 
 
-class Scheduler:
+@dataclass(eq=False)
+class Handle:
+    """A submitted request: `abort()` (idempotent, any thread) ends it at the next step."""
+
+    seq: Seq
+    scheduler: Scheduler
+
+    def abort(self) -> None:
+        if not self.seq.cancelled:
+            self.seq.cancelled = True
+            self.scheduler._notify()
+
+
+class Scheduler(Steps):
     def __init__(
         self,
         engine: Engine,
@@ -92,8 +115,8 @@ class Scheduler:
         prefix_keep: float = Settings.prefix_keep,
     ):
         self.engine, self.max_queue = engine, max_queue
-        # The pool: 0 (or more) is every slot's whole context; a request past a smaller one is a
-        # 400 (Service.check_fits).
+        # The pool: 0 is every slot's whole context (Service.load bounds it by memory); a
+        # request past a smaller one is a 400 (Service.check_fits).
         whole = engine.slots * engine.context_length
         self.kv_positions = min(kv_positions or whole, whole)
         self.step_tokens, self.prefix_keep = step_tokens, prefix_keep
@@ -105,8 +128,31 @@ class Scheduler:
         self.prefixes = Prefixes(
             engine.slots, engine.context_length, enabled=engine.bundle.share_buffer
         )
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self.preemptions = 0
+        self.pool_bound = False  # the last admission stopped for the pool, not for a slot
+        self._inbox: collections.deque[Seq] = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._admissions = 0
+
+    # -- the event loop's side ---------------------------------------------------------------
+
+    def submit(self, seq: Seq) -> Handle:
+        """Queue `seq` for the engine thread; QueueFull when `max_queue` already wait (more
+        where free slots will take them at once: a burst is not refused for arriving together)."""
+        with self._cond:
+            waiting = len(self.waiting) + len(self._inbox)
+            free = 0 if self.pool_bound else self.engine.slots - len(self.running)
+            if waiting >= self.max_queue + max(free, 0):
+                raise QueueFull(waiting)
+            self._inbox.append(seq)
+            if self._thread is None:
+                self._closed = False
+                self._thread = threading.Thread(target=self._run, name="doel-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return Handle(seq, self)
 
     async def generate(
         self,
@@ -123,90 +169,97 @@ class Scheduler:
         number of prompt ids taken from a slot's cache before the first id comes, only ever
         from slots its partition `cache` wrote (None: none). With `constraint`, each id is one
         its grammar allows, and the sequence ends where the grammar does."""
-        if len(self.waiting) >= self.max_queue and len(self.running) >= self.engine.slots:
-            raise QueueFull(len(self.waiting))
         context = np.zeros(self.engine.context_length, np.int64)
         context[: len(prompt)] = prompt
         rng = np.random.default_rng(params.seed)
         seq = Seq(list(prompt), params, context, rng, n=len(prompt), record=record, cache=cache)
-        seq.constraint = constraint
+        seq.target, seq.constraint, seq.loop = len(prompt), constraint, asyncio.get_running_loop()
         seq.hit = hit if hit is not None else seq.hit
-        self.waiting.append(seq)
-        self._start()
+        handle = self.submit(seq)
         try:
             while (item := await seq.out.get()) != DONE:
                 if isinstance(item, Exception):
                     raise item
                 yield item
-        finally:
-            # Done, or a client gone: the slot is free for the next admission at once (a step
-            # in flight took its own list of sequences and will not put this one back).
-            seq.cancelled = True
-            if self.running.get(seq.slot) is seq:
-                del self.running[seq.slot]
-                self._ended_at(seq.slot)
-            self._wake.set()
+        finally:  # done, failed, or a client gone: the slot is free at the next step
+            handle.abort()
 
-    def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._task is not None and self._task.get_loop() is not loop:
-            # A new event loop (tests run several): the event and the task belong to the old.
-            self._wake, self._task = asyncio.Event(), None
-        self._wake.set()
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._loop())
+    async def close(self) -> None:
+        """Stop the engine thread (it finishes the step it is in); safe to call twice."""
+        with self._cond:
+            self._closed = True
+            thread, self._thread = self._thread, None
+            self._cond.notify()
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
 
-    async def _loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            self._settle()
-            while self.waiting or self.running:
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while self._next_work():
+            try:
                 self._drop_cancelled()
                 self._settle()
                 self._admit()
-                if not self.running:
-                    break
-                # Not abandoned on cancellation: the engine's buffers are never used by two
-                # runs at once.
-                stepping = list(self.running.values())
-                try:
-                    events = await anyio.to_thread.run_sync(self._step, stepping)
-                except Exception as e:  # a failed run ends its sequences, not the server
-                    log.exception("engine step failed")
-                    self._fail(stepping, e)
-                    continue
-                self._dispatch(events)
+                self._fit_pool()
+                if self.running:
+                    self._dispatch(self._step(list(self.running.values())))
+            except Exception as e:  # not the step's own failures (step.py): fail, carry on
+                log.exception("the scheduler failed between steps")
+                self._fail_all(e)
 
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+    def _next_work(self) -> bool:
+        """Wait for something to do: a request, a step to run, a held prefix to expire. False
+        once closed, or after IDLE_EXIT seconds with nothing at all (the thread ends; the next
+        `submit` starts another)."""
+        with self._cond:
+            while not self._closed:
+                self.waiting.extend(self._inbox)
+                self._inbox.clear()
+                if self.running or self.waiting or self.ended:
+                    return True
+                expiry = self._next_expiry()
+                if expiry is not None and expiry <= 0:
+                    return True
+                if not self._cond.wait(IDLE_EXIT if expiry is None else expiry):
+                    if expiry is None and not self._inbox:  # nothing came, nothing held
+                        self._thread = None
+                        return False
+            return False
 
-    def _fail(self, seqs: list[Seq], error: Exception) -> None:
-        for s in seqs:
-            s.out.put_nowait(RuntimeError(f"the engine failed: {error}"))
-            if self.running.get(s.slot) is s:
-                del self.running[s.slot]
-                self._ended_at(s.slot)
+    def _next_expiry(self) -> float | None:
+        """Seconds until the oldest idle slot's held prefix expires, or None."""
+        if not self.idle_since:
+            return None
+        return min(self.idle_since.values()) + self.prefix_keep - time.monotonic()
+
+    def _fail_all(self, error: Exception) -> None:
+        """After an error outside a step: every sequence held ends with it, its slot freed."""
+        for s in [*self.running.values(), *self.waiting]:
+            s.post(Failed(f"the server failed: {error}"))
+            s.post(DONE)
+            s.cancelled = True
+        for slot in list(self.running):
+            self.prefixes.forget(slot)
+            self.engine.release(slot, 0)
+        self.running.clear()
+        self.waiting.clear()
 
     def _drop_cancelled(self) -> None:
         self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
         for slot in [k for k, s in self.running.items() if s.cancelled]:
-            del self.running[slot]
-            self._ended_at(slot)
+            self._end(slot)
 
-    def _ended_at(self, slot: int) -> None:
-        """On the event loop: `slot`'s sequence ended; its held prefix expires in prefix_keep
-        seconds, when the loop wakes to give its memory back (`_settle`)."""
+    def _end(self, slot: int) -> None:
+        """`slot`'s sequence ended: its pages past the held prefix go back after this step, all
+        of them once it has been idle for prefix_keep seconds."""
+        del self.running[slot]
         self.ended.add(slot)
         self.idle_since[slot] = time.monotonic()
-        asyncio.get_running_loop().call_later(self.prefix_keep + 0.01, self._wake.set)
-
-    def _need(self, seq: Seq) -> int:
-        """The positions a sequence may come to hold: its prompt and max_tokens more."""
-        return min(len(seq.prompt) + seq.params.max_tokens, self.engine.context_length)
 
     def _settle(self) -> None:
         """Between steps: give back the memory of ended slots past what they hold, and all of
@@ -227,186 +280,82 @@ class Scheduler:
     def held_positions(self) -> int:
         """KV positions in use: the running sequences' and the idle slots' held prefixes."""
         running = sum(s.fed if s.filling else s.n for s in self.running.values())
-        idle = (len(h) for i, h in enumerate(self.prefixes.held) if i not in self.running)
-        return running + sum(idle)
+        return running + self._idle_held()
+
+    def _idle_held(self) -> int:
+        return sum(len(h) for i, h in enumerate(self.prefixes.held) if i not in self.running)
+
+    def _used(self) -> int:
+        """Positions the running sequences hold after the next step: each one's ids (a
+        filling one's whole prompt, so that a prompt, once admitted, always fits)."""
+        return sum(max(s.n, s.target) for s in self.running.values())
 
     def _admit(self) -> None:
         free = [i for i in range(self.engine.slots) if i not in self.running]
-        reserved = sum(self._need(s) for s in self.running.values())
+        self.pool_bound = False
         while self.waiting and free:
             seq = self.waiting[0]
-            need = self._need(seq)
-            if self.running and reserved + need > self.kv_positions:
+            # Its ids, and one step's growth of every running sequence and its own.
+            need = self._used() + max(seq.n, seq.target) + len(self.running) + 1
+            if not self._make_room(need, free) and self.running:
+                self.pool_bound = True
                 break  # it waits, first come first served, for running sequences to end
             self.waiting.popleft()
-            # A prompt scored from its first token is computed whole.
-            reuse = seq.record is None or not seq.record.prompt
-            busy = tuple(self.running)
-            seq.slot, seq.fed = self.prefixes.assign(seq.prompt, free, reuse, busy, seq.cache)
-            seq.hit.tokens = seq.fed
-            free.remove(seq.slot)
-            self.idle_since.pop(seq.slot, None)
-            self.running[seq.slot] = seq  # the rest of its prompt goes in over the next steps
-            self.engine.release(seq.slot, seq.fed)  # what it held past the reused part
-            reserved += need
-            self._make_room(reserved, free)
+            self._place(seq, free)
 
-    def _make_room(self, reserved: int, free: list[int]) -> None:
-        """Let idle slots' held prefixes go, least recently used first, until they and the
-        running sequences' reservations fit the pool."""
+    def _place(self, seq: Seq, free: list[int]) -> None:
+        # A prompt scored from its first token is computed whole.
+        reuse = seq.record is None or not seq.record.prompt
+        busy = tuple(self.running)
+        ids = [int(i) for i in seq.context[: seq.target]]
+        seq.slot, seq.fed = self.prefixes.assign(ids, free, reuse, busy, seq.cache)
+        if not seq.preempted:
+            seq.hit.tokens = seq.fed
+        free.remove(seq.slot)
+        self.idle_since.pop(seq.slot, None)
+        self._admissions += 1
+        seq.admitted = self._admissions
+        self.running[seq.slot] = seq  # the rest of its ids go in over the next steps
+        self.engine.release(seq.slot, seq.fed)  # what it held past the reused part
+
+    def _make_room(self, need: int, free: list[int]) -> bool:
+        """Let idle slots' held prefixes go, least recently used first, until `need` positions
+        and what stays held fit the pool; whether they do."""
         held = {s: len(self.prefixes.held[s]) for s in free if self.prefixes.held[s]}
         for s in sorted(held, key=lambda s: self.prefixes.used[s]):
-            if reserved + sum(held.values()) <= self.kv_positions:
-                return
+            if need + sum(held.values()) <= self.kv_positions:
+                return True
             self._evict(s)
             del held[s]
+        return need + sum(held.values()) <= self.kv_positions
 
-    def _step(self, stepping: list[Seq]) -> list[tuple[Seq, int | None, bool]]:
-        """In a worker thread: one batched step of the decoding sequences, then prompt chunks
-        of the filling ones in admission order (the dict keeps it) within the step's budget;
-        sample. Chunks of prompts that arrive together run one after another, not batched: it
-        saves little of their prefill and would hold back the first one's first token."""
-        events = []
-        decoding = [s for s in stepping if not s.filling]
-        if decoding:
-            # One run covers the slots from the lowest decoding one to the highest: a lone
-            # stream in slot 2 is one row, not three (each row costs its share of attention,
-            # over a held prefix too: benchmarks/results/profile_serve_0.4b_cpu-*.md).
-            lo = min(s.slot for s in decoding)
-            top = max(s.slot for s in decoding) + 1
-            self._park(lo, top, {s.slot for s in stepping})
-            # Other slots in between take a placeholder row. It writes one cache entry, past
-            # what the slot holds: after an idle slot's cached prefix, or at the next position
-            # of a filling one, which that prompt's next chunk overwrites before anything reads.
-            tokens = [0] * (top - lo)
-            totals = [self.prefixes.idle_total(i) for i in range(lo, top)]
-            for s in stepping:
-                if lo <= s.slot < top:
-                    tokens[s.slot - lo] = int(s.context[s.n - 1]) if not s.filling else 0
-                    totals[s.slot - lo] = s.n if not s.filling else s.fed + 1
-            # The grammar rows' masks are computed on a thread of their own while the model
-            # runs (llguidance lets go of the GIL); rows without a format add nothing.
-            constrained = [s for s in decoding if s.constraint is not None]
-            masks = fill_all([s.constraint for s in constrained]) if constrained else None
-            logits = self.engine.decode(tokens, totals, lo)
-            if masks is not None:
-                masks.result()
-                for s in constrained:
-                    s.masked = True
-            for s in decoding:
-                self.prefixes.wrote(s.slot, s.n - 1, [int(s.context[s.n - 1])])
-            events += [self._pick(s, logits[s.slot - lo]) for s in decoding]
-        # Prompt chunks, oldest prompt first, within what the decoding rows left of the step's
-        # budget: a lone prompt gets a whole chunk; prompts that wait together share a step.
-        budget = self.step_tokens - len(decoding)
-        for i, s in enumerate(x for x in stepping if x.filling):
-            if i and budget < MIN_CHUNK:
-                break
-            size = min(self.engine.prefill_chunk, max(MIN_CHUNK, budget))
-            if not decoding and not i:
-                size = self.engine.prefill_chunk
-            budget -= self._fill(s, size, events)
-        return events
+    def _fit_pool(self) -> None:
+        """Before a step: while the running sequences would outgrow the pool, let idle held
+        prefixes go, then preempt the youngest sequence (never the last one running)."""
+        free = [i for i in range(self.engine.slots) if i not in self.running]
+        while not self._make_room(self._used(), free) and len(self.running) > 1:
+            self._preempt(max(self.running.values(), key=lambda s: s.admitted))
+            free = [i for i in range(self.engine.slots) if i not in self.running]
 
-    def _fill(self, s: Seq, size: int, events: list) -> int:
-        """In the worker thread: the next `size` prompt ids of `s` into its slot, and its first
-        new id once the prompt is in; the number of ids fed."""
-        chunk = s.prompt[s.fed : s.fed + size]
-        scored = s.record is not None and s.record.prompt
-        logits = self.engine.forward(chunk, s.fed, slot=s.slot, every=scored)
-        self.prefixes.wrote(s.slot, s.fed, chunk)
-        if scored:
-            # Row r predicts prompt token fed + r + 1; the last row of the last chunk
-            # predicts the first new token instead (scored when it is picked).
-            if s.fed == 0:
-                s.record.entries.append(None)  # the first token has no context
-            targets = s.prompt[s.fed + 1 : s.fed + len(chunk) + 1]
-            s.record.entries += score_rows(logits, targets, s.record.top)
-            logits = logits[-1]
-        s.fed += len(chunk)
-        if not s.filling:
-            if s.params.max_tokens == 0:  # the prompt scored, nothing to generate
-                events.append((s, None, True))
-            else:
-                events.append(self._pick(s, logits))
-        return len(chunk)
-
-    def _park(self, lo: int, top: int, busy: set[int]) -> None:
-        """In the worker thread, before a step of slots lo..top-1: move what idle slots among
-        them hold to free slots outside (`Prefixes` says where, and when it pays), so
-        their placeholder rows attend over one entry, not over a held conversation. Only the
-        worker writes the cache, and no admission happens during a step."""
-        if not self.park:
-            return
-        for slot in range(lo, top):
-            if slot in busy:
-                continue
-            dst = self.prefixes.parking(slot, lo, top, busy)
-            if dst is not None:
-                self.engine.copy_slot(slot, dst, len(self.prefixes.held[slot]))
-                self.prefixes.moved(slot, dst)
-                self.engine.release(slot, 0)
-                if slot in self.idle_since:
-                    self.idle_since[dst] = self.idle_since.pop(slot)
-
-    def _pick(self, s: Seq, logits: np.ndarray) -> tuple[Seq, int | None, bool]:
-        """Sample the next id; (sequence, id or None at a stop id, finished)."""
-        p, c = s.params, s.constraint
-        if c is not None:
-            try:
-                return self._pick_constrained(s, c, logits)
-            except DeadEnd as e:  # the grammar ends here unfinished: "length", as a cut would
-                log.warning("grammar dead end, the request ends unfinished: %s", e)
-                return s, None, True
-            except RuntimeError as e:  # a matcher in error: this sequence fails, not the step
-                log.error("grammar failed: %s", e)
-                return s, e, True
-        token = sample(logits, p, s.rng, s.context[: s.n], s.context[len(s.prompt) : s.n])
-        if token in p.stop_token_ids:
-            return s, None, True
-        return self._took(s, token, logits)
-
-    def _pick_constrained(self, s: Seq, c: Constraint, logits: np.ndarray):
-        """`_pick` of a row with a grammar: its logits masked to the tokens the grammar
-        allows (the stop ids only where it accepts), and the sequence ended where it ends."""
-        p = s.params
-        if not s.masked:  # the first token, after the prompt's last chunk
-            c.fill()
-        s.masked = False
-        logits = c.mask(logits, p.stop_token_ids)
-        token = sample(logits, p, s.rng, s.context[: s.n], s.context[len(s.prompt) : s.n])
-        if token in p.stop_token_ids:
-            c.advance(None)
-            return s, None, True
-        c.advance(token)
-        s, token, full = self._took(s, token, logits)
-        if s.record is not None:  # tokens the grammar forbids are no alternatives (-inf)
-            last = s.record.entries[-1]
-            keep = [k for k, v in enumerate(last.top_logprobs) if v != -np.inf]
-            ids = tuple(last.top_ids[k] for k in keep)
-            values = tuple(last.top_logprobs[k] for k in keep)
-            s.record.entries[-1] = Scored(last.logprob, ids, values)
-        return s, token, full or c.done
-
-    def _took(self, s: Seq, token: int, logits: np.ndarray) -> tuple[Seq, int, bool]:
-        """Record a picked id; finished when max_tokens or the context is reached."""
-        p = s.params
-        if s.record is not None:
-            s.record.entries += score_rows(logits, [token], s.record.top)
-        s.context[s.n] = token
-        s.n += 1
-        return s, token, s.made >= p.max_tokens or s.n >= self.engine.context_length
+    def _preempt(self, s: Seq) -> None:
+        """`s` gives its slot back and waits first in line; admitted again, it refills the ids
+        it had (the ones it made too) before it decodes on."""
+        del self.running[s.slot]
+        self.prefixes.forget(s.slot)
+        self.engine.release(s.slot, 0)
+        s.slot, s.fed, s.masked = -1, 0, False
+        s.target = s.n - 1 if s.made else len(s.prompt)
+        if s.record is not None and s.record.prompt and not s.made:
+            s.record.entries.clear()  # its prompt is scored again as it goes in again
+        s.preempted += 1
+        self.preemptions += 1
+        self.waiting.appendleft(s)
 
     def _dispatch(self, events) -> None:
         for s, token, finished in events:
-            if isinstance(token, Exception):
-                s.out.put_nowait(RuntimeError(f"structured output failed: {token}"))
-            elif token is not None:
-                s.out.put_nowait(token)
-            if finished:
-                s.out.put_nowait(DONE)
+            if token is not None:  # an id, or the error that ended it
+                s.post(token)
+            if finished:  # its slot is free before the client hears that it ended
                 if self.running.get(s.slot) is s:
-                    del self.running[s.slot]
-                    self._ended_at(s.slot)
-            elif not s.cancelled:
-                self.running[s.slot] = s
+                    self._end(s.slot)
+                s.post(DONE)

@@ -255,7 +255,9 @@ def test_an_interrupted_or_failed_prefill_claims_only_what_it_wrote(tiny_bundle)
         return forward(ids, past_len, slot, every)
 
     svc.engine.forward = failing
-    other = svc.encode(SYSTEM + " পাখি")
+    # Long enough past the held prefix for two chunks: the engine thread may have written one
+    # more chunk of the first prompt before it saw its client leave.
+    other = svc.encode(SYSTEM + " পাখি উড়ে গেল নদীর ধারে আকাশে মেঘ")
     with pytest.raises(RuntimeError, match="a failed run"):
         asyncio.run(_run(svc, other, params))
     # The reused prefix and the one chunk that went in, nothing of the run that failed.

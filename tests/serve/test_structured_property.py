@@ -124,11 +124,11 @@ def test_unsupported_features_anywhere_in_a_schema_are_a_400_naming_them(svc, ba
 
 
 def test_a_row_without_a_format_pays_nothing_and_gets_what_it_gets_alone(svc, monkeypatch):
-    from doel.serve import scheduler
+    from doel.serve import step
 
     calls = []
-    fill_all = scheduler.fill_all
-    monkeypatch.setattr(scheduler, "fill_all", lambda cs: calls.append(len(cs)) or fill_all(cs))
+    fill_all = step.fill_all
+    monkeypatch.setattr(step, "fill_all", lambda cs: calls.append(len(cs)) or fill_all(cs))
     plain = CompletionRequest(prompt="নদীর ধারে", temperature=0, max_tokens=20)
 
     async def alone():
