@@ -9,7 +9,10 @@ reserved once at the full context length and bound as both `past_key_values.*` i
 `attention_mask` positions, so no step copies or reallocates the cache (a cache grown by
 concatenation is copied whole at every token, a cost that grows with the context), and stale
 entries from an earlier request are never read. Other graphs (optimum's) get the growing cache
-they were built for, one slot only.
+they were built for, one slot only, and every entry point takes them there: `forward`, `decode`
+(the Scheduler steps every bundle through it), `release` (which shortens or drops that cache)
+and `warm_up`; one of them bound to the shared buffer would run without the `position_ids` such
+a graph needs and fail at its second token.
 
 The buffer is reserved, not held: a private anonymous mapping in small pages (`kv_buffer`), so
 memory is taken only where a run writes, a page of positions at a time, and `release` gives a
@@ -252,6 +255,8 @@ class Engine:
     def copy_slot(self, src: int, dst: int, n: int) -> None:
         """Copy the first `n` cache positions of slot `src` to slot `dst` (the scheduler parks a
         held prefix there)."""
+        if not self.bundle.share_buffer:
+            raise ValueError("a graph with a growing cache has one slot: nothing to copy")
         for a, last in zip(self.kv_arrays, self._positions_last):
             if last:  # _cache_shape
                 a[dst, :, :, :n] = a[src, :, :, :n]
@@ -261,7 +266,12 @@ class Engine:
     def release(self, slot: int, keep: int = 0) -> None:
         """Give the memory of `slot`'s cache past its first `keep` positions back to the
         system (whole pages; with the value cache positions-last, only a whole slot). Call only
-        between runs: a run writing the slot meanwhile could lose its entries."""
+        between runs: a run writing the slot meanwhile could lose its entries. On a growing
+        cache, it keeps that cache's first `keep` positions and frees the rest."""
+        self._check_slot(slot)
+        if not self.bundle.share_buffer:
+            self._past = {n: v[:, :, :keep].copy() for n, v in self._past.items()} if keep else {}
+            return
         for a, buf, last in zip(self.kv_arrays, self._maps, self._positions_last):
             row = a[slot]
             start = row.ctypes.data - a.ctypes.data
@@ -273,6 +283,10 @@ class Engine:
                 for h in range(row.shape[0]):
                     lo = start + h * per_head
                     give_back(buf, lo + keep * per_position, lo + per_head)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} of {self.slots}")
 
     @property
     def context_length(self) -> int:
@@ -287,6 +301,9 @@ class Engine:
         self.forward([0] * n, 0)
         if self.bundle.share_buffer:
             self.decode([0] * self.slots, [1] * self.slots)
+        else:  # one step after the chunk, then the growing cache it made is dropped
+            self.decode([0], [n + 1])
+            self.release(0)
 
     def _views(self, lo: int, n: int) -> tuple[list, object]:
         """OrtValues over slots lo..lo+n-1 of the cache and of the one-token logits buffer."""
@@ -334,10 +351,20 @@ class Engine:
         return self.logits_array[lo : lo + n, 0].copy()
 
     def _run_concat(self, ids: list[int], total: int, every: bool = False) -> np.ndarray:
+        """As _run_shared for one row, on a growing cache: the run attends to the first
+        `total - len(ids)` positions held (as a shared buffer's row is read up to its mask),
+        and its present outputs, those and the new ones, are the cache after."""
         past_len = total - len(ids)
+        held = next(iter(self._past.values())).shape[2] if self._past else 0
+        if past_len > held:
+            raise ValueError(f"the cache holds {held} positions; {past_len} were to come before")
         if past_len == 0:
             empty = (1, self.bundle.kv_heads, 0, self.bundle.head_dim)
             self._past = {n: np.zeros(empty, self.kv_dtype) for n in self.past_names}
+        elif past_len < held:
+            self._past = {
+                n: np.ascontiguousarray(v[:, :, :past_len]) for n, v in self._past.items()
+            }
         feeds = {
             "input_ids": np.array([ids], np.int64),
             "attention_mask": np.ones((1, total), np.int64),
@@ -360,6 +387,7 @@ class Engine:
         total = past_len + len(ids)
         if not ids or total > self.context_length:
             raise ValueError(f"{total} tokens do not fit the context of {self.context_length}")
+        self._check_slot(slot)
         if not self.bundle.share_buffer:
             return self._run_concat(ids, total, every)
         # A long prompt goes in chunks, each attending to the cache the previous ones wrote:
@@ -384,6 +412,8 @@ class Engine:
             )
         if max(totals) > self.context_length or min(totals) < 1:
             raise ValueError(f"lengths {totals} do not fit the context of {self.context_length}")
+        if not self.bundle.share_buffer:  # one slot (__init__): its one row, on the growing cache
+            return self._run_concat([tokens[0]], totals[0])[None]
         return self._run_shared([[t] for t in tokens], list(totals), lo)
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
