@@ -23,8 +23,9 @@ from doel.contracts import memory
 from doel.serve.engine import Engine, give_back, kv_buffer, read_bundle
 from doel.serve.refusal import RequestError
 from doel.serve.sampling import SamplingParams
-from doel.serve.scheduler import MIN_CHUNK, Scheduler
+from doel.serve.scheduler import Scheduler
 from doel.serve.service import Service
+from doel.serve.step import MIN_CHUNK
 
 pytestmark = pytest.mark.slow
 
