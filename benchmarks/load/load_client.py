@@ -8,6 +8,12 @@ event, time between tokens the gaps between them. A server that holds back a tok
 piece that ends mid-character) sends it with the next: one longer gap, counted as it is felt.
 Output tokens come from the stream's `usage` (asked with stream_options.include_usage), else
 llama-server's `timings.predicted_n`, else the count of events.
+
+A level may go to /v1/chat/completions (each text a user message; a chat's turns carry the
+conversation as messages) and may bound its requests on the client's side: `cut` closes a stream
+after so many tokens, `wall` after so many seconds (a reply without max_tokens on random
+weights runs to the end of its context). A bounded request is no error unless no token came;
+its tokens are the events read (the usage comes only at a stream's end).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class Outcome:
     cached: int | None = None  # prompt tokens the server took from its cache, where it says
     start: float = 0.0
     end: float = 0.0
+    bounded: str | None = None  # "cut" or "wall": the client closed the stream before its end
 
 
 def bangla_chars(text: str) -> int:
@@ -106,11 +113,36 @@ def _event(payload: dict, out: Outcome, now: float) -> None:
         out.error = json.dumps(payload["error"])[:200]
 
 
-async def stream(host: str, port: int, path: str, body: dict, out: Outcome) -> Outcome:
-    """POST `body` (stream on) and time its events into `out`; errors are recorded, not raised."""
-    data = json.dumps(body | {"stream": True}).encode()
+async def stream(
+    host: str,
+    port: int,
+    path: str,
+    body: dict,
+    out: Outcome,
+    cut: int | None = None,
+    wall: float | None = None,
+) -> Outcome:
+    """POST `body` (stream on) and time its events into `out`; errors are recorded, not raised.
+    `cut`: close the stream after that many text events; `wall`: after that many seconds."""
     t0 = time.perf_counter()
     out.start = t0
+    try:
+        await asyncio.wait_for(_exchange(host, port, path, body, out, cut), wall)
+    except asyncio.TimeoutError:
+        if out.ttft is None:
+            out.error = f"no token within {wall:g} s"
+        else:
+            out.bounded = "wall"
+    out.latency = time.perf_counter() - t0
+    out.tokens = out.counted or out.tokens
+    return out
+
+
+async def _exchange(
+    host: str, port: int, path: str, body: dict, out: Outcome, cut: int | None
+) -> None:
+    data = json.dumps(body | {"stream": True}).encode()
+    t0 = out.start
     writer = None
     try:
         reader, writer = await asyncio.open_connection(host, port)
@@ -132,6 +164,9 @@ async def stream(host: str, port: int, path: str, body: dict, out: Outcome) -> O
                 for line in ev.split(b"\n"):
                     if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
                         _event(json.loads(line[5:]), out, time.perf_counter() - t0)
+                        if cut is not None and out.tokens >= cut:
+                            out.bounded = "cut"
+                            return
         if status != 200:
             out.error = f"HTTP {status}: {buf[:200].decode('utf-8', 'replace')}"
         elif out.ttft is None and out.error is None:
@@ -141,9 +176,6 @@ async def stream(host: str, port: int, path: str, body: dict, out: Outcome) -> O
     finally:
         if writer is not None:
             writer.close()
-    out.latency = time.perf_counter() - t0
-    out.tokens = out.counted or out.tokens
-    return out
 
 
 def summarize(outcomes: list[Outcome], wall: float) -> dict:
@@ -180,31 +212,52 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
     }
 
 
+CHAT_PATH = "/v1/chat/completions"
+
+
 async def run_level(
-    host: str, port: int, clients: int, prompts: list[list[str]], body: dict, chat: bool = False
+    host: str,
+    port: int,
+    clients: int,
+    prompts: list[list[str]],
+    body: dict,
+    chat: bool = False,
+    *,
+    path: str = "/v1/completions",
+    cut: int | None = None,
+    wall: float | None = None,
+    outcomes: list[Outcome] | None = None,
 ) -> dict:
     """`clients` clients at once; client i sends the texts prompts[i] one after another, each a
     prompt of its own, or with `chat` each a turn: turn t's prompt is the previous prompt, its
-    answer and the next text, so a server's prefix cache can serve all but the new text.
-    Returns summarize() of all requests, plus that of turns 2+ in a chat."""
+    answer and the next text, so a server's prefix cache can serve all but the new text. On
+    CHAT_PATH each text is a user message (a chat's turns: the messages so far, the answers as
+    the assistant's). `cut`, `wall`: stream()'s bounds; `outcomes`, when given, gets every
+    request's Outcome. Returns summarize() of all requests, plus that of turns 2+ in a chat."""
     if len(prompts) < clients:
         raise ValueError(f"{clients} clients need {clients} prompt lists, got {len(prompts)}")
+    messages = path == CHAT_PATH
 
     async def client(i: int) -> list[Outcome]:
-        done, history = [], ""
+        done, history, said = [], "", []
         for turn, piece in enumerate(prompts[i]):
             history = history + piece if chat else piece
-            out = await stream(host, port, "/v1/completions", body | {"prompt": history},
-                               Outcome(client=i, turn=turn))  # fmt: skip
+            said = (said if chat else []) + [{"role": "user", "content": piece}]
+            ask = {"messages": said} if messages else {"prompt": history}
+            out = Outcome(client=i, turn=turn)
+            await stream(host, port, path, body | ask, out, cut, wall)
             done.append(out)
             if out.error:
                 break
             history += out.text
+            said = said + [{"role": "assistant", "content": out.text}]
         return done
 
     t0 = time.perf_counter()
-    outcomes = [o for got in await asyncio.gather(*map(client, range(clients))) for o in got]
-    res = summarize(outcomes, time.perf_counter() - t0) | {"clients": clients}
+    got = [o for done in await asyncio.gather(*map(client, range(clients))) for o in done]
+    if outcomes is not None:
+        outcomes += got
+    res = summarize(got, time.perf_counter() - t0) | {"clients": clients}
     if chat:
-        res["later_turns"] = summarize([o for o in outcomes if o.turn > 0], res["wall_s"])
+        res["later_turns"] = summarize([o for o in got if o.turn > 0], res["wall_s"])
     return res
