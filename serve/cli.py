@@ -92,6 +92,14 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
         "one (default %(default)s)",
         metavar="N",
     )
+    setting(
+        p,
+        "--load-retry",
+        "seconds before a model whose load failed (memory, I/O) is tried again by its next "
+        "request, doubled for each failure in a row up to 3 times it; a damaged bundle once its "
+        "files change (default %(default)s; 0: every request)",
+        metavar="S",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     setting(p, "--threads", "ONNX Runtime threads (0: per core)")
@@ -348,7 +356,8 @@ def log_config(level: str, floods) -> dict:
 def check_numbers(args: argparse.Namespace) -> None:
     """Exits with one line for a count, rate or timeout out of its range."""
     rates = ("client_body_rate", "client_request_rate")
-    for name in ("threads", "max_queue", "max_body_bytes", "kv_positions", "prefix_keep", *rates):
+    waits = ("prefix_keep", "load_retry")
+    for name in ("threads", "max_queue", "max_body_bytes", "kv_positions", *waits, *rates):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
     bounds = ("max_tools", "max_tool_schema_bytes", "max_input_items", "max_input_bytes")

@@ -17,8 +17,16 @@ The rules, as Ollama's keep_alive and llama.cpp's router mode have them:
   end, and none fails for them.
 - A model with requests in flight is never unloaded: a request holds a lease from `get` to the
   last byte of its response (`LEASES`, which the app's ModelContext opens and releases).
-- A model that fails to load (damaged files, anything else) is "failed": its requests are a 503
-  that says why, and the other models are served as before.
+- A model that fails to load is "failed": its requests are a 503 that says why and when it is
+  tried again, and the other models are served as before. A transient cause (memory, I/O, an
+  ONNX Runtime error: anything but a BundleError) is tried again by the first request after
+  --load-retry seconds, doubled for each failure in a row up to 3 times it (`retry_in`; the 503s
+  meanwhile carry Retry-After): one refused allocation must not need a restart, and a load costs
+  seconds of CPU and memory, so clients retrying at once must not reload it continuously.
+  llama-server's router and Ollama try again at every request (a failed child is "unloaded"
+  with its exit code; a failed runner is expired). A damaged bundle (BundleError, Damaged: a
+  hash mismatch) cannot load until its files change, so it is tried again once they do
+  (`files_of`: each file's size and mtime), never before: a reload would hash it again.
 Each model keeps its own Service: scheduler, slots, prefix cache, tenants' partitions.
 """
 
@@ -30,6 +38,8 @@ import ctypes
 import dataclasses
 import gc
 import logging
+import math
+import os
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -64,21 +74,42 @@ class Model:
     in_flight: int = 0  # requests holding it
     loads: int = 0
     task: asyncio.Task | None = None  # its load, while loading
+    failures: int = 0  # transient load failures in a row
+    retry_at: float = 0.0  # time.monotonic() from which a transient failure is tried again
+    files: tuple | None = None  # after a damaged bundle: its files then (`files_of`)
 
 
 def describe(folder: str, name: str | None = None) -> Model:
     """What the bundle in `folder` is, read from its manifest and tokenizer config without
     loading it; a folder that is no bundle is a failed Model saying why."""
     model = Model(name or Path(folder).resolve().name, str(folder))
+    files = files_of(folder)
     try:
         bundle = read_bundle(folder)
     except BundleError as e:
-        model.state, model.error = "failed", str(e)
+        model.state, model.error, model.files = "failed", str(e), files
         return model
     model.chat = read_template(Path(folder)) is not None
     model.quant = bundle.manifest.get("quant")
     model.context_length = bundle.context_length
     return model
+
+
+def files_of(folder: str) -> tuple:
+    """The bundle's files as they are now (name, size, mtime): a damaged bundle is loaded again
+    once this changes. Empty for a folder that cannot be read."""
+    try:
+        with os.scandir(folder) as entries:
+            stats = [(e.name, e.stat()) for e in entries]
+    except OSError:
+        return ()
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
+
+
+def retry_in(base: float, failures: int) -> float:
+    """Seconds before a load that failed `failures` times in a row is tried again: --load-retry,
+    doubled for each failure after the first, at most 3 times it."""
+    return min(base * 2 ** (failures - 1), 3 * base)
 
 
 def give_back_heap() -> None:
@@ -92,6 +123,18 @@ def _free(held: list) -> None:
     held.clear()
     gc.collect()
     give_back_heap()
+
+
+def refusal(model: Model) -> RequestError:
+    """The 503 of a model that failed: why, and when it is tried again (Retry-After)."""
+    if model.files is not None:
+        why = f"{model.error}; it is tried again once the bundle's files change"
+        return RequestError(503, why, kind="unavailable_error")
+    wait = max(1, math.ceil(model.retry_at - time.monotonic()))
+    why = f"{model.error or LOADING}; tried again in {wait} s"
+    error = RequestError(503, why, kind="unavailable_error")
+    error.headers = {"Retry-After": str(wait)}
+    return error
 
 
 class Card(ModelCard):
@@ -128,6 +171,7 @@ class Models:
         self.default = next(iter(self.all.values()))
         self.started = False  # the default's load at startup has ended
         self.metrics = None  # the app's Metrics, given to each loaded Service
+        self._first_check = settings.verify  # the default's, begun by doel-serve: its first load
         self._tasks: set[asyncio.Task] = set()
 
     # --- what a request gets -------------------------------------------------------------
@@ -159,8 +203,8 @@ class Models:
             model.in_flight += 1
         model.last_used = time.monotonic()
         while model.service is None:
-            if model.state == "failed":
-                raise RequestError(503, model.error or LOADING, kind="unavailable_error")
+            if model.state == "failed" and not self._may_retry(model):
+                raise refusal(model)
             if model.task is None:
                 model.task = self._spawn(self._load(model))
             await asyncio.shield(model.task)  # a request that leaves does not cancel the load
@@ -179,7 +223,7 @@ class Models:
         if not self.started:
             raise RequestError(503, LOADING, kind="unavailable_error")
         if all(m.state == "failed" for m in self.all.values()):
-            raise RequestError(503, self.default.error or LOADING, kind="unavailable_error")
+            raise refusal(self.default)
 
     def states(self) -> dict[str, str]:
         return {m.name: m.state for m in self.all.values()}
@@ -237,25 +281,53 @@ class Models:
         model.state, model.error = state, error
         self.on_change(model)
 
+    def _may_retry(self, model: Model) -> bool:
+        """Whether a failed model is due to be loaded again (see the module's rules)."""
+        if model.files is None:
+            return time.monotonic() >= model.retry_at
+        if files_of(model.folder) == model.files:
+            return False
+        fresh = describe(model.folder, model.name)  # what it is now, or why it is no bundle
+        model.chat, model.quant = fresh.chat, fresh.quant
+        model.context_length = fresh.context_length
+        if fresh.state == "failed":
+            model.files = fresh.files
+            self._set(model, "failed", fresh.error)
+            return False
+        return True
+
+    def _failed(self, model: Model, error: str, files: tuple | None) -> None:
+        """`model`'s load failed: damaged with `files` (tried again once they change), or for a
+        transient cause (files None: tried again after the backoff)."""
+        model.files = files
+        if files is None:
+            model.failures += 1
+            model.retry_at = time.monotonic() + retry_in(self.settings.load_retry, model.failures)
+        self._set(model, "failed", error)
+
     async def _load(self, model: Model) -> None:
         try:
             self._set(model, "loading")
             await self._make_room(model)
-            start = time.perf_counter()
+            start, files = time.perf_counter(), files_of(model.folder)
             try:
                 svc = await asyncio.to_thread(self._build, model)
-            except Damaged as e:
-                self._set(model, "failed", f"the bundle is damaged: {e}")
+            except BundleError as e:  # Damaged among them: not until the files change
+                damaged = isinstance(e, Damaged)
+                what = "the bundle is damaged" if damaged else "the folder cannot be served"
+                self._failed(model, f"{what}: {e}", files)
                 log.error("%s", e)
-                self.on_damaged(e)
+                if damaged:
+                    self.on_damaged(e)
                 return
             except Exception as e:  # said on /health and to its requests; the server stays up
                 log.exception("loading %s failed", model.folder)
-                self._set(model, "failed", f"loading the model failed: {type(e).__name__}: {e}")
+                self._failed(model, f"loading the model failed: {type(e).__name__}: {e}", None)
                 return
             if self.metrics is not None:
                 svc.metrics = self.metrics
             model.service, model.loads, model.last_used = svc, model.loads + 1, time.monotonic()
+            model.failures, model.files = 0, None
             self._set(model, "loaded")
             log.info("model %s loaded in %.2f s", model.name, time.perf_counter() - start)
         finally:
@@ -265,8 +337,8 @@ class Models:
         """The model's Service (on a worker thread): the loader given the model's own Settings,
         its files checked as it loads (doel-serve started the default's check already)."""
         verify = None
-        if model is self.default and model.loads == 0 and self.settings.verify is not None:
-            verify = self.settings.verify
+        if model is self.default and self._first_check is not None:
+            verify, self._first_check = self._first_check, None  # not again after a failure
         elif self.settings.checksums:
             verify = Verification(read_bundle(model.folder))
         own = dataclasses.replace(

@@ -31,6 +31,11 @@ class Settings:
     # Models loaded at once; one more unloads the least recently used idle one first. Ollama
     # loads 3 at most on a CPU.
     max_models: int = 3
+    # Seconds before a model whose load failed for a transient cause (memory, I/O, the runtime)
+    # is loaded again by its next request, doubled for each failure in a row up to 3 times it; 0:
+    # every request tries again, as llama-server's router and Ollama do. A damaged bundle is
+    # tried again once its files change instead (serve/models.py).
+    load_retry: float = 10.0
     checksums: bool = True  # each load hashes the bundle's files against its manifest
     threads: int = 0  # ONNX Runtime intra-op threads; 0: one per core
     api_key: str | None = None  # when set, `Authorization: Bearer KEY` on all but /health
