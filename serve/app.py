@@ -4,7 +4,8 @@ chat completions.
 The model loads in `lifespan`, in a worker thread, so the port answers at once: `/health` says
 503 while loading (as llama.cpp's server does) and 200 when ready. Every refusal is a 4xx with
 an OpenAI-style error body that says what is wrong; nothing a client sends gives a 5xx. A bug's
-exception is answered with an OpenAI-style 500, counted in /metrics.
+exception is answered with an OpenAI-style 500, counted in /metrics; a stream that fails past
+its head ends with an error event instead (serve/answer.py).
 
 `add_routes` is serve's one list of endpoints. Adding one touches its module (the work: a
 `Route`, as `completions` and `chat` are), its request and response models and that list:
@@ -31,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from doel.contracts.errors import error_body
 from doel.serve import chat, playground, responses
 from doel.serve import completions as completion
-from doel.serve.answer import respond
+from doel.serve.answer import failure, respond
 from doel.serve.bounds import LIMITS
 from doel.serve.guard import AllowedHosts, Guard
 from doel.serve.jsonbody import decode_error, parse_failure
@@ -102,9 +103,10 @@ def install_errors(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _failed(_req, exc: Exception):
         # A bug, not the client's doing. Starlette logs the traceback after this answer, and
-        # CountRequests counts it among the 500s.
-        why = f"internal error ({type(exc).__name__}); the server's log has the details"
-        return error(500, why, "server_error")
+        # CountRequests counts it among the 500s. A stream past its head says it in its last
+        # event instead (answer.EventStream), in the same words.
+        said = failure(exc)
+        return error(500, said.message, said.kind)
 
 
 async def service(request: Request, model: str | None = None) -> Service:
@@ -172,6 +174,8 @@ def default_loader(settings: Settings) -> Service:
         settings.model_name,
         settings.max_queue,
         settings.slots,
+        # the models that may be loaded at once share the memory a default pool takes
+        models=min(settings.max_models, 1 + len(settings.bundles)),
         kv_positions=settings.kv_positions,
         step_tokens=settings.step_tokens,
         prefix_keep=settings.prefix_keep,

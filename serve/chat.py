@@ -63,16 +63,18 @@ async def pieces(
     by default the request's response_format, or its tools'."""
     plan = tools.plan(req)
     ids = await svc.in_thread(prompt_ids, svc, req, plan)
-    n, ctx = len(ids), svc.context_length
+    n, room = len(ids), svc.room()
     limit = req.limit()
-    if limit is None and n >= ctx:
+    if limit is None and n >= room:
         raise RequestError(
             400,
-            f"the conversation is {n} tokens, which leaves no room for a reply in the model's "
-            f"context of {ctx} tokens; send fewer or shorter messages",
+            f"the conversation is {n} tokens, which leaves no room for a reply in {svc.room_is()}"
+            "; send fewer or shorter messages",
             "messages",
         )
-    limit = ctx - n if limit is None else limit
+    # No max_tokens: what the context and the KV pool allow. Nothing is reserved for it: the
+    # pool is taken as the reply grows (serve/scheduler.py).
+    limit = room - n if limit is None else limit
     svc.check_fits(n, limit, "conversation", "messages")
     params = req.to_sampling_params(limit, svc.chat.stop_ids)
     # response_format, or a required tool call: the reply is a document of its schema

@@ -239,7 +239,7 @@ class Scheduler(Steps):
 
     def _fail_all(self, error: Exception) -> None:
         """After an error outside a step: every sequence held ends with it, its slot freed."""
-        for s in [*self.running.values(), *self.waiting]:
+        for s in dict.fromkeys([*self.running.values(), *self.waiting]):
             s.post(Failed(f"the server failed: {error}"))
             s.post(DONE)
             s.cancelled = True
@@ -300,8 +300,8 @@ class Scheduler(Steps):
             if not self._make_room(need, free) and self.running:
                 self.pool_bound = True
                 break  # it waits, first come first served, for running sequences to end
+            self._place(seq, free)  # then out of the queue: an error meanwhile still reaches it
             self.waiting.popleft()
-            self._place(seq, free)
 
     def _place(self, seq: Seq, free: list[int]) -> None:
         # A prompt scored from its first token is computed whole.

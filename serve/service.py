@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer, normalizers
 
+from doel.contracts import untrusted
 from doel.contracts.decoding import CONTEXT_IDS
-from doel.serve.engine import Engine, read_bundle
+from doel.serve.engine import BundleError, Engine, read_bundle
 from doel.serve.grammar_limits import compiled, uncounted
 from doel.serve.logprobs import Record, openai_logprobs
 from doel.serve.metrics import Metrics
@@ -40,6 +41,10 @@ from doel.serve.textstream import TextStream
 TOKENIZER_THREADS = ThreadPoolExecutor(2, thread_name_prefix="doel-tokenizer")
 # Characters NFC can fold into one: a character's canonical decomposition has at most 4.
 NFC_FOLD = 4
+# The part of the memory available at load that a model's default KV pool may take (vLLM takes
+# 0.9 of a GPU's by default; here the weights, the tokenizer, grammars and other processes share
+# the machine's RAM, so half). --kv-positions sets the pool outright.
+POOL_MEMORY_SHARE = 0.5
 ECHO_WITH_FORMAT = (
     "echo cannot be combined with response_format: the prompt in front would make the text "
     "no document of the schema; unset echo"
@@ -48,6 +53,40 @@ STOP_WITH_FORMAT = (
     "stop strings cannot be combined with response_format: a stop would cut the document "
     "where it does not parse; unset stop (the output ends where the schema's document ends)"
 )
+
+
+def available_memory() -> int | None:
+    """Bytes the system can give without swapping (MemAvailable), or None where it does not
+    say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return untrusted.memory_bytes()
+
+
+def pool_positions(engine: Engine, asked: int, models: int = 1) -> int:
+    """The KV pool of a model just loaded: `asked` (--kv-positions), or by default every slot's
+    whole context as far as POOL_MEMORY_SHARE of the memory available, shared by the `models`
+    that may be loaded, allows (at least one whole context, which the bundle check fits in
+    memory). A pool asked for past the available memory is a BundleError naming the flag: the
+    process would be killed under load instead of making requests wait."""
+    whole = engine.slots * engine.context_length
+    per_position = sum(a.nbytes for a in engine.kv_arrays) // whole
+    free = available_memory()
+    if asked:
+        if free is not None and min(asked, whole) * per_position > free:
+            most = free // per_position
+            raise BundleError(
+                f"--kv-positions {asked} needs {min(asked, whole) * per_position / 2**30:.1f} GiB "
+                f"of KV cache, more than the {free / 2**30:.1f} GiB this machine has available; "
+                f"ask for at most {most}"
+            )
+        return asked
+    if free is None:
+        return whole
+    share = int(POOL_MEMORY_SHARE * free / max(models, 1)) // per_position
+    return min(whole, max(engine.context_length, share))
 
 
 @dataclass
@@ -89,12 +128,14 @@ class Service:
         name: str | None = None,
         max_queue: int = Settings.max_queue,
         slots: int = Settings.slots,
+        models: int = 1,  # models that may be loaded beside it: they share the memory
         **pool,  # kv_positions, step_tokens, prefix_keep: the Scheduler's
     ):
         b = read_bundle(bundle)
         tok = Tokenizer.from_file(str(b.tokenizer))
         engine = Engine(b, threads, slots if b.share_buffer else 1)
         engine.warm_up()
+        pool["kv_positions"] = pool_positions(engine, pool.get("kv_positions", 0), models)
         svc = cls(engine, tok, name or b.folder.resolve().name, max_queue, **pool)
         svc.chat = ChatTemplate.load(b.folder)
         return svc
@@ -185,6 +226,17 @@ class Service:
             self.check_ids(ids, "prompt")
         self.check_fits(len(ids), req.max_tokens)
         return ids
+
+    def room(self) -> int:
+        """Positions one sequence may hold: the model's context, or a smaller KV pool."""
+        return min(self.context_length, self.scheduler.kv_positions)
+
+    def room_is(self) -> str:
+        """What bounds `room`, in words for a refusal."""
+        if self.scheduler.kv_positions < self.context_length:
+            pool = self.scheduler.kv_positions
+            return f"this server's KV cache of {pool} positions (--kv-positions)"
+        return f"the model's context of {self.context_length} tokens"
 
     def check_fits(
         self, n: int, max_tokens: int, prompt: str = "prompt", param: str = "prompt"
