@@ -90,11 +90,12 @@ def test_a_model_loaded_on_request_is_tried_again_by_the_request_after_the_backo
         assert c.post("/v1/completions", json=BODY).status_code == 200  # the default, as ever
         time.sleep(RETRY + 0.05)
         r = c.post("/v1/completions", json=body)
+        failed_at = time.monotonic()
         assert r.status_code == 503 and "bad alloc" in r.json()["error"]["message"]
         assert len(calls) == 2
-        time.sleep(RETRY + 0.05)  # half the second backoff: still refused, not loaded
+        time.sleep(RETRY)  # half the second backoff: still refused, not loaded
         assert c.post("/v1/completions", json=body).status_code == 503 and len(calls) == 2
-        time.sleep(RETRY + 0.05)
+        time.sleep(max(0.0, failed_at + 2 * RETRY - time.monotonic()) + 0.05)
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 200 and r.json()["model"] == "other", r.text
         assert len(calls) == 3
@@ -139,3 +140,21 @@ def test_a_negative_backoff_is_refused_in_one_line(tiny_bundle):
 
     with pytest.raises(SystemExit, match="error: --load-retry must be 0 or more"):
         main([str(tiny_bundle), "--load-retry", "-1"])
+
+
+def test_a_folder_that_was_no_bundle_is_described_and_loaded_once_it_is_one(tiny_bundle, tmp_path):
+    """A second folder empty as the server starts is failed ("no bundle"), and stays so; once a
+    bundle is copied in, its next request loads it, and /v1/models says what it now is."""
+    late = tmp_path / "late"
+    late.mkdir()
+    settings = Settings(bundle=str(tiny_bundle), bundles=(str(late),), threads=1)
+    with TestClient(create_app(settings)) as c:
+        ready(c)
+        body = BODY | {"model": "late"}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 503 and "files change" in r.json()["error"]["message"], r.text
+        shutil.copytree(tiny_bundle, late, dirs_exist_ok=True)
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        card = {m["id"]: m for m in c.get("/v1/models").json()["data"]}["late"]
+        assert card["state"] == "loaded" and card["max_model_len"] > 0 and card["chat"]
