@@ -4,7 +4,8 @@ It binds a free loopback port, and a port taken between choosing and binding (an
 process got it first) is retried on a new one. `/health` is polled until 200, with a deadline,
 and the server's own log shown if it dies or never gets there. On the way out it gets SIGINT,
 then SIGKILL if it lingers; and on Linux the kernel kills it should pytest itself be killed
-(PR_SET_PDEATHSIG), so no run leaves a server behind.
+(PR_SET_PDEATHSIG), so no run leaves a server behind. Its memory is read with
+doel.contracts.memory: `pss_kib`, what the system pays for it, and `rss_kib`, its resident memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from doel.contracts import memory
+
 ROOT = Path(__file__).resolve().parents[1]
 PR_SET_PDEATHSIG = 1
 
@@ -40,12 +43,20 @@ class LiveServer:
     url: str  # http://127.0.0.1:PORT
     log: Path  # the server's stdout and stderr
 
+    def memory(self) -> memory.Memory:
+        """The server process's memory (doel.contracts.memory); fails once it is gone."""
+        got = memory.measure(self.proc.pid)
+        assert got.rss_bytes > 0, f"no memory figures for pid {self.proc.pid}"
+        return got
+
+    def pss_kib(self) -> int:
+        """What the system pays for the server process (its Pss), in KiB."""
+        return self.memory().pss_bytes // 1024
+
     def rss_kib(self) -> int:
-        """The server process's resident memory (VmRSS), in KiB."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError(f"no VmRSS for pid {self.proc.pid}")
+        """The server process's resident memory, in KiB: it misses pages a shared anonymous
+        mapping keeps after giving them back, so judge memory by `pss_kib`."""
+        return self.memory().rss_bytes // 1024
 
     def log_text(self) -> str:
         return self.log.read_text(encoding="utf-8", errors="replace")

@@ -8,7 +8,10 @@ Each case runs in its own process, through serve/'s engine as an app would drive
 the cache preallocated for the context and bound as both past and present, the prompt fed in
 chunks of serve's PREFILL_CHUNK, then DECODE single steps up to the context's last position.
 Reported: the process before the session (Python, numpy, onnxruntime), after loading the model,
-and its peak (VmHWM), beside the cache's own size. Measured on x86 (no phone here): ARM's kernels
+and its peak (VmHWM), beside the cache's own size; and the Pss after loading and at the end, what
+the system pays (doel.contracts.memory: resident memory alone missed the cache's released pages
+while it was shared anonymous memory, before issue 53). The peaks are resident memory's only:
+the kernel keeps no high-water mark of Pss. Measured on x86 (no phone here): ARM's kernels
 prepack weights differently, so a phone's figure can differ by their packed copies; its speed
 with an fp16 cache is not measured at all (emulation says nothing of speed).
 
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from doel.contracts import memory
 from doel.serve.engine import Engine, read_bundle
 
 RESULTS = ("phone_memory_<name>",)
@@ -39,7 +43,7 @@ CONTEXTS = (512, 2048)
 DECODE = 32
 THREADS = 2
 REPEATS = 3  # the same load's resident memory varies by ~50 MB run to run (allocator arenas)
-FIELDS = ("loaded_mb", "load_peak_mb", "run_peak_mb", "end_mb")
+FIELDS = ("loaded_mb", "load_peak_mb", "run_peak_mb", "end_mb", "loaded_pss_mb", "end_pss_mb")
 MODELS = ("model.ort", "model.onnx")  # ORT Mobile loads either; the ORT format is its own
 
 
@@ -60,6 +64,7 @@ def one(folder: Path, context: int, model: str) -> dict:
     t0 = time.perf_counter()
     engine = Engine(replace(bundle, model=folder / model, context_length=context), THREADS)
     loaded, load_peak = status_mb("VmRSS"), status_mb("VmHWM")
+    loaded_pss = memory.measure().pss_mb
     # Loading peaks above what the session keeps (weights read, then packed for the kernels):
     # the peak is reset here (Linux: 5 to clear_refs) so that the run's own is seen apart.
     Path("/proc/self/clear_refs").write_text("5")
@@ -80,6 +85,8 @@ def one(folder: Path, context: int, model: str) -> dict:
         "load_peak_mb": load_peak,
         "run_peak_mb": status_mb("VmHWM"),
         "end_mb": status_mb("VmRSS"),
+        "loaded_pss_mb": loaded_pss,
+        "end_pss_mb": memory.measure().pss_mb,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -101,7 +108,10 @@ def repeated(folder: Path, context: int, model: str) -> dict:
 
 
 def _mb(r: dict, key: str) -> str:
-    """The median and, where the runs spread by 5 MiB or more, their range."""
+    """The median and, where the runs spread by 5 MiB or more, their range; "–" for a figure
+    not measured (Pss, before it was)."""
+    if r.get(key) is None:
+        return "–"
     values = [run[key] for run in r["runs"]]
     spread = max(values) - min(values)
     return f"{r[key]:.0f}" + (f" ({min(values):.0f}-{max(values):.0f})" if spread >= 5 else "")
@@ -120,15 +130,17 @@ def markdown(report: dict) -> str:
         f"({report['cpu']}), not on a phone; the speed of an fp16 cache on ARM is not measured.",
         "",
         "| file | bundle | KV cache | context | cache MiB | model files MiB | process MiB "
-        "| load peak MiB | after load MiB | run peak MiB | run peak - process MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load peak MiB | after load MiB | run peak MiB | run peak - process MiB "
+        "| Pss after load MiB | Pss at the end MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['model']} | {r['bundle']} | {r['kv_dtype']} | {r['context']:,} "
             f"| {r['kv_cache_mb']:.0f} | {r['model_mb']:.0f} | {r['process_mb']:.0f} "
             f"| {_mb(r, 'load_peak_mb')} | {_mb(r, 'loaded_mb')} | {_mb(r, 'run_peak_mb')} "
-            f"| {r['run_peak_mb'] - r['process_mb']:.0f} |"
+            f"| {r['run_peak_mb'] - r['process_mb']:.0f} | {_mb(r, 'loaded_pss_mb')} "
+            f"| {_mb(r, 'end_pss_mb')} |"
         )
     return "\n".join(lines) + "\n"
 

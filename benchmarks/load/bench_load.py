@@ -12,7 +12,8 @@ prompt the last one plus its answer plus 64 new tokens of text, so prefix caches
 servers: 16 slots of 2,048 positions, 2 threads, prefix caching on, warmed
 (benchmarks/load/load_servers.py). Every level records aggregate output tokens/s and characters/s
 (Bangla ones apart), time to first token, time between tokens and request latency (p50, p95),
-errors, the server's peak resident memory and the 1-minute load before it.
+errors, the server's peak memory (Pss, what the system pays, with RSS beside it) and the 1-minute
+load before it.
 
 Each server runs in `--processes` processes, interleaved with its peer (doel, llama, llama,
 doel, ...); a level's figures are those of its process with the best aggregate tokens/s. A run
@@ -45,7 +46,7 @@ from benchmarks.load.load_servers import (
     CACHE,
     Server,
     install_llama_server,
-    rss_tree_mb,
+    tree_mb,
 )
 
 RESULTS = ("serve_load_0.4b_cpu-<class>",)
@@ -85,8 +86,8 @@ IDLE_WAIT = 5.0  # seconds after a process's last level before its idle memory i
 
 
 def http_process(kind: str, model: Path, pair: str, prompts: Prompts, args, work: Path) -> list:
-    """One server process through every level of the plan, then its resident memory once idle
-    (`idle_rss_mb` on each of its rows: what a burst leaves behind)."""
+    """One server process through every level of the plan, then its memory once idle
+    (`idle_pss_mb` and `idle_rss_mb` on each of its rows: what a burst leaves behind)."""
     extra = tuple(args.doel_args.split()) if kind == "doel" else ()
     server = Server(kind, model, work / f"{kind}.log", extra)
     name = " ".join([NAMES[kind], *extra])
@@ -101,19 +102,30 @@ def http_process(kind: str, model: Path, pair: str, prompts: Prompts, args, work
         for mode, n, clients in plan(args):
             load = os.getloadavg()[0]
             texts = level_prompts(prompts, mode, n, clients, args.rounds)
-            server.sample_rss()
+            server.sample_memory()
             got = asyncio.run(
                 run_level("127.0.0.1", server.port, clients, texts, body, chat=mode == "chat")
             )
             row = {"pair": pair, "server": name, "mode": mode, "prompt_tokens": n}
-            rows.append(row | got | {"peak_rss_mb": server.stop_sampling(), "load_1min": load})
+            rows.append(row | got | peak_of(server.stop_sampling()) | {"load_1min": load})
             print(_line(rows[-1]), flush=True)
         time.sleep(IDLE_WAIT)
-        idle = rss_tree_mb(server.proc.pid)
-        rows = [r | {"idle_rss_mb": idle} for r in rows]
+        idle = tree_mb(server.proc.pid)
+        rows = [r | {"idle_pss_mb": idle["pss_mb"], "idle_rss_mb": idle["rss_mb"]} for r in rows]
     finally:
         server.close()
     return rows
+
+
+def peak_of(sampled: dict) -> dict:
+    """A level's memory keys from Server.stop_sampling()'s peaks: Pss (what the system pays),
+    RSS beside it (the key earlier results have), and any shared anonymous mappings seen,
+    whose released pages neither figure counts."""
+    return {
+        "peak_pss_mb": sampled["pss_mb"],
+        "peak_rss_mb": sampled["rss_mb"],
+        "shmem_mappings": int(sampled["shmem_mappings"]),
+    }
 
 
 def _line(r: dict) -> str:

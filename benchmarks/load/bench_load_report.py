@@ -29,6 +29,12 @@ NOTES = [
     "are the servers' usage counts; a time to first token is the first event with text.",
     "Chat: each client's turn is its previous prompt, the answer and 64 new tokens of text, sent "
     "to `/v1/completions` (the same text to both servers, no chat template between them).",
+    "Memory: Pss, what the system pays for the server's process tree (a page it shares with "
+    "other processes counted by its share, doel.contracts.memory), sampled every 0.2 s, with "
+    "resident memory (RSS) in brackets; the memory target is judged on RSS, the figure every "
+    "result has. Before issue 53 doel-serve's KV cache was shared anonymous memory, whose "
+    "released pages neither figure counts: rows from then understate what it held after a "
+    "burst.",
     "In-process: closed loops of 8 clients, 2 requests each, ids in and out, in separate "
     "processes; onnxruntime-genai's Engine on the bundle's own model.onnx and genai_config.json "
     "(copied with 2 threads, greedy, static batching of 16: its dynamic batching refuses a "
@@ -150,11 +156,21 @@ def verdict(t: dict) -> str:
     return {True: "met", False: "**NOT met**", None: "not measured"}[t["met"]]
 
 
+def _memory(r: dict, which: str) -> str:
+    """`which` ('peak', 'idle') memory of a row: Pss, what the system pays, and RSS in brackets
+    ("–" where a row has no Pss: results from before bench_load recorded it, and in-process
+    rows, whose peak is VmHWM)."""
+    pss, rss = r.get(f"{which}_pss_mb"), r.get(f"{which}_rss_mb")
+    if pss is None and rss is None:
+        return "–"
+    return f"{_f(pss, '.0f')} ({_f(rss, '.0f')})"
+
+
 def level_table(rows: list[dict]) -> list[str]:
     out = [
         "| server | clients | tok/s | chars/s | Bangla chars/s | TTFT p50 / p95 / p99 ms | "
         "TBT p50 / p95 / p99 ms | latency p50 / p95 ms | errors | cached prompt tokens | "
-        "peak RSS MB | idle RSS MB after | load before |",
+        "peak Pss (RSS) MB | idle Pss (RSS) MB after | load before |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["clients"], r["server"])):
@@ -170,8 +186,8 @@ def level_table(rows: list[dict]) -> list[str]:
             f"| {r['server']} | {r['clients']} | {_f(r['aggregate_tok_s'])} | {chars[0]} | "
             f"{chars[1]} | {ttft} | {tbt} | {_f(r['latency_ms_p50'], '.0f')} / "
             f"{_f(r['latency_ms_p95'], '.0f')} | {r['errors']} | "
-            f"{_f(r.get('cached_prompt_tokens'), 'd')} | {_f(r['peak_rss_mb'], '.0f')} | "
-            f"{_f(r.get('idle_rss_mb'), '.0f')} | {_f(r.get('load_1min'))} |"
+            f"{_f(r.get('cached_prompt_tokens'), 'd')} | {_memory(r, 'peak')} | "
+            f"{_memory(r, 'idle')} | {_f(r.get('load_1min'))} |"
         )
     return out
 

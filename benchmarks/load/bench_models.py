@@ -8,7 +8,8 @@ router mode is not used). Both sides get 4 slots and 8,192 positions of KV cache
 threads. Measured: memory once ready, the first request to the second model (doel-serve loads
 it then; llama-server had it loaded since its start, which the start time shows), then 4 clients
 on each model at once (128-token Bangla prompts, 128 new tokens, greedy, streamed, 2 rounds):
-aggregate tokens/s and the peak resident memory of everything each side runs. The result:
+aggregate tokens/s and the peak memory of everything each side runs (Pss, what the system pays,
+with resident memory beside it: load_servers.Peak). The result:
 benchmarks/results/serve_models_0.4b_cpu-<class>.{json,md}.
 """
 
@@ -62,7 +63,7 @@ def measure(kind: str, made: dict, prompts: Prompts, work: Path) -> dict:
     pids = [s.proc.pid for s in servers]
     body = {"max_tokens": NEW_TOKENS, "temperature": 0.0, "stream_options": {"include_usage": True}}
     try:
-        ready_mb = Peak.now(pids)
+        ready = Peak.now(pids)
         prompts.reset()
         second = body | {"model": names[1], "max_tokens": 16}
         cold = asyncio.run(run_level("127.0.0.1", ports[1], 1, [[prompts.take(PROMPT)]], second))
@@ -78,21 +79,31 @@ def measure(kind: str, made: dict, prompts: Prompts, work: Path) -> dict:
         t0 = time.perf_counter()
         got = asyncio.run(both())
         wall = time.perf_counter() - t0
-        peak_mb = peak.stop()
+        top = peak.stop()
     finally:
         for s in servers:
             s.close()
     return {
         "side": "doel-serve, both models" if kind == "doel" else "llama-server x 2",
         "ready_s": ready_s,
-        "ready_rss_mb": ready_mb,
+        "ready_pss_mb": ready["pss_mb"],
+        "ready_rss_mb": ready["rss_mb"],
         "second_model_first_ms": cold["ttft_ms_p50"],
         "tok_s": sum(g["output_tokens"] for g in got) / wall,
         "tok_s_each": [g["aggregate_tok_s"] for g in got],
         "tbt_ms_p95": [g["tbt_ms_p95"] for g in got],
         "errors": sum(g["errors"] for g in got) + cold["errors"],
-        "peak_rss_mb": peak_mb,
+        "peak_pss_mb": top["pss_mb"],
+        "peak_rss_mb": top["rss_mb"],
+        "shmem_mappings": int(top["shmem_mappings"]),
     }
+
+
+def _memory(r: dict, which: str) -> str:
+    """Pss MB with RSS in brackets; RSS alone for results from before Pss was recorded."""
+    rss = f"{r[f'{which}_rss_mb']:.0f}"
+    pss = r.get(f"{which}_pss_mb")
+    return rss if pss is None else f"{pss:.0f} ({rss})"
 
 
 def markdown(result: dict) -> str:
@@ -101,17 +112,17 @@ def markdown(result: dict) -> str:
     lines += [f"CPU: {cpu_name(result['cpu'])}. {what}"]
     lines += [
         "",
-        "| side | ready s | RSS ready MB | first request to the 2nd model ms | tok/s (both) | "
-        "tok/s each | p95 gap ms each | peak RSS MB | errors |",
+        "| side | ready s | Pss (RSS) ready MB | first request to the 2nd model ms | tok/s (both) "
+        "| tok/s each | p95 gap ms each | peak Pss (RSS) MB | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         each = " / ".join(f"{v:.1f}" for v in r["tok_s_each"])
         gaps = " / ".join(f"{v:.0f}" for v in r["tbt_ms_p95"])
         lines.append(
-            f"| {r['side']} | {r['ready_s']:.1f} | {r['ready_rss_mb']:.0f} | "
+            f"| {r['side']} | {r['ready_s']:.1f} | {_memory(r, 'ready')} | "
             f"{r['second_model_first_ms']:.0f} | {r['tok_s']:.1f} | {each} | {gaps} | "
-            f"{r['peak_rss_mb']:.0f} | {r['errors']} |"
+            f"{_memory(r, 'peak')} | {r['errors']} |"
         )
     return "\n".join(lines) + "\n"
 

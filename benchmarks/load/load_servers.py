@@ -12,7 +12,11 @@ and CI never build it.
 context a slot, 2 threads, the prefix cache on: doel-serve's per-tenant cache, llama-server's
 slot cache and `--cache-ram`), and waits until it answers a real completion, not only /health:
 llama-server has been seen dropping the first request sent right after /health turned 200.
-`Server.rss_mb` reads the resident memory of its process tree from /proc (Linux).
+`Server.sample_memory` samples the memory of its process tree with doel.contracts.memory (Linux):
+Pss, what the system pays for it (a page shared with other processes counted by its share, not
+whole), and the resident memory (RSS) beside it, the figure earlier results recorded; RSS alone
+missed the pages a shared anonymous mapping keeps in shmem after giving them back (doel-serve's
+KV cache did until issue 53), so the count of such mappings is recorded too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.serve.bench_serve_llama import CACHE, LLAMA_VERSION, NO_AMX, converter
+from doel.contracts import memory
 
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -115,35 +120,19 @@ def _post(port: int, body: dict, timeout: float = 60) -> dict:
         return json.loads(r.read())
 
 
-def rss_tree_mb(pid: int) -> float:
-    """Resident MiB of `pid` and every process below it, from /proc; 0 once it is gone."""
-    parents: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
-        tree.update(kids)
-        frontier += kids
-    total = 0
-    for p in tree:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(x.split()[1]) for x in f if x.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            continue
-    return total / 1024
+# What a reading holds: MiB of Pss and of RSS, and shared anonymous mappings (a count).
+KEYS = ("pss_mb", "rss_mb", "shmem_mappings")
+
+
+def tree_mb(pid: int) -> dict[str, float]:
+    """The memory of `pid` and every process below it (KEYS); 0 once it is gone."""
+    m = memory.measure(pid, whole_tree=True)
+    return {"pss_mb": m.pss_mb, "rss_mb": m.rss_mb, "shmem_mappings": len(m.shmem_mappings)}
 
 
 class Peak:
-    """The peak of the summed resident memory of some process trees, sampled every 0.2 s from
-    its start until stop()."""
+    """The peak of each of KEYS, summed over some process trees, sampled every 0.2 s from its
+    start until stop() (each its own peak: Pss and RSS need not peak at the same sample)."""
 
     def __init__(self, pids: list[int]):
         self.pids, self.mb, self._stop = pids, self.now(pids), threading.Event()
@@ -151,17 +140,22 @@ class Peak:
         self._thread.start()
 
     @staticmethod
-    def now(pids: list[int]) -> float:
-        return sum(rss_tree_mb(p) for p in pids)
+    def now(pids: list[int]) -> dict[str, float]:
+        got = [tree_mb(p) for p in pids]
+        return {k: sum(g[k] for g in got) for k in KEYS}
+
+    def _higher(self) -> dict[str, float]:
+        now = self.now(self.pids)
+        return {k: max(self.mb[k], now[k]) for k in KEYS}
 
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
-            self.mb = max(self.mb, self.now(self.pids))
+            self.mb = self._higher()
 
-    def stop(self) -> float:
+    def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
-        return max(self.mb, self.now(self.pids))
+        return self._higher()
 
 
 class Server:
@@ -192,11 +186,12 @@ class Server:
                 answered = 0
                 time.sleep(0.5)
 
-    def sample_rss(self):
-        """Start sampling the tree's resident memory (every 0.2 s) until stop_sampling()."""
+    def sample_memory(self):
+        """Start sampling the tree's memory (every 0.2 s) until stop_sampling()."""
         self._sampling = Peak([self.proc.pid])
 
-    def stop_sampling(self) -> float:
+    def stop_sampling(self) -> dict[str, float]:
+        """The peaks since sample_memory() (Peak's KEYS)."""
         return self._sampling.stop()
 
     def close(self) -> None:

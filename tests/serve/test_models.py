@@ -21,6 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 from ready import ready
 
+from doel.contracts import memory
 from doel.serve.app import create_app, default_loader
 from doel.serve.settings import Settings
 
@@ -48,11 +49,9 @@ def pair(tiny_bundle, tmp_path_factory) -> tuple[Path, Path]:
     return chat, base
 
 
-def rss_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+def pss_kib() -> int:
+    """What the system pays for this process (its Pss: doel.contracts.memory), in KiB."""
+    return memory.measure().pss_bytes // 1024
 
 
 def paced_loader(pause: dict[str, float] | None = None):
@@ -195,13 +194,13 @@ def test_a_model_loads_on_its_first_request_while_another_streams_without_a_stut
 def test_an_idle_model_is_unloaded_after_keep_alive_and_its_next_request_loads_it(pair):
     with TestClient(app_of(pair, keep_alive=1.0)) as c:
         ready(c)
-        before = rss_kib()
+        before = pss_kib()
         complete(c, "base")
         engine = weakref.ref(c.app.state.models.all["base"].service.engine)
-        loaded = rss_kib()
+        loaded = pss_kib()
         until(c, {"chat": "unloaded", "base": "unloaded"})
-        after = rss_kib()
-        print(f"RSS {before} KiB, {loaded} KiB with both loaded, {after} KiB with none")
+        after = pss_kib()
+        print(f"Pss {before} KiB, {loaded} KiB with both loaded, {after} KiB with none")
         assert engine() is None  # every reference to the engine and its session dropped
         assert c.app.state.service is None
         assert after < loaded - 1024  # two tiny models hold about 4 MiB each
