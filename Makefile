@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-load bench-quant-quality bench-runtimes check-arm64 check-avx2 clean
+.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-core bench-load bench-quant-quality bench-runtimes check-arm64 check-avx2 clean
 
 # The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
 # selenium, transformers for the parity tests).
@@ -67,6 +67,11 @@ bench-export: $(BIN)/.installed
 # llama-cpp-python is benchmark-only: `$(BIN)/python -m benchmarks.serve.bench_serve --install-llama-cpp`
 bench-serve: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.serve.bench_serve
+
+# The serving core before issue 53's changes (a worktree of 61dc752) and after, in one run: chats
+# without max_tokens at 16 clients under --kv-positions 8192, the time between tokens at 8 and 16
+bench-core: $(BIN)/.installed
+	flock /tmp/doel-bench.lock $(BIN)/python -m benchmarks.load.bench_core
 
 # doel-serve vs llama-server under 1-16 clients, and vs onnxruntime-genai in-process; builds
 # llama-server and the onnxruntime-genai venv once (cached in ~/.cache/doel), holds the bench lock
