@@ -247,6 +247,13 @@ def _connection_flags(limits) -> None:
     )
     setting(
         limits,
+        "--write-timeout",
+        "seconds one write of a streamed answer may wait for a client that stopped reading; "
+        "then the answer ends and its slot is freed (default %(default)s)",
+        metavar="S",
+    )
+    setting(
+        limits,
         "--max-headers",
         "headers in a request; more is refused with 431 (default %(default)s)",
         metavar="N",
@@ -366,7 +373,7 @@ def check_numbers(args: argparse.Namespace) -> None:
     for name in (*counts, *bounds):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name.replace('_', '-')} must be 1 or more")
-    for name in ("timeout_read", "timeout_keep_alive", "compile_timeout"):
+    for name in ("timeout_read", "timeout_keep_alive", "compile_timeout", "write_timeout"):
         if not 0 < getattr(args, name) <= 3600:
             sys.exit(f"error: --{name.replace('_', '-')} must be between 0 and 3600 seconds")
     if args.keep_alive < 0 and args.keep_alive != -1:

@@ -3,6 +3,12 @@ requests by route (the app's own routes, read from its router: see CountRequests
 tokens in and out, time to first token, decode speed, queue depth, open connections and those
 refused below HTTP (`Refusals`: timeouts, over the limit), and each model's state (loaded,
 loading, unloaded or failed: serve/models.py) and loads.
+
+A request is counted when its response has ended, under the status it ended with: a stream's
+head says 200 before its first event, but a stream that an error event ended is counted as the
+error (500, or the refusal's status), and one whose client left or stopped reading as 499 (the
+response sets `ENDED` in its scope: serve/answer.py), so that /metrics shows the failures a
+200 would hide.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from starlette.routing import Match
 
 MODEL_STATES = ("loaded", "loading", "unloaded", "failed")  # a model's (serve/models.py)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# The scope key of the status a streamed response ended with, where it is not its head's.
+ENDED = "doel.ended"
 
 
 class Histogram:
@@ -177,21 +185,21 @@ class CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = self.route(scope)
-
-        started = False
+        route, status = self.route(scope), None
 
         async def counting_send(message):
-            nonlocal started
+            nonlocal status
             if message["type"] == "http.response.start":
-                started = True
-                self.metrics.requests[(route, message["status"])] += 1
+                status = message["status"]
             await send(message)
 
         try:
             return await self.app(scope, receive, counting_send)
         except Exception:
-            # Unhandled: the server's error middleware, outside this one, answers it with 500.
-            if not started:
-                self.metrics.requests[(route, 500)] += 1
+            # Unhandled: the server's error middleware, outside this one, answers it with 500,
+            # or, past the head, the connection is cut: a failure either way.
+            status = 500
             raise
+        finally:
+            if status is not None:
+                self.metrics.requests[(route, scope.get(ENDED, status))] += 1

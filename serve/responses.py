@@ -12,6 +12,11 @@ tools are chat's (`tools.plan`: auto, required and a named function constrained)
 a function_call output item, streamed as response.output_item.added (name, empty arguments),
 response.function_call_arguments.delta..., response.function_call_arguments.done and
 response.output_item.done. Stateless: `ResponsesRequest` says what that refuses and why.
+
+A stream that fails after its first event ends with response.failed (the item being written
+closed "incomplete" first, so that every item added is done), its Response's `error` saying
+why, as the Responses API ends one; the response that sends it counts and frees it
+(`answer.EventStream`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import AsyncIterator
 from pydantic import ValidationError
 
 from doel.serve import chat, tools
-from doel.serve.answer import joined
+from doel.serve.answer import failure, joined
 from doel.serve.grammar_limits import compiled
 from doel.serve.protocol_chat import ChatCompletionRequest
 from doel.serve.protocol_responses import (
@@ -77,8 +82,16 @@ async def pieces(svc: Service, req: ResponsesRequest) -> AsyncIterator[Piece]:
         raise
 
 
-def response(head: dict, req: ResponsesRequest, status: str, output: list, last: Piece | None):
-    """The Response object: `head` (id, created_at, model), the request's settings, status."""
+def response(
+    head: dict,
+    req: ResponsesRequest,
+    status: str,
+    output: list,
+    last: Piece | None,
+    error: dict | None = None,
+):
+    """The Response object: `head` (id, created_at, model), the request's settings, status,
+    and for a failed one its `error`."""
     done = last is not None
     return (
         head
@@ -86,7 +99,7 @@ def response(head: dict, req: ResponsesRequest, status: str, output: list, last:
         | {
             "object": "response",
             "status": status,
-            "error": None,
+            "error": error,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete"
             else None,
@@ -129,14 +142,19 @@ class Events:
         self.head, self.req, self.seq = head, req, itertools.count()
         self.output: list[dict] = []  # items closed so far
         self.open: dict | None = None  # the item being written, with its text so far
+        self.begun = False  # response.created is out
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": next(self.seq), **fields}
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     def start(self) -> list[str]:
+        self.begun = True
         started = response(self.head, self.req, "in_progress", [], None)
         return [self.event(f"response.{k}", response=started) for k in ("created", "in_progress")]
+
+    def deltas(self, ds: list[dict]) -> list[str]:
+        return [e for d in ds for e in self.delta(d)]
 
     def delta(self, d: dict) -> list[str]:
         if "content" in d:
@@ -166,6 +184,18 @@ class Events:
         )
         final = response(self.head, self.req, status, self.output, last)
         return out + [self.event(f"response.{status}", response=final)]
+
+    def failed(self, e: Exception) -> list[str]:
+        """The end of a stream that `e` cut: the item being written closed "incomplete", then
+        response.failed, whose `error` is what a refusal's body would say (a 5xx is the
+        Responses API's server_error)."""
+        f = failure(e)
+        out = [] if self.begun else self.start()
+        out += self.close("incomplete")
+        error = {"code": "server_error" if f.status >= 500 else "invalid_prompt"}
+        error |= {"message": f.message, "param": f.param, "type": f.kind}
+        final = response(self.head, self.req, "failed", self.output, None, error)
+        return out + [self.event("response.failed", response=final)]
 
     def close(self, status: str) -> list[str]:
         if self.open is None:
@@ -210,18 +240,21 @@ class Events:
 async def stream(
     svc: Service, req: ResponsesRequest, pieces: AsyncIterator[Piece]
 ) -> AsyncIterator[str]:
-    events, deltas = Events(_head(svc), req), tools.Deltas(tools.plan(as_chat(req)))
-    for e in events.start():
-        yield e
-    last = None
-    async with contextlib.aclosing(pieces):
-        async for last in pieces:
-            for d in deltas.push(last.text):
-                for e in events.delta(d):
-                    yield e
-    held, _ = deltas.end(last.finish_reason)
-    for d in held:
-        for e in events.delta(d):
+    """The Response's events from `pieces`; a failure ends them with response.failed, then
+    goes on to the response that sends them (`answer.EventStream`, which closes `pieces`)."""
+    events = Events(_head(svc), req)
+    try:
+        deltas = tools.Deltas(tools.plan(as_chat(req)))
+        for e in events.start():
             yield e
-    for e in events.finish(last):
-        yield e
+        last = None
+        async for last in pieces:
+            for e in events.deltas(deltas.push(last.text)):
+                yield e
+        held, _ = deltas.end(last.finish_reason)
+        for e in events.deltas(held) + events.finish(last):
+            yield e
+    except Exception as error:
+        for e in events.failed(error):
+            yield e
+        raise

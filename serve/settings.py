@@ -88,5 +88,11 @@ class Settings:
     # Seconds one schema or grammar may take to compile (on a thread of its own); longer is a
     # 400. The engine's own limits (grammar_limits.PARSER_LIMITS) keep a compile well under it.
     compile_timeout: float = 5.0
+    # Seconds one write of a streamed answer may wait for the client to take it; then the
+    # response ends, its generation stops and its model's lease ends (docs/serving.md). A send
+    # waits only once the socket's buffers are full: a client that reads, however slowly, never
+    # meets it; one that stopped reading would otherwise hold its slot and model for ever.
+    # llama-server's --timeout (read and write) is 3600 s; a minute frees a slot sooner.
+    write_timeout: float = 60.0
     verify: Verification | None = None  # the bundle's hashes being checked, while it loads
     exit_on_damage: bool = False  # doel-serve: a damaged bundle stops the server
