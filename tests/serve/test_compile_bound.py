@@ -160,9 +160,10 @@ def test_the_first_use_build_of_the_tokenizers_compilers_is_not_counted(tiny_bun
     from doel.serve.engine import Engine, read_bundle
     from doel.serve.service import Service
 
-    build = Grammars.__init__
+    build, builds = Grammars.__init__, []
 
     def slow_build(self, *args, **kw):
+        builds.append(self)
         time.sleep(0.8)
         build(self, *args, **kw)
 
@@ -176,7 +177,8 @@ def test_the_first_use_build_of_the_tokenizers_compilers_is_not_counted(tiny_bun
         return await asyncio.gather(*both)
 
     one, two = bounded(first_two)
-    assert one is two and one.kind == "json_schema"
+    assert one.kind == two.kind == "json_schema"
+    assert one.grammars is two.grammars is svc.grammars and len(builds) == 1
 
 
 def test_a_burst_of_structured_requests_through_the_app_all_answer(tiny_bundle, monkeypatch):
