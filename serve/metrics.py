@@ -165,11 +165,12 @@ def model_lines(models: list[tuple[str, str, int]]) -> list[str]:
 
 
 class CountRequests:
-    """ASGI middleware: counts every response by route and status. The route is the path of the
-    app's route that the request names (its template, for a path with parameters), read from the
-    app's router, so that each endpoint is counted under its own name as soon as `add_routes`
-    adds it; any other path is "other", so that scanning clients cannot grow the label set
-    without end."""
+    """ASGI middleware: counts every response, once it has ended, by route and the status it
+    ended with (the module's docstring says why that is not always its head's). The route is
+    the path of the app's route that the request names (its template, for a path with
+    parameters), read from the app's router, so that each endpoint is counted under its own
+    name as soon as `add_routes` adds it; any other path is "other", so that scanning clients
+    cannot grow the label set without end."""
 
     def __init__(self, app, metrics: Metrics, router):
         self.app, self.metrics, self.router = app, metrics, router

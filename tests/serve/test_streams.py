@@ -91,7 +91,7 @@ def test_a_failure_after_the_first_event_ends_the_stream_with_an_error_and_done(
         assert c.app.state.models.default.in_flight == 0
 
 
-def test_the_official_client_raises_the_streams_error(tiny_bundle):
+def test_the_official_client_reads_each_streams_failure(tiny_bundle):
     openai = pytest.importorskip("openai", reason="the dev extra: pip install 'doel[dev]'")
     with serving(tiny_bundle) as (c, svc):
         _failing_after_the_first_token(svc)
@@ -101,6 +101,11 @@ def test_the_official_client_raises_the_streams_error(tiny_bundle):
         )
         with pytest.raises(openai.APIError, match="internal error"):
             list(stream)
+        # The Responses API's failure is an event of its own, parsed as such.
+        events = list(client.responses.create(model=svc.name, input="নদী", stream=True))
+        assert events[-1].type == "response.failed"
+        assert events[-1].response.status == "failed"
+        assert events[-1].response.error.code == "server_error"
 
 
 def test_a_responses_stream_that_fails_ends_with_response_failed(tiny_bundle):
