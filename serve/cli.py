@@ -121,8 +121,8 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
         p,
         "--kv-positions",
         "KV cache positions the slots share, taken as sequences grow and given back as they "
-        "end; a request reserves its prompt plus max_tokens (default %(default)s: slots x the "
-        "model's context)",
+        "end, the youngest preempted when full; nothing is reserved for max_tokens (default "
+        "%(default)s: slots x the model's context, as far as half the memory available allows)",
         metavar="N",
     )
     setting(

@@ -42,9 +42,10 @@ class Settings:
     max_queue: int = 16  # requests waiting for a slot before 429
     slots: int = 4  # sequences decoded together
     # Positions of KV cache the slots share (llama-server's -c); 0: slots x the model's
-    # context. Memory is taken as sequences grow and given back as they end
-    # (docs/serving.md#memory); a request admitted reserves its prompt plus max_tokens, and one
-    # that would pass the pool waits for running ones to end.
+    # context, as far as half the memory available at load allows (shared by the models that
+    # may be loaded). Taken as sequences grow and given back as they end; nothing is reserved
+    # for max_tokens, and the youngest sequence is preempted when the pool is full
+    # (docs/serving.md#memory).
     kv_positions: int = 0
     # Prompt tokens plus decoding rows in one step (llama-server's -ub, vLLM's token budget):
     # prompt chunks shrink to leave room for the rows that decode beside them, and prompts that
