@@ -140,7 +140,8 @@ def test_a_failed_chunk_ends_its_sequence_and_not_the_rows_decoding_beside_it(bu
 
     async def one(p, new):
         try:
-            return [t async for t in s.generate(p, SamplingParams(max_tokens=new))]
+            params = SamplingParams(max_tokens=new, temperature=0.0)
+            return [t async for t in s.generate(p, params)]
         except RuntimeError as e:
             return str(e)
 
