@@ -212,7 +212,7 @@ def serve_demo(bundle: Path, keep: bool = False, port: int = 0, ask=None) -> dic
     try:
         import uvicorn
 
-        from doel.serve.app import Settings, create_app
+        from doel.serve.edge.app import Settings, create_app
     except ModuleNotFoundError as e:  # a machine without the serve extra
         print(f"serve: skipped: it needs {e.name!r}: pip install 'doel[serve]'")
         return None

@@ -1,5 +1,5 @@
 """`doel-serve BUNDLE [BUNDLE ...]` or `doel-serve --models DIR` (or `python -m doel.serve`): the
-HTTP server on export bundles, one or several (serve/models.py: the first is loaded at once,
+HTTP server on export bundles, one or several (serve/core/models.py: the first is loaded at once,
 the others on their first request, each let go after --keep-alive idle seconds).
 
 It binds 127.0.0.1 unless told otherwise; an API key (`--api-key-file`, DOEL_API_KEY or
@@ -31,9 +31,9 @@ from pathlib import Path
 
 from doel.contracts.checksums import add_flag
 from doel.contracts.cpu import this_class
-from doel.serve.ratelimit import BURST_SECONDS, MAX_BODY_WAIT, PROBE_FACTOR  # stdlib
+from doel.serve.edge.ratelimit import BURST_SECONDS, MAX_BODY_WAIT, PROBE_FACTOR  # stdlib
+from doel.serve.edge.tenants import MODES, KeyFileError, parse_keys
 from doel.serve.settings import Settings  # stdlib only: every default below is its field's
-from doel.serve.tenants import MODES, KeyFileError, parse_keys
 
 EXTRA_HINT = "pip install 'doel[serve]'"
 KEY_ENV = "DOEL_API_KEY"
@@ -210,7 +210,8 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _request_bounds(p: argparse.ArgumentParser) -> None:
-    """What one request may make the server hold and compile (serve/bounds.py); past each, 400."""
+    """What one request may make the server hold and compile (serve/edge/bounds.py); past each,
+    400."""
     for flag, metavar, what in (
         ("--max-tools", "N", "functions in one request's tools; more"),
         ("--max-tool-schema-bytes", "BYTES", "bytes of one tool's parameters schema; more"),
@@ -304,7 +305,7 @@ def is_loopback(host: str) -> bool:
 def allowed_hosts(host: str, extra: list[str]) -> tuple[str, ...] | None:
     """The Host names answered: on loopback (or with --allowed-host) the loopback names, the
     bound address and those given; None (any) on another address without --allowed-host."""
-    from doel.serve.guard import LOOPBACK_HOSTS
+    from doel.serve.edge.guard import LOOPBACK_HOSTS
 
     if "*" in extra or not (is_loopback(host) or extra):
         return None
@@ -424,11 +425,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvicorn
 
-        from doel.serve.app import create_app
-        from doel.serve.connection import protocol_class
-        from doel.serve.engine import BundleError, read_bundle
-        from doel.serve.limits import QuietFloods, Refusals, raise_open_files
-        from doel.serve.verify import Verification
+        from doel.serve.core.engine import BundleError, read_bundle
+        from doel.serve.core.verify import Verification
+        from doel.serve.edge.app import create_app
+        from doel.serve.edge.connection import protocol_class
+        from doel.serve.edge.limits import QuietFloods, Refusals, raise_open_files
     except ModuleNotFoundError as e:
         sys.exit(f"doel-serve needs the {e.name!r} package, part of the serve extra: {EXTRA_HINT}")
     bundles = bundle_folders(args, read_bundle, BundleError)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from doel.serve.template import read_template
+from doel.serve.core.template import read_template
 
 HERE = Path(__file__).parent
 FONT_PATH = "/fonts/noto-sans-bengali.woff2"  # answered without an API key (guard.OPEN_PATHS)

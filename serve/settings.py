@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from doel.serve.tenants import DEFAULT_MODE
+from doel.serve.edge.tenants import DEFAULT_MODE
 
 if TYPE_CHECKING:  # it loads onnxruntime, which the command line imports later
-    from doel.serve.verify import Verification
+    from doel.serve.core.verify import Verification
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Settings:
     bundle: str
     model_name: str | None = None  # default: the bundle folder's name
     # Bundles served beside `bundle` (the default, answered when a request names no model): the
-    # command line's other BUNDLE arguments and the bundles in --models DIR (serve/models.py).
+    # command line's other BUNDLE arguments and the bundles in --models DIR (serve/core/models.py).
     bundles: tuple[str, ...] = ()
     # Seconds a model stays loaded after its last request; -1: never unloaded. Ollama's
     # keep_alive and its 5 minutes: an idle model's memory is given back on a laptop.
@@ -34,7 +34,7 @@ class Settings:
     # Seconds before a model whose load failed for a transient cause (memory, I/O, the runtime)
     # is loaded again by its next request, doubled for each failure in a row up to 3 times it; 0:
     # every request tries again, as llama-server's router and Ollama do. A damaged bundle is
-    # tried again once its files change instead (serve/models.py).
+    # tried again once its files change instead (serve/core/models.py).
     load_retry: float = 10.0
     checksums: bool = True  # each load hashes the bundle's files against its manifest
     threads: int = 0  # ONNX Runtime intra-op threads; 0: one per core

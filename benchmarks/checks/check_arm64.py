@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from doel.serve.engine import BundleError, Engine, read_bundle  # the worker's too, under qemu
+from doel.serve.core.engine import BundleError, Engine, read_bundle  # the worker's too, under qemu
 
 RESULTS = ("arm64_<name>",)
 

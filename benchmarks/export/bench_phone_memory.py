@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from doel.contracts import memory
-from doel.serve.engine import Engine, read_bundle
+from doel.serve.core.engine import Engine, read_bundle
 
 RESULTS = ("phone_memory_<name>",)
 
@@ -162,7 +162,7 @@ def main() -> None:
 
     from benchmarks.common.cpu_class import this_cpu
     from benchmarks.common.report import publish
-    from doel.serve.engine import PREFILL_CHUNK
+    from doel.serve.core.engine import PREFILL_CHUNK
 
     rows = []
     for model in args.models:

@@ -39,10 +39,10 @@ def _record(out: Outcome, t0: float, now: float) -> None:
 
 
 def run_doel(bundle: str, spec: dict) -> list[dict]:
-    from doel.serve.engine import Engine, read_bundle
-    from doel.serve.prefix import Hit
-    from doel.serve.sampling import SamplingParams
-    from doel.serve.scheduler import Scheduler
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.prefix import Hit
+    from doel.serve.core.sampling import SamplingParams
+    from doel.serve.core.scheduler import Scheduler
 
     engine = Engine(read_bundle(bundle), threads=spec["threads"], slots=spec["slots"])
     engine.warm_up()
@@ -93,7 +93,7 @@ def run_ceiling(bundle: str, spec: dict) -> list[dict]:
     come in BURSTS taking turns with the other levels' (a pause like a server's between steps),
     with a prefill timed after each round: one slow spell does not set a level's figure. It is
     still one process's estimate, and a served process may run faster."""
-    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.core.engine import Engine, read_bundle
 
     engine = Engine(read_bundle(bundle), threads=spec["threads"], slots=spec["slots"])
     engine.warm_up()

@@ -8,7 +8,7 @@ quantized to int8 inside the kernel: fast where the CPU has VNNI). Issue 22 asks
 choice holds on CPUs without it. This probe takes the int4 and int8 bundles bench_serve.py
 makes (same random 0.4B model), writes a copy of each graph with another accuracy_level (the
 weights are shared, only the attribute changes: 1 = fp32 activations), and times, through
-serve/engine.py with 8 slots and 2 threads, decode steps of 1 and of 8 rows after a 128-token
+serve/core/engine.py with 8 slots and 2 threads, decode steps of 1 and of 8 rows after a 128-token
 prompt in each slot. Also reported: the largest logit difference from level 4 (same weights,
 so it is the activations' rounding alone) and the CPU seconds other processes used meanwhile.
 
@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks.common.report import cpu_line, heading, parser, publish, stamp
 from benchmarks.export.bench_export import foreign_cpu
 from benchmarks.serve.bench_serve import FULL, THREADS, busy, setup
-from doel.serve.engine import Engine, read_bundle
+from doel.serve.core.engine import Engine, read_bundle
 
 RESULTS = ("accuracy_level_0.4b_cpu-<class>",)
 
@@ -116,7 +116,8 @@ def run(work: Path) -> list[dict]:
 def markdown(result: dict) -> str:
     lines = [
         *heading("MatMulNBits accuracy_level probe, bangla-0.4b random weights", result),
-        f"{cpu_line(result['cpu'])} {THREADS} threads, serve/engine.py with {SLOTS} slots, each "
+        f"{cpu_line(result['cpu'])} {THREADS} threads, serve/core/engine.py with {SLOTS} slots, "
+        f"each "
         f"holding a {PROMPT}-token prompt; mean of {STEPS} decode steps, best of 2. Level 4: "
         "int8 activations (the export default); 1: fp32 activations; same weights.",
         "",

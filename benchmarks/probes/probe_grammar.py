@@ -1,6 +1,6 @@
 """Which grammar engine enforces response_format: llguidance, xgrammar and outlines-core.
 
-Decided (issue 35): llguidance (serve/structured.py); the evidence is
+Decided (issue 35): llguidance (serve/core/structured.py); the evidence is
 benchmarks/results/grammar_engines_cpu-<class>.md, kept runnable and not run in CI. The engines
 run on doel's default tokenizer (spm: SentencePiece BPE with byte-fallback `<0xNN>` tokens) at
 the 0.4B model's 32,768 tokens.

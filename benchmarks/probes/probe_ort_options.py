@@ -6,7 +6,7 @@ none of the options moves the ceiling of 8 streams over one
 
 Issue 22 asks for fixes through ONNX Runtime's own options before any kernel of ours. This probe
 times, for each option below, on the int4 and int8 bundles bench_serve.py makes (random 0.4B,
-2 threads, serve/engine.py with 8 slots each holding a 128-token prompt): a 128-token prefill
+2 threads, serve/core/engine.py with 8 slots each holding a 128-token prompt): a 128-token prefill
 (P), a decode step of 1 row (t1) and of 8 rows (t8), and from them the ceiling of 8 streams over
 one that no scheduling can pass (profile_serve.ratio_ceiling). Every option runs in PROCESSES
 processes of its own, best of each (a process's memory reads run faster or slower for its whole
@@ -32,7 +32,7 @@ from benchmarks.common import report
 from benchmarks.export.bench_export import foreign_cpu
 from benchmarks.serve.bench_serve import FULL, THREADS, busy, setup
 from benchmarks.serve.profile_serve import ratio_ceiling
-from doel.serve.engine import Engine, read_bundle
+from doel.serve.core.engine import Engine, read_bundle
 
 RESULTS = ("ort_options_0.4b_cpu-<class>",)
 
@@ -152,7 +152,7 @@ def markdown(result: dict) -> str:
     lines = [
         *report.heading(title, result),
         f"{report.cpu_line(result['cpu'])} onnxruntime {result['onnxruntime']}, {THREADS} threads, "
-        f"serve/engine.py with {SLOTS} slots, each holding a {PROMPT}-token prompt; steps are "
+        f"serve/core/engine.py with {SLOTS} slots, each holding a {PROMPT}-token prompt; steps are "
         f"the mean of {STEPS}, best of 3, and every figure the best of {PROCESSES} processes, "
         "the options taking turns. Ceiling: "
         "8 streams / 1 with these P, t1 and t8 (128-token prompts, 128 new tokens), whatever the "

@@ -139,7 +139,7 @@ def doel_serve(bundle: Path, prompt: str) -> dict:
     """POST /v1/completions to doel-serve's app (FastAPI's TestClient, lifespan included)."""
     from fastapi.testclient import TestClient
 
-    from doel.serve.app import Settings, create_app
+    from doel.serve.edge.app import Settings, create_app
 
     with TestClient(create_app(Settings(bundle=str(bundle), threads=1))) as c:
         end = time.monotonic() + 60

@@ -138,9 +138,9 @@ def doel_side(bundle: Path, texts: list[str], prompts: list[list[int]]) -> dict:
     """What doel reads: tokenizers' ids, doel-serve's greedy ids and text, its chat prompts."""
     from tokenizers import Tokenizer
 
-    from doel.serve.engine import Engine, read_bundle
-    from doel.serve.sampling import SamplingParams
-    from doel.serve.template import ChatTemplate
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.sampling import SamplingParams
+    from doel.serve.core.template import ChatTemplate
 
     tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
     engine = Engine(read_bundle(bundle), threads=2)
@@ -160,7 +160,7 @@ def serve_text(tok, prompt: list[int], made: list[int]) -> str:
     """The text doel-serve streams for `made` after `prompt` (its TextStream, with the prompt's
     last ids as context, so a first token's space is kept as it is inside the whole text)."""
     from doel.contracts.decoding import CONTEXT_IDS
-    from doel.serve.textstream import TextStream
+    from doel.serve.core.textstream import TextStream
 
     stream = TextStream(tok.decode, (), prompt[-CONTEXT_IDS:])
     return "".join(stream.push(i) for i in made) + stream.finish()

@@ -1,7 +1,7 @@
 """llama-server's own Jinja engine (`--jinja`, llama.cpp's common/jinja, not Python's jinja2) on
 a doel chat GGUF: `POST /apply-template` of each conversation (OpenAI messages and tools, as a
 client sends them) against doel-serve's prompt text for the same request (its ChatCompletion
-request's turns and tools through serve/template.py), and a streamed /v1/chat/completions reply
+request's turns and tools through serve/core/template.py), and a streamed /v1/chat/completions reply
 that ends at the end-of-turn marker <|end|>.
 
 llama.cpp leaves the template's leading <|bos|> out of the text when the model adds BOS itself
@@ -60,8 +60,8 @@ def openai_request(case: dict) -> dict:
 
 def doel_serve_prompt(ckpt: Path, request: dict) -> str:
     """The prompt text doel-serve renders for this chat request."""
-    from doel.serve.protocol_chat import ChatCompletionRequest
-    from doel.serve.template import ChatTemplate
+    from doel.serve.core.template import ChatTemplate
+    from doel.serve.endpoints.chat.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate(request)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

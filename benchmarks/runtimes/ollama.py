@@ -1,6 +1,6 @@
 """Ollama's chat prompt for a doel model, rendered by Go's own text/template: the Modelfile's
 TEMPLATE (export/modelfile.py) on Ollama's data shape, against doel-serve's Jinja render of the
-same conversations (serve/template.py, which transformers' apply_chat_template agrees with).
+same conversations (serve/core/template.py, which transformers' apply_chat_template agrees with).
 
 The Go side is tests/export/ollama_render (standard library only; Ollama's collate and
 conversion rewritten there, citing Ollama's template/template.go), built with the `go` on PATH.
@@ -202,8 +202,8 @@ def chat_checkpoint(work: Path, quiet=lambda _m: None) -> Path:
 
 
 def jinja_renders(ckpt: Path, cases: list[dict]) -> list[str]:
-    """doel-serve's prompt text for each case (serve/template.py's renderer)."""
-    from doel.serve.template import ChatTemplate
+    """doel-serve's prompt text for each case (serve/core/template.py's renderer)."""
+    from doel.serve.core.template import ChatTemplate
 
     chat = ChatTemplate.load(ckpt)
     return [chat.render(c["messages"], c["tools"]) for c in cases]

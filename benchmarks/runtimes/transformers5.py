@@ -65,7 +65,7 @@ def rows(work: Path) -> list[dict]:
     from tokenizers import Tokenizer
 
     from benchmarks.runtimes.genai import CHATS, blocks, build, validation_lines
-    from doel.serve.template import ChatTemplate
+    from doel.serve.core.template import ChatTemplate
 
     work.mkdir(parents=True, exist_ok=True)
     bundle, lines = build(work)["int4"], validation_lines()

@@ -2,7 +2,7 @@
 
 Decode tokens/s is not comparable across tokenizers: a model whose tokenizer cuts Bangla into
 byte pieces must decode several tokens for one character. So, on this machine, in one run:
-- doel's 0.4B int4 bundle (bench_serve.py's random-weight model) on serve/engine.py, and
+- doel's 0.4B int4 bundle (bench_serve.py's random-weight model) on serve/core/engine.py, and
 - llama.cpp (llama-cpp-python) on a Qwen2.5-0.5B-shaped model with random weights at q4_0
   (896 wide, 24 layers, 14/2 heads, MLP 4,864, the 151,936-token vocabulary, tied head: its
   published shape), written here with the gguf package and the Qwen2 vocabulary that llama.cpp
@@ -249,7 +249,8 @@ def markdown(r: dict) -> str:
         "",
         f"CPU: {cpu_name(r['cpu'])}; {r['threads']} threads; "
         "greedy decode after a 128-token prompt, best of 3, each engine in its own process. "
-        "doel: the 0.4B preset (random weights) as an int4 bundle on serve/engine.py. llama.cpp: a "
+        "doel: the 0.4B preset (random weights) as an int4 bundle on serve/core/engine.py. "
+        "llama.cpp: a "
         "Qwen2.5-0.5B-shaped model (random weights, its 151,936-token vocabulary, tied head) at "
         "q4_0. Characters per token: Bengali-script text of the validation split "
         "(`../shared/data/splits.json`). Made by `benchmarks/serve/bench_bangla_chars.py`.",

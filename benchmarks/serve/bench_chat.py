@@ -5,9 +5,9 @@ against llama.cpp's prompt cache on the same weights, one run.
 
 Same 0.4B random-weight model as bench_serve.py (its `setup` builds or reuses the checkpoint, the
 int4 bundle and the q4_0 GGUF in --work), same 2 threads, each engine alone in a fresh process:
-- doel: serve/scheduler.py with 4 slots (as `doel-serve`), token ids in. Every conversation's
+- doel: serve/core/scheduler.py with 4 slots (as `doel-serve`), token ids in. Every conversation's
   first turn goes in first, then every second turn, so each must find its own slot among the
-  others (serve/prefix.py's choice). Then the second turns once more with the cache off: the
+  others (serve/core/prefix.py's choice). Then the second turns once more with the cache off: the
   same prompt prefilled whole.
 - llama.cpp+fa (flash attention on, llama.cpp's default on a CPU; `--engines` adds llama.cpp
   without it): llama-cpp-python's `Llama.generate`, which keeps the longest common prefix of
@@ -50,7 +50,7 @@ QUESTIONS = ("এই লেখাটির মূল কথা কী? সংক
 
 def conversations(bundle: Path) -> dict:
     """Turn-1 prompts and the turn-2 suffix, as ids of the bundle's chat template."""
-    from doel.serve.template import ChatTemplate
+    from doel.serve.core.template import ChatTemplate
 
     tmpl = ChatTemplate.load(bundle)
     if tmpl is None:
@@ -75,9 +75,9 @@ def conversations(bundle: Path) -> dict:
 
 
 def doel_child(bundle: str, spec: dict) -> dict:
-    from doel.serve.prefix import Hit
-    from doel.serve.sampling import SamplingParams
-    from doel.serve.service import Service
+    from doel.serve.core.prefix import Hit
+    from doel.serve.core.sampling import SamplingParams
+    from doel.serve.core.service import Service
 
     svc = Service.load(bundle, threads=THREADS, slots=4)
     params = SamplingParams(max_tokens=REPLY, temperature=0.0)

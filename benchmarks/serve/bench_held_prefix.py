@@ -1,7 +1,7 @@
 """A held conversation's cache parked outside the running streams' span, or not.
 
 A conversation that ends between running streams: its held cache inside their steps' span,
-parked outside it or not (serve/scheduler.py's `_park`, serve/prefix.py's `parking`).
+parked outside it or not (serve/core/scheduler.py's `_park`, serve/core/prefix.py's `parking`).
 
 On the int4 bundle bench_serve.py makes (random 0.4B, 2 threads, 4 slots as a small chat
 server), measured in one process, the two ways taking turns ROUNDS times:
@@ -29,10 +29,10 @@ import numpy as np
 from benchmarks.common import report
 from benchmarks.export.bench_export import foreign_cpu
 from benchmarks.serve.bench_serve import FULL, THREADS, setup
-from doel.serve.engine import Engine, read_bundle
-from doel.serve.prefix import Hit
-from doel.serve.sampling import SamplingParams
-from doel.serve.scheduler import Scheduler
+from doel.serve.core.engine import Engine, read_bundle
+from doel.serve.core.prefix import Hit
+from doel.serve.core.sampling import SamplingParams
+from doel.serve.core.scheduler import Scheduler
 
 RESULTS = ("held_prefix_0.4b_cpu-<class>",)
 

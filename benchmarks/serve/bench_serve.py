@@ -3,7 +3,7 @@
 Same weights (`configs/bangla-0.4b.toml`'s [model], random: speed does not depend on them, made
 by bench_export's `make_checkpoint`), same 2 threads, each engine alone in its own process
 (benchmarks/serve/bench_serve_engines.py) one after another:
-- ours: serve/engine.py on `doel-export` bundles at int4 and int8 (MatMulNBits at the export's
+- ours: serve/core/engine.py on `doel-export` bundles at int4 and int8 (MatMulNBits at the export's
   default blocks), and the scheduler (continuous batching) for the concurrency sweeps;
 - llama.cpp through llama-cpp-python on the same checkpoint converted by the `convert_hf_to_gguf.py`
   inside its source package (f32), then quantized to q4_0 and q8_0 by `llama_model_quantize`
@@ -347,7 +347,7 @@ def spec_for(p: dict, cfg: dict, vocab: int) -> dict:
         return rng.integers(16, vocab, n).tolist()
 
     # Every request of the sweep gets a prompt of its own (two for the warm-up): a prompt seen
-    # before would be found in a slot's cache (serve/prefix.py) and skip its prefill.
+    # before would be found in a slot's cache (serve/core/prefix.py) and skip its prefill.
     n_sweep = 2 + p["single_stream_rounds"] + sum(n for n in p["streams"] if n != 1)
     return {
         "threads": THREADS,

@@ -5,9 +5,9 @@ runs as `SPEC` (a JSON file written by bench_serve.py) says, and writes `OUT` (J
 the process's peak resident memory, which is why every engine gets a fresh interpreter and
 imports only what it needs (our engine never imports torch, so torch's memory is not counted
 against it):
-- `doel`: serve/engine.py, the engine of `doel-serve`, on an export bundle; one slot (one
+- `doel`: serve/core/engine.py, the engine of `doel-serve`, on an export bundle; one slot (one
   request at a time, as llama.cpp's context here);
-- `doel-sweep`: the same engine with `slots` slots behind serve/scheduler.py, streams arriving
+- `doel-sweep`: the same engine with `slots` slots behind serve/core/scheduler.py, streams arriving
   together (the concurrency sweep);
 - `llama.cpp` (`llama.cpp+fa`: with flash attention): llama-cpp-python on a GGUF file, through
   `Llama.eval` (prompts in batches of 512), the last position's logits read with
@@ -54,8 +54,8 @@ def best_of(runs: list[dict]) -> dict:
 
 def doel_runner(bundle: str, threads: int):
     """Our engine's generate loop: prefill, then one step per id, greedy sampling as served."""
-    from doel.serve.engine import Engine, read_bundle
-    from doel.serve.sampling import SamplingParams
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.sampling import SamplingParams
 
     engine = Engine(read_bundle(bundle), threads=threads, slots=1)
     engine.warm_up()  # as doel-serve does at load (counted in load_s)
@@ -149,8 +149,8 @@ async def _streams(scheduler, prompts: list[list[int]], new_tokens: int) -> dict
     """All prompts submitted at once. A request's latency runs from submission to its last id;
     the decode phase from the moment every stream has its first id (all prompts are in) to
     the last id of all, and its tokens are the ids that came in that span."""
-    from doel.serve.prefix import Hit
-    from doel.serve.sampling import SamplingParams
+    from doel.serve.core.prefix import Hit
+    from doel.serve.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
 
@@ -188,8 +188,8 @@ def sweep(bundle: str, spec: dict) -> dict:
     """Aggregate tokens/s and latency percentiles of our scheduler at each stream count, one
     pass over the counts (bench_serve.py runs several such processes and keeps each count's
     best)."""
-    from doel.serve.engine import Engine, read_bundle
-    from doel.serve.scheduler import Scheduler
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.scheduler import Scheduler
 
     streams = spec["streams"]
     engine = Engine(read_bundle(bundle), threads=spec["threads"], slots=max(streams))

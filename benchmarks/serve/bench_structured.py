@@ -5,7 +5,7 @@ shape (int4 bundle as bench_serve builds it; doel's spm tokenizer at 32,768 toke
 probe_grammar's). Writes
 benchmarks/results/structured_0.4b_cpu-<class>.{json,md}.
 
-In-process (doel.serve.service.Service, 8 slots, 2 threads, greedy): every stream's token times
+In-process (doel.serve.core.service.Service, 8 slots, 2 threads, greedy): every stream's token times
 are recorded, and the rate is counted over the window where all of a run's streams decode (after
 the last one's first token, before the first one's last), so prefill is left out. The schema is a
 long list of records (an enum with Bangla values, a short string, an integer), long enough that
@@ -97,7 +97,7 @@ def bundle(work: Path) -> Path:
 
 async def stream(svc, fmt, prompt: list[int], max_tokens: int) -> list[float]:
     """One stream's token arrival times."""
-    from doel.serve.sampling import SamplingParams
+    from doel.serve.core.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     times = []
@@ -116,8 +116,8 @@ def rate(runs: list[list[float]], counted: list[list[float]] | None = None) -> f
 
 def child(path: str, rounds: int, max_tokens: int) -> dict:
     """In a process of its own: every mode once per round; each mode's runs."""
-    from doel.serve import scheduler
-    from doel.serve.service import Service
+    from doel.serve.core import scheduler
+    from doel.serve.core.service import Service
 
     svc = Service.load(path, threads=2, slots=8)
     fmt = svc.grammars.json_schema(SCHEMA)
@@ -175,7 +175,7 @@ def report(r: dict) -> str:
         f"bundle, doel's spm tokenizer at 32,768 tokens; greedy, {r['max_tokens']} new tokens a "
         f"stream; best of {r['rounds']} rounds × {r['processes']} processes. Schema: a list of "
         "records (a Bangla enum, a string, an integer) too long to finish. Masks computed "
-        "on a thread of their own while the model runs (serve/structured.py); the last mode "
+        "on a thread of their own while the model runs (serve/core/structured.py); the last mode "
         "computes them on the scheduler's thread before the step, for comparison.",
         "",
         "| mode | tokens/s, all streams | per stream | a stream without a format |",

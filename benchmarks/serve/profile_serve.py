@@ -38,8 +38,8 @@ from benchmarks.common.cpu_class import this_cpu
 from benchmarks.common.report import SERVE_WORK_HELP, cpu_name, load_line, parser, publish
 from benchmarks.export.bench_export import foreign_cpu
 from benchmarks.serve.bench_serve import FULL, bandwidth, setup
-from doel.serve.engine import Engine, read_bundle
-from doel.serve.sampling import SamplingParams, sample
+from doel.serve.core.engine import Engine, read_bundle
+from doel.serve.core.sampling import SamplingParams, sample
 
 RESULTS = ("profile_serve_0.4b_cpu-<class>",)
 

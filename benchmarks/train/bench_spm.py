@@ -219,7 +219,7 @@ def chat_prompt(tok_path: Path, work: Path) -> dict:
     doel-serve's ChatTemplate for the same conversation (a Bangla and an English turn)."""
     import llama_cpp
 
-    from doel.serve.template import ChatTemplate
+    from doel.serve.core.template import ChatTemplate
 
     gguf = next((work / "proof" / "gguf").glob("*.gguf"))
     llm = llama_cpp.Llama(str(gguf), n_ctx=512, verbose=False)

@@ -2,7 +2,8 @@
 
 For each bundle (`--bundle NAME=DIR`; its web folder, with the fp32 graph beside the page's own,
 is written into the scratch folder):
-- `engine`: serve/engine.py in its own process (benchmarks/serve/bench_serve_engines.py, `doel`),
+- `engine`: serve/core/engine.py in its own process (benchmarks/serve/bench_serve_engines.py,
+  `doel`),
   at each of --threads;
 - `page`: the web folder on a loopback static server that sends the cross-origin isolation
   headers, in Debian's headless Chromium (selenium), onnxruntime-web's WebAssembly build in the
@@ -271,7 +272,7 @@ def measure_bundle(name: str, bundle: Path, work: Path, opts) -> dict:
     from tokenizers import Tokenizer
 
     from doel.export.web import static_server, write_web
-    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.core.engine import Engine, read_bundle
 
     manifest = json.loads((bundle / "manifest.json").read_text())
     web_dir = work / f"web-{name}"  # the page's graphs and the fp32 one beside them

@@ -85,7 +85,7 @@ def test_the_check_sees_a_stray_top_level_package(tmp_path):
 DECOY = "raise SystemExit('the user\\'s own {name} was imported instead of doel\\'s')\n"
 INSTALLED = """
 import json, sys
-import doel, doel.train.config as config, doel.pipeline.spec as spec, doel.serve.protocol
+import doel, doel.train.config as config, doel.pipeline.spec as spec, doel.serve.endpoints.protocol
 import doel.contracts
 print(json.dumps({
     "doel": doel.__file__,
@@ -139,7 +139,7 @@ def test_in_the_checkout_each_module_has_one_name():
     """pytest from the root (the root on sys.path) and the editable install: doel.train is the
     checkout's train/ folder, and importing doel's modules loads no bare `train`."""
     code = (
-        "import sys, doel.train.fit, doel.pipeline.demo, doel.export.bundle, doel.serve.app\n"
+        "import sys, doel.train.fit, doel.pipeline.demo, doel.export.bundle, doel.serve.edge.app\n"
         "print(doel.train.fit.__file__)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('train', 'export', 'serve', 'pipeline', 'contracts')))"
@@ -218,7 +218,7 @@ def test_a_serve_only_machine_has_no_torch_and_serves_a_bundle(wheel, tiny_bundl
         z.extractall(site)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DOEL_API_KEY")}
     check = subprocess.run(
-        [python, "-c", "import doel.serve.app, doel.serve.cli; import torch"],
+        [python, "-c", "import doel.serve.edge.app, doel.serve.cli; import torch"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -13,8 +13,8 @@ import shutil
 import numpy as np
 import pytest
 
-from doel.serve.engine import Engine, read_bundle
-from doel.serve.sampling import SamplingParams
+from doel.serve.core.engine import Engine, read_bundle
+from doel.serve.core.sampling import SamplingParams
 from doel.train.data.tokenizer import BOS, EOS, PAD
 
 TEXTS = [

@@ -45,7 +45,7 @@ def test_transformers_5_gives_tokenizers_ids_and_doel_serves_chat_prompt(folder,
         pytest.skip(f"no transformers 5.x venv at {VENV}: .ci/outside_tools makes it")
     from tokenizers import Tokenizer
 
-    from doel.serve.template import ChatTemplate
+    from doel.serve.core.template import ChatTemplate
 
     lines = [x for p in ("bn.txt", "en.txt") for x in (SAMPLE / p).read_text().splitlines()[:40]]
     texts = CORNERS + [unicodedata.normalize("NFD", t) for t in CORNERS] + lines

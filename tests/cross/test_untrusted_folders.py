@@ -1,6 +1,7 @@
 """Model folders from strangers (issue 48, 4): each hostile folder of tests/hostile_folders.py is
 refused by doel-export or doel-serve in one line naming the field, before anything is allocated
-by its claims (doel.contracts.untrusted, export/claims.py, serve/engine.py's read_bundle), and a
+by its claims (doel.contracts.untrusted, export/claims.py, serve/core/engine.py's
+read_bundle), and a
 refusal's peak memory is measured."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from doel.contracts import untrusted
 from doel.export.checkpoint import inspect_checkpoint
 from doel.export.common import ExportError
-from doel.serve.engine import BundleError, read_bundle
+from doel.serve.core.engine import BundleError, read_bundle
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_RSS_MB = 200  # issue 48: a refusal's peak RSS

@@ -63,7 +63,7 @@ def spm_bundles(tmp_path_factory, sample_paths, tiny_model_config) -> dict[str, 
 def _doel(bundle: Path):
     from tokenizers import Tokenizer
 
-    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.core.engine import Engine, read_bundle
 
     return Tokenizer.from_file(str(bundle / "tokenizer.json")), Engine(read_bundle(bundle), 1)
 
@@ -87,8 +87,8 @@ def test_genais_tokenizer_gives_tokenizers_ids_on_corner_cases_and_lines(
 
 @pytest.mark.parametrize("which", ["0.18", "0.15.2"])
 def test_genais_stream_generator_and_chat_prompt_are_doel_serves(spm_bundles, tmp_path, which):
-    from doel.serve.sampling import SamplingParams
-    from doel.serve.template import ChatTemplate
+    from doel.serve.core.sampling import SamplingParams
+    from doel.serve.core.template import ChatTemplate
 
     python = _python(which)
     tok, _ = _doel(spm_bundles["int4"])

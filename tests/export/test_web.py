@@ -243,8 +243,8 @@ def _engine_ids(bundle, prompt: str) -> list[int]:
     """doel-serve's engine's greedy ids for `prompt`, stopping where the page stops."""
     from tokenizers import Tokenizer
 
-    from doel.serve.engine import Engine, read_bundle
-    from doel.serve.sampling import SamplingParams
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.sampling import SamplingParams
 
     stops = tuple(json.loads((bundle / "web" / "web.json").read_text())["stop_ids"])
     ids = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(prompt).ids
@@ -264,7 +264,7 @@ def _logits_close(driver, bundle, prompt: str) -> float:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.core.engine import Engine, read_bundle
 
     req = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "return_logits": True}
     got = np.array(
@@ -278,7 +278,7 @@ def _logits_close(driver, bundle, prompt: str) -> float:
 
 
 def _cluster_boundary(text: str, k: int) -> bool:
-    """Whether a cut before text[k] leaves every grapheme cluster whole (serve/textstream.py's
+    """Whether a cut before text[k] leaves every grapheme cluster whole (serve/core/textstream.py's
     Bengali rule: a mark or joiner continues a cluster, and so does a consonant after a virama
     or joiner)."""
     if k in (0, len(text)):
@@ -294,8 +294,8 @@ def test_page_continues_greedily_as_doel_serve_and_streams_whole_clusters(
 ):
     from tokenizers import Tokenizer
 
-    from doel.serve.engine import Engine, read_bundle
-    from doel.serve.sampling import SamplingParams
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.sampling import SamplingParams
 
     driver, _ = page
     engine = Engine(read_bundle(web_bundle), threads=1)
@@ -386,7 +386,7 @@ def test_the_kernel_in_node_gives_the_engines_loss(web_bundle):
     from tokenizers import Tokenizer
 
     from benchmarks.web.web_kernel_node import kernel_nats
-    from doel.serve.engine import Engine, read_bundle
+    from doel.serve.core.engine import Engine, read_bundle
 
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed")

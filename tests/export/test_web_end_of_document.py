@@ -69,8 +69,8 @@ def _engine_ids(bundle, prompt: str) -> list[int]:
     """doel-serve's engine's greedy ids for `prompt`, stopping at web.json's stop ids."""
     from tokenizers import Tokenizer
 
-    from doel.serve.engine import Engine, read_bundle
-    from doel.serve.sampling import SamplingParams
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.sampling import SamplingParams
 
     stops = tuple(json.loads((bundle / "web" / "web.json").read_text())["stop_ids"])
     ids = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(prompt).ids

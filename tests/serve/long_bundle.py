@@ -1,5 +1,6 @@
 """A tiny random model with a longer context than the session's tiny bundle (96 positions), for
-the tests whose prompts carry tool definitions (tests/serve/test_tools.py): built once per session
+the tests whose prompts carry tool definitions (tests/serve/endpoints/test_tools.py): built once
+per session
 beside the other fixtures' folders, and reused by any module that asks for it."""
 
 from __future__ import annotations

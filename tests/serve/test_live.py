@@ -13,8 +13,8 @@ import httpx2
 import pytest
 from live_server import live_server
 
-from doel.serve.engine import Engine, read_bundle
-from doel.serve.sampling import SamplingParams
+from doel.serve.core.engine import Engine, read_bundle
+from doel.serve.core.sampling import SamplingParams
 
 openai = pytest.importorskip("openai", reason="the dev extra: pip install 'doel[dev]'")
 

@@ -12,10 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, sys, time
-import doel.serve.app, doel.serve.cli, doel.serve.engine, doel.serve.sampling
-import doel.serve.textstream
+import doel.serve.edge.app, doel.serve.cli, doel.serve.core.engine, doel.serve.core.sampling
+import doel.serve.core.textstream
 from fastapi.testclient import TestClient
-from doel.serve.app import Settings, create_app
+from doel.serve.edge.app import Settings, create_app
 
 with TestClient(create_app(Settings(bundle=sys.argv[1], threads=1))) as c:
     while c.get("/health").status_code != 200:

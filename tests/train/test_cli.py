@@ -156,7 +156,7 @@ def test_demo_runs_the_main_job(tmp_path):
     from fastapi.testclient import TestClient
 
     from doel.pipeline.demo import DEMO_CHAT, DEMO_REQUEST
-    from doel.serve.app import Settings, create_app
+    from doel.serve.edge.app import Settings, create_app
 
     with TestClient(create_app(Settings(bundle=str(tmp_path / "bundle-int4")))) as c:
         end = time.monotonic() + 60
@@ -206,7 +206,7 @@ def _greedy_in_llama_cpp_is_doel_serves(tmp_path, gguf):
 
     from doel.export.bundle import ExportOptions, export_checkpoint
     from doel.pipeline.demo import DEMO_REQUEST
-    from doel.serve.app import Settings, create_app
+    from doel.serve.edge.app import Settings, create_app
     from doel.train.data.tokenizer import load_tokenizer
 
     final, bundle = tmp_path / "run" / "final", tmp_path / "bundle-fp32"

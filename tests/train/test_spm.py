@@ -169,7 +169,7 @@ def test_llama_cpp_matches_tokenizers_on_bangla_corner_cases_and_the_chat_prompt
     )
     torch = pytest.importorskip("torch")
     from doel.export.gguf import export_gguf
-    from doel.serve.template import ChatTemplate
+    from doel.serve.core.template import ChatTemplate
 
     ckpt, model = _checkpoint(tmp_path / "ckpt", spm_tokenizer, tiny_model_config)
     export_gguf(ckpt, tmp_path / "g", "f32", log=lambda _m: None)

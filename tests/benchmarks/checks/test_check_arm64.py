@@ -87,8 +87,8 @@ def test_the_worker_decodes_as_serving_does(tiny_bundle, tmp_path):
     """Each side's worker on x86 (the tiny fp32 bundle): its greedy ids are serve's at
     temperature 0, its window logits the engine's, and a run compared with itself passes."""
     from benchmarks.checks.check_arm64 import make_job, work
-    from doel.serve.engine import Engine, read_bundle
-    from doel.serve.sampling import SamplingParams
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.sampling import SamplingParams
 
     text = Path(__file__).resolve().parents[3] / "train" / "sample" / "bn.txt"
     job = make_job(tiny_bundle, [text], ("model.onnx",), ("বাংলা ভাষা", "The river"), 6, 24)
