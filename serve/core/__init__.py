@@ -1,0 +1,1 @@
+"""The engine core: token ids in and out on one thread (scheduler, step, engine), and the text and models around it (service, models)."""

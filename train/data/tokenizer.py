@@ -56,7 +56,7 @@ SPECIAL_TOKENS = [BOS, EOS, PAD, *CHAT_TOKENS, f"<|reserved_{N_RESERVED - 1}|>"]
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>; a tool's result is a user turn
 # <tool_response>result</tool_response>. All of it is text: the vocabulary is every doel
 # vocabulary's (no new special token), and train/data/chat.py renders the same text in ids.
-# Every message's content is printed exactly once, in order (serve/template.py relies on it).
+# Every message's content is printed exactly once, in order (serve/core/template.py relies on it).
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 TOOLS_HEADER = (
