@@ -39,7 +39,7 @@ from doel.serve.core.engine import Engine
 from doel.serve.core.logprobs import Record
 from doel.serve.core.prefix import Hit, Prefixes
 from doel.serve.core.sampling import SamplingParams
-from doel.serve.core.step import Failed, Steps
+from doel.serve.core.step import StepFailed, Steps
 from doel.serve.core.structured import Constraint
 from doel.serve.edge.tenants import ONE
 from doel.serve.settings import Settings
@@ -240,7 +240,7 @@ class Scheduler(Steps):
     def _fail_all(self, error: Exception) -> None:
         """After an error outside a step: every sequence held ends with it, its slot freed."""
         for s in dict.fromkeys([*self.running.values(), *self.waiting]):
-            s.post(Failed(f"the server failed: {error}"))
+            s.post(StepFailed(f"the server failed: {error}"))
             s.post(DONE)
             s.cancelled = True
         for slot in list(self.running):

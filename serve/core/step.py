@@ -27,7 +27,7 @@ MIN_CHUNK = 8
 log = logging.getLogger("doel.serve")
 
 
-class Failed(RuntimeError):
+class StepFailed(RuntimeError):
     """A sequence's part of a step failed; the message says which part and why."""
 
 
@@ -47,7 +47,7 @@ class Steps:
                 events += self._decode(stepping, decoding)
             except Exception as e:  # these rows end; the prompts below still go in
                 log.exception("engine step failed")
-                events += [(s, Failed(f"the engine failed: {e}"), True) for s in decoding]
+                events += [(s, StepFailed(f"the engine failed: {e}"), True) for s in decoding]
         # Prompt chunks, oldest prompt first, within what the decoding rows left of the step's
         # budget: a lone prompt gets a whole chunk; prompts that wait together share a step.
         budget = self.step_tokens - len(decoding)
@@ -61,7 +61,7 @@ class Steps:
                 budget -= self._fill(s, size, events)
             except Exception as e:
                 log.exception("prompt chunk failed")
-                events.append((s, Failed(f"the engine failed: {e}"), True))
+                events.append((s, StepFailed(f"the engine failed: {e}"), True))
         return events
 
     def _decode(self, stepping: list, decoding: list) -> list[tuple]:
@@ -147,7 +147,7 @@ class Steps:
                 return s, None, True
             except RuntimeError as e:  # a matcher in error: this sequence fails, not the step
                 log.error("grammar failed: %s", e)
-                return s, Failed(f"structured output failed: {e}"), True
+                return s, StepFailed(f"structured output failed: {e}"), True
         token = sample(logits, p, s.rng, s.context[: s.n], s.context[len(s.prompt) : s.n])
         if token in p.stop_token_ids:
             return s, None, True
