@@ -31,9 +31,9 @@ NOTES = [
     "to `/v1/completions` (the same text to both servers, no chat template between them).",
     "Memory: Pss, what the system pays for the server's process tree (a page it shares with "
     "other processes counted by its share, doel.contracts.memory), sampled every 0.2 s, with "
-    "resident memory (RSS) in brackets; the memory target is judged on RSS, the figure every "
-    "result has. Before issue 53 doel-serve's KV cache was shared anonymous memory, whose "
-    "released pages neither figure counts: rows from then understate what it held after a "
+    "resident memory (RSS) in brackets; the memory target is judged on Pss, and on RSS (said "
+    "so) where a row has none. Before issue 53 doel-serve's KV cache was shared anonymous "
+    "memory, whose released pages neither figure counts: rows from then understate what it held after a "
     "burst.",
     "In-process: closed loops of 8 clients, 2 requests each, ids in and out, in separate "
     "processes; onnxruntime-genai's Engine on the bundle's own model.onnx and genai_config.json "
@@ -76,7 +76,7 @@ LEVEL_TARGETS = (
     ("aggregate tok/s", "aggregate_tok_s", ">=", 1.5, (8, 16)),
     ("p95 TTFT", "ttft_ms_p95", "<=", 1.0, (8, 16)),
     ("tok/s", "aggregate_tok_s", ">=", 1.3, (1,)),
-    ("peak RSS", "peak_rss_mb", "<=", 1.0, (1, 8, 16)),
+    ("peak memory", "peak_pss_mb", "<=", 1.0, (1, 8, 16)),
     ("p95 time between tokens", "tbt_ms_p95", "<=", 1.0, (8, 16)),
 )
 
@@ -104,11 +104,14 @@ def targets(best: list[dict]) -> list[dict]:
                         if most is None or key != "aggregate_tok_s"
                         else (f"the engine alone: {most:.2f}")
                     )
+                    k = key
+                    if key == "peak_pss_mb" and _ratio(ours, theirs, key) is None:
+                        k, note = "peak_rss_mb", "RSS: this row has no Pss"
                     out.append(
                         _target(
                             f"{what} doel-serve / llama-server, {pair} vs {peer}, "
                             f"{c} client{'s' * (c > 1)}, {n}-token prompts",
-                            _ratio(ours, theirs, key),
+                            _ratio(ours, theirs, k),
                             op,
                             threshold,
                             note,
