@@ -33,8 +33,8 @@ NOTES = [
     "other processes counted by its share, doel.contracts.memory), sampled every 0.2 s, with "
     "resident memory (RSS) in brackets; the memory target is judged on Pss, and on RSS (said "
     "so) where a row has none. Before issue 53 doel-serve's KV cache was shared anonymous "
-    "memory, whose released pages neither figure counts: rows from then understate what it held after a "
-    "burst.",
+    "memory, whose released pages neither figure counts: rows from then understate what it "
+    "held after a burst.",
     "In-process: closed loops of 8 clients, 2 requests each, ids in and out, in separate "
     "processes; onnxruntime-genai's Engine on the bundle's own model.onnx and genai_config.json "
     "(copied with 2 threads, greedy, static batching of 16: its dynamic batching refuses a "
