@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -78,13 +79,11 @@ class Seq:
     def made(self) -> int:
         return self.n - len(self.prompt)
 
-    def post(self, item) -> None:
-        """From the engine thread: `item` into the request's queue, on its event loop."""
-        if self.loop is not None and not self.cancelled:
-            try:
-                self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-            except RuntimeError:  # its loop is closed: nobody is reading
-                self.cancelled = True
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On an event loop: a step's items into their requests' queues."""
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class QueueFull(Exception):
@@ -135,6 +134,7 @@ class Scheduler(Steps):
         self._thread: threading.Thread | None = None
         self._closed = False
         self._admissions = 0
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
 
     # -- the event loop's side ---------------------------------------------------------------
 
@@ -240,14 +240,15 @@ class Scheduler(Steps):
     def _fail_all(self, error: Exception) -> None:
         """After an error outside a step: every sequence held ends with it, its slot freed."""
         for s in dict.fromkeys([*self.running.values(), *self.waiting]):
-            s.post(StepFailed(f"the server failed: {error}"))
-            s.post(DONE)
+            self._post(s, StepFailed(f"the server failed: {error}"))
+            self._post(s, DONE)
             s.cancelled = True
         for slot in list(self.running):
             self.prefixes.forget(slot)
             self.engine.release(slot, 0)
         self.running.clear()
         self.waiting.clear()
+        self._flush()
 
     def _drop_cancelled(self) -> None:
         self.waiting = collections.deque(s for s in self.waiting if not s.cancelled)
@@ -354,8 +355,22 @@ class Scheduler(Steps):
     def _dispatch(self, events) -> None:
         for s, token, finished in events:
             if token is not None:  # an id, or the error that ended it
-                s.post(token)
+                self._post(s, token)
             if finished:  # its slot is free before the client hears that it ended
                 if self.running.get(s.slot) is s:
                     self._end(s.slot)
-                s.post(DONE)
+                self._post(s, DONE)
+        self._flush()
+
+    def _post(self, s: Seq, item) -> None:
+        """`item` for the request's queue, sent with the step's others (`_flush`)."""
+        if s.loop is not None and not s.cancelled:
+            self._outbox.setdefault(s.loop, []).append((s.out, item))
+
+    def _flush(self) -> None:
+        """What the step made, to each event loop in one call: one wake-up a step, not one a
+        token (a loop that is closed has nobody reading)."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_deliver, items)
