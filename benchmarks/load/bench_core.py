@@ -48,7 +48,7 @@ from benchmarks.load.load_client import CHAT_PATH, Outcome, run_level
 from benchmarks.load.load_model import PAIRS, Prompts, prepare
 from benchmarks.load.load_servers import CACHE, Server
 
-RESULTS_NOT_YET_RUN = ("serve_core_0.4b_cpu-<class>",)
+RESULTS = ("serve_core_0.4b_cpu-<class>",)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT, NEW_TOKENS, CHAT_CLIENTS, HOST = 128, 128, 16, "127.0.0.1"
