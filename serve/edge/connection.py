@@ -5,7 +5,10 @@
 - over `max_connections` open, a 503 to its request, and only `BUSY_GRACE` to send it;
 - after a 429 for the client's request rate (ratelimit.HOLD in its scope), nothing more read
   from the connection until its Retry-After (closed instead past half of `max_connections`);
-- the 400 for a request that is not HTTP, or whose head is over MAX_HEAD, in the error shape.
+- the 400 for a request that is not HTTP, or whose head is over MAX_HEAD, in the error shape;
+- a response the app gave up on (its write deadline, --write-timeout) with bytes still unsent is
+  aborted, not closed: a close waits to flush them to a client that stopped reading, so its
+  socket would stay open, counted against `max_connections`, for as long as the client likes.
 
 Why: uvicorn's h11 protocol arms no timer until a first response is complete, so a connection
 that sends nothing, half a request, or less body than it announced stays open for ever; its
@@ -59,6 +62,25 @@ async def _busy(message: str, scope, receive, send) -> None:
     await send_error(send, 503, message, "unavailable_error", headers)
 
 
+class _AbortUnfinished:
+    """The connection's transport, whose `close` aborts instead while the response under way is
+    unfinished and bytes wait to be sent (uvicorn closes so when the app returns early)."""
+
+    def __init__(self, transport, protocol: LimitedH11):
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        unfinished = cycle is not None and cycle.response_started and not cycle.response_complete
+        if unfinished and self._transport.get_write_buffer_size() > 0:
+            self._transport.abort()
+        else:
+            self._transport.close()
+
+
 class LimitedH11(H11Protocol):
     timeout_read: float
     max_connections: int
@@ -67,6 +89,7 @@ class LimitedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.transport = _AbortUnfinished(transport, self)  # what each request's cycle gets
         self.deadline = self.held = None
         self.busy = len(self.connections) > self.max_connections
         if self.refusals.metrics is not None:
