@@ -16,7 +16,7 @@ from ready import ready
 
 from doel.serve.core.sampling import SamplingParams
 from doel.serve.core.service import Piece, RequestError, Service
-from doel.serve.edge.answer import first_piece
+from doel.serve.edge.answer import EventStream, first_piece
 from doel.serve.edge.app import Settings, create_app
 from doel.serve.endpoints.chat import route as chat
 from doel.serve.endpoints.chat.protocol import ChatCompletionRequest
@@ -250,18 +250,37 @@ def test_a_stream_is_its_envelope_on_each_chunk_then_the_usage_then_done(route):
 
 
 @pytest.mark.parametrize("route", [completions, chat])
-def test_a_stream_closed_after_its_first_chunk_closes_the_service_generator(route):
+def test_a_stream_whose_client_leaves_after_its_first_event_closes_the_service_generator(route):
     closed = []
     if route is chat:
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
     else:
         req = _req(stream=True)
 
-    async def main():
-        pieces = await first_piece(_pieces(closed))  # as serve/edge/app.py hands them over
-        stream = route.stream(SimpleNamespace(name="m"), req, pieces)
-        await anext(stream)  # chat's: the role, sent before any piece is read
-        await stream.aclose()
+    async def endless():  # a reply that ends only when closed
+        try:
+            while True:
+                yield Piece("নদী")
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append(True)
 
-    asyncio.run(main())
-    assert closed == [True]
+    async def main():
+        pieces = await first_piece(endless())  # as serve/edge/answer.py hands them over
+        response = EventStream(route.stream(SimpleNamespace(name="m"), req, pieces), pieces, 5)
+        sent, gone = [], asyncio.Event()
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if message.get("body"):
+                gone.set()  # the client leaves once the first event is written
+
+        await response({"type": "http"}, receive, send)
+        return sent, list(closed)  # before asyncio.run's shutdown closes what is left
+
+    sent, closed_by_then = asyncio.run(main())
+    assert closed_by_then == [True] and any(m.get("body") for m in sent)
