@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from live_server import live_server
-from long_bundle import long_bundle
+from long_bundle import long_bundle, prompts, run_all
 
 import doel.serve.core.engine as engine_module
 from doel.contracts import memory
@@ -54,20 +54,6 @@ def shmem_bytes() -> int:
 def position_bytes(engine: Engine) -> int:
     """Bytes one position of one slot takes over every layer's keys and values."""
     return sum(a[0].nbytes for a in engine.kv_arrays) // engine.context_length
-
-
-def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(8, 2000, size=length).tolist() for _ in range(n)]
-
-
-async def run_all(scheduler: Scheduler, asks: list[list[int]], new: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=new, temperature=0)
-
-    async def one(p):
-        return [t async for t in scheduler.generate(p, params)]
-
-    return await asyncio.gather(*(one(p) for p in asks))
 
 
 def test_memory_is_taken_as_sequences_grow_and_given_back_after_a_burst(bundle):

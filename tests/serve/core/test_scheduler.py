@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
-from long_bundle import long_bundle
+from long_bundle import long_bundle, prompts, run_all
 
 from doel.serve.core import service
 from doel.serve.core.engine import BundleError, Engine, read_bundle
@@ -30,20 +29,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory, tokenizer_path, tiny_model_config):
     return read_bundle(long_bundle(tmp_path_factory, tokenizer_path, tiny_model_config))
-
-
-def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(8, 2000, size=length).tolist() for _ in range(n)]
-
-
-async def run_all(scheduler: Scheduler, asks: list[list[int]], new: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=new, temperature=0.0)
-
-    async def one(p):
-        return [t async for t in scheduler.generate(p, params)]
-
-    return await asyncio.gather(*(one(p) for p in asks))
 
 
 def widest(scheduler: Scheduler) -> list[int]:
