@@ -1,6 +1,6 @@
 """`doel-train` (or `python -m doel.train`): a thin command line over train's functions.
 
-Commands: tokenizer, fertility, prepare, fit, sft, check-gradients, verify, eval, plot (the
+Commands: tokenizer, fertility, prepare, fit, sft, check-gradients, verify, eval, plot, import (the
 demo and the recipe, which use every stage, are `doel demo` and `doel recipe`). Heavy imports
 happen inside each command, so a missing extra is reported with the `pip install` line that
 fixes it.
@@ -219,6 +219,12 @@ def _cmd_plot(args) -> None:
     from doel.train.plot import plot_run
 
     print(f"wrote {plot_run(args.run_dir, args.out)}")
+
+
+def _cmd_import(args) -> None:
+    from doel.train.adapt.importing import import_model
+
+    import_model(args.source, args.out, force=args.force)
 
 
 def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> None:
@@ -509,6 +515,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dir", help="a run folder of fit or sft (it holds metrics.jsonl)")
     pl.add_argument("--out", help="default RUN_DIR/curves.png")
     pl.set_defaults(func=_cmd_plot)
+
+    im = sub.add_parser(
+        "import",
+        help="an existing Llama (Hugging Face folder or GGUF) -> a doel model folder",
+        description=(
+            "Import an existing Llama-architecture model, a Hugging Face folder (safetensors) "
+            "or a llama.cpp GGUF (dequantized to float32), as a model folder that doel-export, "
+            "doel-serve, eval and sft take as they take RUN/final. The model keeps its own "
+            "tokenizer (a GGUF's rebuilt as llama.cpp tokenizes), chat template, special and "
+            "stop tokens and context length. A model that is not Llama-shaped is refused, "
+            "naming what differs."
+        ),
+    )
+    im.add_argument("source", help="a .gguf file, or a Hugging Face model folder")
+    im.add_argument("--out", required=True, help="the model folder to write (appears whole)")
+    im.add_argument("--force", action="store_true", help="replace --out if it exists")
+    im.set_defaults(func=_cmd_import)
 
     for name in MOVED:
         sub.add_parser(name, help=f"moved: `doel {name}`", add_help=False)
