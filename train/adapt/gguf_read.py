@@ -63,8 +63,9 @@ def metadata(reader: gguf.GGUFReader, path: Path) -> dict:
     return meta
 
 
-def hf_config(meta: dict, path: Path) -> ModelConfig:
-    """config.json's Llama fields from `llama.*` metadata, checked as a folder's config is."""
+def hf_config(meta: dict, path: Path, tied: bool) -> ModelConfig:
+    """config.json's Llama fields from `llama.*` metadata, checked as a folder's config is;
+    `tied`: the file has no output.weight (llama.cpp then reads the embedding as the head)."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise Refused(
@@ -97,7 +98,7 @@ def hf_config(meta: dict, path: Path) -> ModelConfig:
         "rope_theta": float(meta.get(a + "rope.freq_base", 10000.0)),
         "rope_scaling": None if scaling in (None, "none") else {"rope_type": scaling},
         "vocab_size": meta.get(a + "vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in meta["__tensors__"]),
+        "tie_word_embeddings": tied,
     }
     for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
                       ("pad", "padding_token_id")):  # fmt: skip
@@ -159,8 +160,7 @@ def read_gguf(path: Path) -> Source:
     """What an import writes from a GGUF: config, tensors, tokenizer.json, template, tokens."""
     reader = open_gguf(path)
     meta = metadata(reader, path)
-    meta["__tensors__"] = reader.tensors
-    cfg = hf_config(meta, path)
+    cfg = hf_config(meta, path, tied=all(t.name != "output.weight" for t in reader.tensors))
     try:
         tok = tokenizer_json(meta, cfg.vocab_size)
     except (Refused, untrusted.UntrustedError) as e:

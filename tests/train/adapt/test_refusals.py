@@ -11,7 +11,8 @@ import shutil
 
 import numpy as np
 import pytest
-from adapt.tiny_sources import hf_folder
+from adapt.tiny_sources import hf_folder, write_gguf
+from safetensors.numpy import load_file
 
 from doel.train.adapt.importing import import_model
 from doel.train.cli import main
@@ -71,9 +72,16 @@ def test_a_head_that_differs_from_the_embedding_it_is_tied_to_is_refused(tmp_pat
     )
 
 
-def test_an_untied_head_is_imported_as_its_own_tensor(tmp_path):
-    out = import_model(hf_folder(tmp_path / "untied", tied=False), tmp_path / "out", log=quiet)
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+def test_an_untied_head_is_imported_as_its_own_tensor_from_either_form(tmp_path):
+    source = hf_folder(tmp_path / "untied", tied=False)
+    gguf = write_gguf(source, tmp_path / "untied.gguf")  # with llama.cpp's output.weight
+    want = load_file(str(source / "model.safetensors"))["lm_head.weight"]
+    for form, path in (("hf", source), ("gguf", gguf)):
+        out = import_model(path, tmp_path / form, log=quiet)
+        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+        np.testing.assert_array_equal(
+            load_file(str(out / "model.safetensors"))["lm_head.weight"], want
+        )
 
 
 GGUFS = {
