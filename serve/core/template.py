@@ -68,10 +68,21 @@ def read_template(folder: Path) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
-class ChatTemplate:
-    """Renders conversations for one bundle; `stop_ids` end a reply (<|end|> and EOS)."""
+def generation_stops(folder: Path) -> tuple[int, ...]:
+    """The stop ids generation_config.json lists (`eos_token_id`, an id or a list): a model
+    someone else trained may end its turns on a token other than its EOS (Llama 3's
+    <|eot_id|>), and keeps its own stop tokens (doel-train import writes them there)."""
+    config = read_json(folder / "generation_config.json") or {}
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
 
-    def __init__(self, source: str, tokenizer_file: Path, config: dict):
+
+class ChatTemplate:
+    """Renders conversations for one bundle; `stop_ids` end a reply (<|end|>, EOS, and the
+    stop ids of its generation_config.json that are special tokens)."""
+
+    def __init__(self, source: str, tokenizer_file: Path, config: dict, stops: tuple = ()):
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
@@ -91,7 +102,9 @@ class ChatTemplate:
             k: _token_text(config.get(k)) or "" for k in ("bos_token", "eos_token", "pad_token")
         }
         eos = self.specials.get(self.tokens["eos_token"])
-        self.stop_ids = tuple(i for i in (self.specials.get(END), eos) if i is not None)
+        listed = [i for i in stops if i in self.specials.values()]  # never an ordinary token
+        found = (self.specials.get(END), eos, *listed)
+        self.stop_ids = tuple(dict.fromkeys(i for i in found if i is not None))
 
     @classmethod
     def load(cls, folder: Path) -> ChatTemplate | None:
@@ -99,7 +112,7 @@ class ChatTemplate:
         if source is None:
             return None
         config = read_json(folder / "tokenizer_config.json")
-        return cls(source, folder / "tokenizer.json", config)
+        return cls(source, folder / "tokenizer.json", config, generation_stops(folder))
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         try:

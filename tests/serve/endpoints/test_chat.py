@@ -356,3 +356,15 @@ def test_a_bundle_without_a_chat_template_refuses_chat(tiny_bundle, tmp_path):
         r = _chat(c, [{"role": "user", "content": "নদী"}])
         assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": "নদী", "max_tokens": 2}).is_success
+
+
+def test_the_stop_ids_generation_config_lists_end_a_reply(tokenizer_path, tmp_path):
+    folder = tmp_path / "tok"
+    shutil.copytree(tokenizer_path.parent, folder)
+    plain = ChatTemplate.load(folder)
+    pad = plain.specials["<|pad|>"]  # a special token standing for another model's end of turn
+    config = {"eos_token_id": [plain.stop_ids[-1], pad, 500]}  # 500: an ordinary token
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    got = ChatTemplate.load(folder).stop_ids
+    assert pad in got and 500 not in got and set(plain.stop_ids) <= set(got)
+    assert pad not in plain.stop_ids  # before: generation_config.json was never read
