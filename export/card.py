@@ -125,10 +125,11 @@ def onnx_card(manifest: dict, to: Target) -> str:
         if manifest.get("mobile_model")
         else ""
     )
+    gen_tok = manifest.get("genai_tokenizer") or {}
     genai = (
-        "`genai_config.json` for onnxruntime-genai (its own tokenizer gives doel's ids: "
-        "`tokenizer_module.json`); "
-        if manifest["engine"] == "genai" and (manifest.get("genai_tokenizer") or {}).get("exact")
+        "`genai_config.json` for onnxruntime-genai (its own tokenizer gives the ids of "
+        "`tokenizers`" + (": `tokenizer_module.json`); " if gen_tok.get("form") == "spm" else "); ")
+        if manifest["engine"] == "genai" and gen_tok.get("exact")
         else "`genai_config.json` for onnxruntime-genai (ids from `tokenizers`: its own "
         "tokenizer does not reproduce this one's); "
         if manifest["engine"] == "genai"

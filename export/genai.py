@@ -21,10 +21,17 @@ is written for the same reader: genai's Tokenizer adds no special token unless a
 then adds `<|bos|>` once, as tokenizer.json's post-processor does. The chat template starts with
 `<|bos|>` itself.
 
-The byte-level "gguf" style needs nothing: extensions runs its split regex and byte-level BPE as
-`tokenizers` does. The "doel" style (BPE over characters with byte fallback, no "▁") is neither
-form: genai cannot read it exactly (Bangla comes out as -1 ids or an error), and the export says
-so and records it in the manifest (`genai_tokenizer`).
+A byte-level BPE (GPT-2's form: doel's gguf style, SmolLM2's) needs nothing: onnxruntime-extensions
+implements GPT-2's byte-level BPE natively and runs the pre-tokenizer's Split regexes (GPT-2's own
+where it has none) as `tokenizers` does (tests/export/test_genai.py). It skips a Digits step,
+though: it accepts the step's type but collects only Split patterns (bpe_tokenizer_model.hpp,
+`LoadPreTokenizer`), so a tokenizer that splits digits first (SmolLM2's, StarCoder's) can merge a
+space into the numeral after it where `tokenizers` keeps them apart: on SmolLM2's, " ٣" and
+" ½" (1 of 131 lines and corner cases differed, under genai 0.15.2 and 0.18.0; the same files with
+GPT-2's pipeline, none). Such a tokenizer, and any other form, the "doel" style included (BPE
+over characters with byte fallback, no "▁", where Bangla comes out as -1 ids or an error), is
+recorded as not exact: the export says so in one line naming why, and the manifest records it
+(`genai_tokenizer`).
 """
 
 from __future__ import annotations
@@ -32,27 +39,36 @@ from __future__ import annotations
 from pathlib import Path
 
 from doel.export.common import write_json
-from doel.export.tokenform import is_sentencepiece
+from doel.export.tokenform import is_sentencepiece, pre_steps, why_not_byte_level
 
 MODULE = "tokenizer_module.json"  # onnxruntime-extensions' own override of tokenizer_config
 MODULE_CONFIG = {"tokenizer_class": "GemmaTokenizerFast", "add_bos_token": True}
 NOT_EXACT = (
-    "onnxruntime-genai's own tokenizer does not give this tokenizer's ids (a BPE over characters "
-    "without SentencePiece's '▁': the doel style); an app on genai must bring ids from "
-    "`tokenizers`, or train the model on `doel-train tokenizer --style spm` (the default)"
+    "onnxruntime-genai's own tokenizer does not give this tokenizer's ids ({why}); an app on "
+    "genai must bring ids from `tokenizers`, or (a model of doel's own) train it on "
+    "`doel-train tokenizer --style spm` (the default)"
+)
+DIGITS_SKIPPED = (
+    "its pre-tokenizer splits digits first, a step onnxruntime-extensions skips, so a space "
+    "can merge into a numeral after it"
 )
 
 
 def form(tok: dict) -> str:
-    """ "spm" (doel's SentencePiece BPE form), "byte-level" (the gguf style) or "other"."""
+    """ "spm" (doel's SentencePiece BPE form), "byte-level" (GPT-2's form) or "other"."""
     if is_sentencepiece(tok):
         return "spm"
-    norm, decoder = tok.get("normalizer") or {}, tok.get("decoder") or {}
-    if (tok.get("model") or {}).get("type") != "BPE":
-        return "other"
-    if decoder.get("type") == "ByteLevel" and norm == {}:
-        return "byte-level"
-    return "other"
+    return "byte-level" if why_not_byte_level(tok) is None else "other"
+
+
+def not_exact(tok: dict) -> str | None:
+    """Why genai's tokenizer does not give this tokenizer's ids; None where it does."""
+    kind = form(tok)
+    if kind == "other":
+        return why_not_byte_level(tok)
+    if kind == "byte-level" and any(s.get("type") == "Digits" for s in pre_steps(tok)):
+        return DIGITS_SKIPPED
+    return None
 
 
 def write_genai_files(tok: dict, stage: Path, log=print) -> dict:
@@ -61,7 +77,9 @@ def write_genai_files(tok: dict, stage: Path, log=print) -> dict:
     kind = form(tok)
     if kind == "spm":
         write_json(stage / MODULE, MODULE_CONFIG)
-    if kind == "other":
-        log(f"note: {NOT_EXACT}")
-        return {"exact": False, "form": kind, "why": NOT_EXACT}
+    reason = not_exact(tok)
+    if reason is not None:
+        why = NOT_EXACT.format(why=reason)
+        log(f"note: {why}")
+        return {"exact": False, "form": kind, "why": why}
     return {"exact": True, "form": kind, "add_special_tokens": "true"}
