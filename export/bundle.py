@@ -194,11 +194,17 @@ def manifest(
     )
 
 
-def hf_files(ckpt: Checkpoint, stage: Path) -> None:
+def hf_files(ckpt: Checkpoint, stage: Path, log=print) -> None:
     """config.json and the tokenizer's and generation's side files, so that the bundle loads in
     transformers' AutoTokenizer and optimum's ORTModelForCausalLM as it is. Taken from the
     checkpoint (and the tokenizer's folder) where they are, completed where they are not: a
-    checkpoint written before doel added model_input_names, or without side files at all."""
+    checkpoint written before doel added model_input_names, or without side files at all.
+
+    The model's own chat format goes with it (export/chat.py): its chat template into
+    tokenizer_config.json (where doel-serve, transformers and genai's apply_chat_template read
+    it, from a chat_template.jinja too), its EOS as config.json names it (a folder transformers
+    rebuilt from a GGUF names <|im_start|> in tokenizer_config.json; doel-serve stops a chat
+    reply at that file's eos_token). generation_config.json stays the model's own."""
     shutil.copyfile(ckpt.folder / "config.json", stage / "config.json")
     specials = {
         f"{role}_token": ckpt.special_tokens[role]["token"]
@@ -211,8 +217,18 @@ def hf_files(ckpt: Checkpoint, stage: Path) -> None:
     tok_config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     # Without it transformers 4.x returns token_type_ids, which generate() refuses.
     tok_config.setdefault("model_input_names", ["input_ids", "attention_mask"])
-    write_json(stage / "tokenizer_config.json", tok_config)
+    if ckpt.chat_template is not None and not tok_config.get("chat_template"):
+        tok_config["chat_template"] = ckpt.chat_template
     special_map = read_json(ckpt.tokenizer.parent / "special_tokens_map.json") or specials
+    eos = specials.get("eos_token")
+    records = {"tokenizer_config.json": tok_config, "special_tokens_map.json": special_map}
+    for name, record in records.items():
+        said = record.get("eos_token")
+        said = said.get("content") if isinstance(said, dict) else said
+        if eos is not None and said not in (None, eos):
+            log(f"note: {name} names {said} as EOS, config.json {eos}: the bundle's says {eos}")
+            record["eos_token"] = eos
+    write_json(stage / "tokenizer_config.json", tok_config)
     write_json(stage / "special_tokens_map.json", special_map)
     gen = read_json(ckpt.folder / "generation_config.json") or {
         f"{role}_token_id": ckpt.special_tokens[role]["id"]
@@ -250,7 +266,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
         )
         build_s = time.perf_counter() - t0
         shutil.copyfile(ckpt.tokenizer, stage / "tokenizer.json")
-        hf_files(ckpt, stage)
+        hf_files(ckpt, stage, log)
         genai_tok = genai.write_genai_files(read_json(ckpt.tokenizer) or {}, stage, log)
         log("checking parity against PyTorch")
         figures, lm = prove(ckpt, opts, model, texts)

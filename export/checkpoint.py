@@ -21,7 +21,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from doel.contracts import checksums, untrusted
+from doel.contracts import checksums, read_json, untrusted
+from doel.export import chat
 from doel.export.claims import check_claims
 from doel.export.common import ExportError, sha256_file
 from doel.export.headers import check_safetensors
@@ -38,6 +39,7 @@ SIDE_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
     "model_card.json",
+    "chat_template.jinja",
 )
 
 
@@ -59,6 +61,7 @@ class Checkpoint:
     config_sha256: str
     weights: tuple[Path, ...]
     hashes: dict = field(default_factory=dict)  # {file name: sha256} checked against the record
+    chat_template: str | None = None  # the tokenizer's own (export/chat.py)
 
 
 def _read_config(folder: Path) -> dict:
@@ -228,6 +231,11 @@ def _inspect(folder: Path, tokenizer: str | Path | None, verify: bool) -> Checkp
                 untrusted.file_bytes(side / name, untrusted.MAX_RECORD_BYTES)
     hashes = _verified(folder, weights, tok) if verify else {}
     tok_size, special = _tokenizer_info(tok, config, vocab)
+    template = chat.read_template(tok.parent)
+    tok_config = read_json(tok.parent / "tokenizer_config.json") or {}
+    end = chat.end_of_turn(template, tok_config, list(special["added"]))
+    if end is not None:  # a stop token of the model's own, beside its EOS
+        special["end_of_turn"] = {"id": special["added"][end], "token": end}
     check_claims(config, shapes, head_dim)  # before anything is built by config.json's sizes
     return Checkpoint(
         folder=folder,
@@ -244,6 +252,7 @@ def _inspect(folder: Path, tokenizer: str | Path | None, verify: bool) -> Checkp
         config_sha256=hashes.get("config.json") or sha256_file(folder / "config.json"),
         weights=weights,
         hashes=hashes,
+        chat_template=template,
     )
 
 

@@ -8,8 +8,11 @@ of them reproduces id for id is written, in one of two forms:
   fallback, no pre-tokenizer, a normalizer that only puts "▁" in front and turns spaces into "▁",
   merges ranked as the pieces' scores. That is what `doel-train tokenizer --style spm` trains;
   the GGUF gets each piece's score (minus its rank), byte tokens and the "▁" prefix flag.
-- byte-level BPE (llama.cpp's "gpt2" model) whose split is verbatim the regex of one of
-  llama.cpp's pre-types, no normalizer, no extra word marks: `--style gguf`.
+- byte-level BPE (llama.cpp's "gpt2" model) whose splits are verbatim those of one of
+  llama.cpp's pre-types (PRE_TYPES), no normalizer, no extra word marks: doel's `--style gguf`
+  (a Split with the qwen35 regex), and a stranger's as tokenizers writes GPT-2's (the ByteLevel
+  step's own split) or SmolLM's (single digits first). The GGUF gets the tokens, their types and
+  the merges, and names the pre-type.
 Any other tokenizer (the doel style included: characters with byte fallback, doel's own split
 and NFC) is refused with a line saying so, never written as a GGUF that silently tokenizes
 differently. This module reads tokenizer.json only (export imports nothing from train/).
@@ -38,24 +41,36 @@ from doel.export import card
 from doel.export.checkpoint import Checkpoint, inspect_checkpoint, source_record
 from doel.export.common import ExportError, file_table, staging, write_json
 from doel.export.modelfile import (
-    END_OF_TURN,
     RAW_TEMPLATE,
     chat_template,
     modelfile,
     ollama_template,
 )
-from doel.export.tokenform import is_sentencepiece
+from doel.export.tokenform import (
+    DIGIT,
+    GPT2_SPLIT,
+    is_sentencepiece,
+    splits,
+    why_not_byte_level,
+)
 
 EMBEDDING_AND_HEAD = ("token_embd.weight", "output.weight")  # at the row's head_bits
 STYLE_HINT = (
     "train one it can with `doel-train tokenizer --style spm` or `--style gguf` (and a model on "
     "it), or export this one to ONNX (doel-export without --format gguf)"
 )
-# tokenizer.json split regex -> llama.cpp pre-type that runs it (src/llama-vocab.cpp; the
-# pre-type also implies its flags: qwen35 keeps spaces and applies every merge by rank).
+# A byte-level BPE's split regexes (tokenform.splits, tokenizers' form) -> the llama.cpp pre-type
+# that runs them (src/llama-vocab.cpp, `llm_tokenizer_bpe`; the pre-type also implies its flags:
+# qwen35 keeps spaces and applies every merge by rank). llama.cpp writes GPT-2's split without
+# tokenizers' last "|\s+" and runs it by hand (unicode.cpp), whitespace at the end included.
 PRE_TYPES = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen35",
+    (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ): "qwen35",
+    (GPT2_SPLIT,): "gpt2",
+    # Digits(individual_digits) then ByteLevel: StarCoder's and SmolLM's (the same regexes)
+    (DIGIT, GPT2_SPLIT): "smollm",
 }
 # gguf TokenType values
 NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 3, 4, 5, 6
@@ -70,50 +85,29 @@ def _refuse(path: Path, why: str) -> ExportError:
 def llama_cpp_pre_type(tok: dict, path: Path) -> str:
     """The llama.cpp pre-type that tokenizes like this tokenizer.json id for id ("llama": the
     SentencePiece form, which has none); ExportError naming the first difference otherwise."""
-    model = tok.get("model") or {}
-    if model.get("type") != "BPE":
-        raise _refuse(path, f"a {model.get('type')} model, not BPE")
     if is_sentencepiece(tok):
         return "llama"
-    if model.get("byte_fallback"):
-        raise _refuse(path, "BPE over characters with byte fallback and a split of its own")
-    if (
-        model.get("ignore_merges")
-        or model.get("continuing_subword_prefix")
-        or model.get("end_of_word_suffix")
-    ):
-        raise _refuse(path, "its BPE skips merges or marks word parts")
-    if tok.get("normalizer") is not None:
-        raise _refuse(path, f"it normalizes text ({tok['normalizer'].get('type')})")
-    pre = tok.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    if (
-        len(steps) != 2
-        or steps[0].get("type") != "Split"
-        or steps[0].get("behavior") != "Isolated"
-        or steps[0].get("invert")
-        or steps[1].get("type") != "ByteLevel"
-        or steps[1].get("use_regex")
-        or steps[1].get("add_prefix_space")
-    ):
-        raise _refuse(path, "its pre-tokenizer is not one regex split followed by byte-level")
-    regex = steps[0].get("pattern", {}).get("Regex")
-    if regex not in PRE_TYPES:
-        raise _refuse(path, "its split regex is none of llama.cpp's pre-tokenizers")
-    if (tok.get("decoder") or {}).get("type") != "ByteLevel":
-        raise _refuse(path, "its decoder is not byte-level")
-    return PRE_TYPES[regex]
+    why = why_not_byte_level(tok)
+    if why is not None:
+        raise _refuse(path, why)
+    pre = PRE_TYPES.get(splits(tok))
+    if pre is None:
+        raise _refuse(path, "its split regexes are none of llama.cpp's pre-tokenizers")
+    return pre
 
 
 def _specials(tok: dict, path: Path) -> tuple[bool, bool]:
     """(add BOS, add EOS) from the post-processor: only a special token before and/or after the
-    text is something llama.cpp can add."""
+    text is something llama.cpp can add. A ByteLevel step there only moves offsets."""
     post = tok.get("post_processor")
-    if post is None:
+    steps = post.get("processors", []) if post and post.get("type") == "Sequence" else [post]
+    templates = [s for s in steps if s and s.get("type") != "ByteLevel"]
+    if not templates:
         return False, False
+    post = templates[0]
     single = post.get("single") if post.get("type") == "TemplateProcessing" else None
     kinds = [next(iter(p)) for p in single or []]
-    if single is None or kinds.count("Sequence") != 1 or len(kinds) > 3:
+    if len(templates) > 1 or single is None or kinds.count("Sequence") != 1 or len(kinds) > 3:
         raise _refuse(path, "its post-processor is not a template around the text")
     at = kinds.index("Sequence")
     return at == 1, len(kinds) - at == 2
@@ -128,11 +122,6 @@ def vocabulary(tok: dict, size: int) -> tuple[list[str], list[int]]:
     for a in tok.get("added_tokens", []):
         tokens[a["id"]], types[a["id"]] = a["content"], CONTROL if a["special"] else USER_DEFINED
     return [t if t is not None else f"<|unused_{i}|>" for i, t in enumerate(tokens)], types
-
-
-def tok_ids(tok: dict) -> dict[str, int]:
-    """Each added token's id by its text."""
-    return {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
 
 
 def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
@@ -258,9 +247,9 @@ def write_gguf(ckpt: Checkpoint, path: Path, row: Quant, name: str) -> dict:
     template = chat_template(ckpt)
     if template is not None:
         w.add_chat_template(template)
-        end = tok_ids(tok).get(END_OF_TURN)
-        if end is not None:  # llama.cpp ends a reply there (its end-of-generation set)
-            w.add_eot_token_id(end)
+    end = ckpt.special_tokens.get("end_of_turn")
+    if end is not None:  # llama.cpp ends a reply there (its end-of-generation set)
+        w.add_eot_token_id(end["id"])
     types_written = {}
     for gname, arr in _tensors(ckpt):
         t = tensor_type(row, gname, arr.shape)

@@ -22,20 +22,28 @@ so a string of more than about 100,000 bytes in a tool definition or call's argu
 text/template's nesting limit. An assistant message last is not continued (every prompt ends
 with <|assistant|>, as doel-serve's do).
 
-A model whose template is not doel's (or that has none) gets `TEMPLATE {{ .Prompt }}`: the text
-is the prompt as it is, which is what a base model completes. doel's base and chat models share
-the tokenizer and so the template; the chat TEMPLATE is written for both (`ollama run --raw`
-gives a base model plain text).
+A model of someone else's whose template renders ChatML (`<|im_start|>role\ncontent<|im_end|>\n`
+a message, `<|im_start|>assistant\n` last, a default system message in front where the first is
+not the system's, tools ignored: SmolLM2's) gets CHATML_GO, with that system text: the template
+is recognised by what it renders (`chatml_system`, on PROBES), not by its spelling. Ollama merges
+consecutive messages of one role before the template sees them, as for doel's.
+
+Any other template (or none) gets `TEMPLATE {{ .Prompt }}`: the text is the prompt as it is,
+which is what a base model completes. doel's base and chat models share the tokenizer and so the
+template; the chat TEMPLATE is written for both (`ollama run --raw` gives a base model plain
+text). The stops are the model's end of a turn (export/chat.py) where a TEMPLATE renders turns,
+and its EOS.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 from doel.contracts import read_json
+from doel.export import chat
 from doel.export.checkpoint import Checkpoint
 
-END_OF_TURN = "<|end|>"
 # sha256 of the Jinja templates CHAT_TEMPLATE_GO renders the same prompt as (doel's CHAT_TEMPLATE;
 # tests/export/test_ollama_template.py fails when the Jinja one changes and this does not).
 DOEL_TEMPLATES = ("03d9f4f29b242a9f9642c6c5137ecb76c876c50c28eba6eb3c7f66c4a64088a2",)
@@ -106,25 +114,76 @@ def template_sha256(template: str) -> str:
     return hashlib.sha256(template.encode("utf-8")).hexdigest()
 
 
+# ChatML in Go: `.Messages` each as <|im_start|>role, newline, content, <|im_end|>, newline; the
+# default system message (%s, Go-quoted) before a first message that is not the system's.
+CHATML_GO = (
+    "{{- range $i, $m := .Messages }}"
+    '{{- if and (eq $i 0) (ne .Role "system") (ne %s "") }}<|im_start|>system\n{{ %s }}'
+    "<|im_end|>\n{{ end }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n"
+    "{{ end }}<|im_start|>assistant\n"
+)
+# Conversations a template must render as ChatML does to be given CHATML_GO.
+_TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}
+PROBES = [
+    ([{"role": "user", "content": "Hi"}], None),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "আমি\nভাত খাই"}], None),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+      {"role": "user", "content": " b "}], None),
+    ([{"role": "user", "content": "Hi"}], [_TOOL]),
+]  # fmt: skip
+
+
 def chat_template(ckpt: Checkpoint) -> str | None:
-    """The checkpoint's Jinja chat template (tokenizer_config.json's), or None."""
-    config = read_json(ckpt.tokenizer.parent / "tokenizer_config.json") or {}
-    template = config.get("chat_template")
-    return template if isinstance(template, str) else None
+    """The checkpoint's Jinja chat template (export/chat.py), or None."""
+    return ckpt.chat_template
+
+
+def _chatml(messages: list[dict], system: str) -> str:
+    out = ""
+    for i, m in enumerate(messages):
+        if i == 0 and m["role"] != "system" and system:
+            out += f"<|im_start|>system\n{system}<|im_end|>\n"
+        out += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+    return out + "<|im_start|>assistant\n"
+
+
+def chatml_system(jinja: str, config: dict) -> str | None:
+    """The default system text ("" for none) of a template that renders PROBES as ChatML does;
+    None for any other template."""
+    try:
+        shown = [chat.render(jinja, m, config, tools=t, add_generation_prompt=True)
+                 for m, t in PROBES]  # fmt: skip
+    except Exception:  # noqa: BLE001  (a template that cannot render them is not ChatML)
+        return None
+    head = "<|im_start|>system\n"
+    system = ""
+    if shown[0].startswith(head) and "<|im_end|>" in shown[0]:
+        system = shown[0][len(head) : shown[0].index("<|im_end|>")]
+    ok = all(s == _chatml(m, system) for s, (m, _) in zip(shown, PROBES))
+    return system if ok else None
 
 
 def ollama_template(ckpt: Checkpoint) -> str:
-    """The Modelfile's TEMPLATE: doel's chat prompt in Go, or the raw prompt (module docstring)."""
+    """The Modelfile's TEMPLATE: doel's chat prompt or ChatML in Go, or the raw prompt (module
+    docstring)."""
     jinja = chat_template(ckpt)
-    return CHAT_TEMPLATE_GO if jinja and template_sha256(jinja) in DOEL_TEMPLATES else RAW_TEMPLATE
+    if jinja is None:
+        return RAW_TEMPLATE
+    if template_sha256(jinja) in DOEL_TEMPLATES:
+        return CHAT_TEMPLATE_GO
+    config = read_json(ckpt.tokenizer.parent / "tokenizer_config.json") or {}
+    system = chatml_system(jinja, config)
+    if system is None:
+        return RAW_TEMPLATE
+    quoted = json.dumps(system, ensure_ascii=False)  # a Go string literal (JSON's escapes)
+    return CHATML_GO.replace("%s", quoted)
 
 
 def stop_strings(ckpt: Checkpoint, chat: bool) -> list[str]:
     """Where Ollama ends a reply: the end of a turn (a chat TEMPLATE) and the EOS token."""
-    stops = [END_OF_TURN] if chat else []
-    if "eos" in ckpt.special_tokens:
-        stops.append(ckpt.special_tokens["eos"]["token"])
-    return stops
+    roles = ("end_of_turn", "eos") if chat else ("eos",)
+    stops = [ckpt.special_tokens[r]["token"] for r in roles if r in ckpt.special_tokens]
+    return list(dict.fromkeys(stops))
 
 
 def modelfile(gguf_name: str, ckpt: Checkpoint) -> str:

@@ -152,9 +152,11 @@ def split_data(data: Path, out: Path, chunk: int = CHUNK_BYTES) -> list[dict]:
 
 
 def stop_ids(special: dict) -> list[int]:
-    """EOS, and the chat turn's end where the vocabulary has it (the model ends a reply so)."""
+    """EOS, and the chat turn's end (the model ends a reply so): the manifest's end_of_turn, the
+    token the model's chat template closes a reply with (export/chat.py), else doel's <|end|>
+    where the vocabulary has it (a bundle written before end_of_turn was recorded)."""
     ids = [special["eos"]["id"]] if "eos" in special else []
-    end = special.get("added", {}).get("<|end|>")
+    end = (special.get("end_of_turn") or {}).get("id", special.get("added", {}).get("<|end|>"))
     return ids + ([end] if end is not None and end not in ids else [])
 
 
