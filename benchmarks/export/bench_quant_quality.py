@@ -88,10 +88,11 @@ def wait_quiet() -> None:
 # ------------------------------------------------------------------ files
 
 
-def export_bundles(ckpt: Path, work: Path) -> dict[str, Path]:
-    """The doel bundles, exported into `work` (reused where a manifest.json is already there)."""
+def export_bundles(ckpt: Path, work: Path, variants=None, **options) -> dict[str, Path]:
+    """The doel bundles of `variants` (default VARIANTS), exported into `work` (reused where a
+    manifest.json is already there); `options`: ExportOptions fields over the ones set here."""
     out = {}
-    for row, engine, quant, block, head, _ in VARIANTS:
+    for row, engine, quant, block, head, _ in variants or VARIANTS:
         if engine != "doel":
             continue
         out[row] = work / f"bundle-{quant}-b{block}-h{head}"
@@ -99,14 +100,8 @@ def export_bundles(ckpt: Path, work: Path) -> dict[str, Path]:
             continue
         wait_quiet()
         print(f"exporting {row} ...", flush=True)
-        opts = ExportOptions(
-            quant=quant,
-            block_size=block,
-            head_bits=head,
-            eval_tokens=64,
-            force=True,
-            log=lambda *_: None,
-        )
+        fields = {"eval_tokens": 64, "force": True, "log": lambda *_: None} | options
+        opts = ExportOptions(quant=quant, block_size=block, head_bits=head, **fields)
         export_checkpoint(ckpt, out[row], opts)
     return out
 
@@ -266,12 +261,14 @@ def f32_check(llama_f32: list, torch_fp32: list, f16_kv: list) -> dict:
     }
 
 
-def run_variants(ckpt, texts: list[dict], window: int, bundles: dict, ggufs: dict) -> tuple:
+def run_variants(
+    ckpt, texts: list[dict], window: int, bundles: dict, ggufs: dict, variants=None
+) -> tuple:
     """Summed nats per file and seconds of every variant, and the f16-KV f32 figures."""
     import llama_cpp
 
     sums, secs = {}, {}
-    for row, engine, quant, _, _, _ in VARIANTS:
+    for row, engine, quant, _, _, _ in variants or VARIANTS:
         print(f"scoring {row} ...", flush=True)
         if engine == "torch":
             fn = torch_reference(ckpt)
@@ -296,10 +293,10 @@ def n_tokens(texts: list[dict]) -> int:
 # ------------------------------------------------------------------ report
 
 
-def rows(sums: dict, secs: dict, texts: list[dict], weights: dict) -> list[dict]:
+def rows(sums: dict, secs: dict, texts: list[dict], weights: dict, variants=None) -> list[dict]:
     out = []
     ref = sums["torch fp32"]
-    for row, engine, quant, block, head, nominal in VARIANTS:
+    for row, engine, quant, block, head, nominal in variants or VARIANTS:
         r = {"variant": row, "engine": engine, "quant": quant, "block_size": block}
         r["head_bits"] = head
         r |= {"nominal_bits_per_weight": nominal, "weights": weights.get(row)}
@@ -313,7 +310,7 @@ def rows(sums: dict, secs: dict, texts: list[dict], weights: dict) -> list[dict]
 
 def bpw(r: dict, part: str) -> str:
     w = (r["weights"] or {}).get(part)
-    if not w:
+    if not w or w["bits_per_weight"] is None:  # fp32: no quantized layer of that part
         return "32 fp32"
     return f"{w['bits_per_weight']:.2f} {w['type'].lower()}"
 
