@@ -120,6 +120,7 @@ SCRATCH = {
     "export.bench_gguf": "held-out text copied for llama.cpp",
     "export.bench_phone_memory": "/proc/self/clear_refs, to reset the peak resident memory",
     "export.bench_export": "the exports' figures, kept between runs in --work",
+    "export.bench_real_model": "the speed rows' spec for their processes; the figures, in --work",
     "train.bench_train": "the run's metrics log and its child's stdout, in --work",
     "train.bench_optim": "a run's figures cached in --work",
 }
