@@ -393,18 +393,22 @@ def _lang(r: dict, lang: str) -> dict:
 
 def loss_table(res: dict) -> list[str]:
     lines = [
-        "| variant | bits/weight: block linears | head | nats/token en | Δ en | Δ bits/char en "
-        "| nats/token bn | Δ bn | Δ bits/char bn | Δ nats/token both (± SE) |",
+        "| variant | bits/weight: block linears | head | en: nats/token (bits/char) | Δ en "
+        "| Δ bits/char en | bn: nats/token (bits/char) | Δ bn | Δ bits/char bn "
+        "| Δ nats/token both (± SE) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["loss"]["rows"]:
-        en, bn = _lang(r, "en"), _lang(r, "bn")
+        cells = []
+        for f in (_lang(r, "en"), _lang(r, "bn")):
+            cells.append(
+                f"{f['nats_per_token']:.4f} ({f['bits_per_char']:.3f}) | "
+                f"{f['increase_nats_per_token']:+.4f} | {f['increase_bits_per_char']:+.4f}"
+            )
         lines.append(
             f"| {r['variant']} | {qq.bpw(r, 'linear')} | {qq.bpw(r, 'head')} | "
-            f"{en['nats_per_token']:.4f} | {en['increase_nats_per_token']:+.4f} | "
-            f"{en['increase_bits_per_char']:+.4f} | {bn['nats_per_token']:.4f} | "
-            f"{bn['increase_nats_per_token']:+.4f} | {bn['increase_bits_per_char']:+.4f} | "
-            f"{r['increase_nats_per_token']:+.4f} (± {r['increase_nats_per_token_se']:.4f}) |"
+            + " | ".join(cells)
+            + f" | {r['increase_nats_per_token']:+.4f} (± {r['increase_nats_per_token_se']:.4f}) |"
         )
     return lines
 

@@ -66,7 +66,8 @@ def test_bounds_blame_the_bound_where_llama_cpp_is_past_it_too_and_the_format_wh
 
 def _loss_row(name: str, en: float, bn: float) -> dict:
     def lang(text: str, inc: float) -> dict:
-        return {"text": text, "nats_per_token": 3 + inc, "increase_nats_per_token": inc,
+        return {"text": text, "nats_per_token": 3 + inc, "bits_per_char": 2 + inc,
+                "increase_nats_per_token": inc,
                 "increase_bits_per_char": inc / 2}  # fmt: skip
 
     return {
@@ -153,8 +154,8 @@ def test_the_report_has_every_section_and_marks_busy_rows():
     md = bench.markdown(res)
     for part in ("held-out loss", "export's own bound", "Greedy agreement", "one stream"):
         assert part in md
-    assert "| doel int8 b64 | 32 fp32 | 32 fp32 | 3.0040 | +0.0040 | +0.0020 |" in md
-    assert "| doel fp32 | 32 fp32 | 32 fp32 | 3.0000 | +0.0000 |" in md
+    assert "| doel int8 b64 | 32 fp32 | 32 fp32 | 3.0040 (2.004) | +0.0040 | +0.0020 |" in md
+    assert "| doel fp32 | 32 fp32 | 32 fp32 | 3.0000 (2.000) | +0.0000 |" in md
     assert "| Hi? | A / b (3) | — | 2 |" in md  # a reply's "|" kept out of the table
     assert f"| কী? | {'গ' * 48}… (2) | 1 | — |" in md
     assert "| decode int8 / q8_0 (>= 1.1) | 1.11 | True |" in md
