@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from doel.contracts import memory
 from doel.contracts.quant import QUANTS
 from doel.train.build import build_parts
 from doel.train.common import DoelError
@@ -117,13 +118,8 @@ def probe(path: Path) -> tuple[float, float | None]:
     while not path.exists():
         path = path.parent
     free = shutil.disk_usage(path).free
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return free, float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return free, None  # not Linux: the memory check is left out
+    ram = memory.available_bytes()  # None where not Linux: the memory check is left out
+    return free, None if ram is None else float(ram)
 
 
 def check_stage(stage: str, need: Need, free: float, ram: float | None, where: Path) -> None:

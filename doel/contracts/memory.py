@@ -179,3 +179,15 @@ def mappings(addresses: Iterable[int], pid: int | None = None) -> Memory:
         pass
     sizes = _sizes(picked)
     return Memory(sizes["Pss"], sizes["Rss"], sizes["Private"], tuple(shared), None)
+
+
+def available_bytes(proc: Path = PROC) -> int | None:
+    """What the system can still give without swapping (/proc/meminfo MemAvailable), or None
+    where it does not say (not Linux)."""
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

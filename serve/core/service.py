@@ -3,7 +3,7 @@
 Requests go to the `Scheduler`, which batches the decode steps of all running
 sequences; a request beyond `max_queue` waiting is refused with 429 instead of queueing without
 end, and a request whose client disconnects (its generator closed: the app watches the
-connection, queued or running, streamed or not) frees its place at once.
+connection, queued or running, streamed or not) frees its place at the engine's next step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer, normalizers
 
-from doel.contracts import untrusted
+from doel.contracts import memory, untrusted
 from doel.contracts.decoding import CONTEXT_IDS
 from doel.serve.core.engine import BundleError, Engine, read_bundle
 from doel.serve.core.grammar_limits import compiled, uncounted
@@ -56,13 +56,8 @@ STOP_WITH_FORMAT = (
 
 
 def available_memory() -> int | None:
-    """Bytes the system can give without swapping (MemAvailable), or None where it does not
-    say."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return untrusted.memory_bytes()
+    """Bytes the system can give without swapping, else its physical memory, else None."""
+    return memory.available_bytes() or untrusted.memory_bytes()
 
 
 def pool_positions(engine: Engine, asked: int, models: int = 1) -> int:

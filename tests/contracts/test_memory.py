@@ -157,3 +157,10 @@ def test_cgroup_bytes_reads_the_processs_own_cgroup_v2_and_none_without_one(tmp_
     (proc / "7" / "cgroup").write_text("0::/\n")  # the root: no memory.current
     assert memory.cgroup_bytes(7, proc, cgroup) is None
     assert memory.cgroup_bytes(8, proc, cgroup) is None  # no such process
+
+
+def test_available_bytes_reads_memavailable_and_says_none_where_there_is_none(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:    2048 kB\n")
+    assert memory.available_bytes(tmp_path) == 2048 * 1024
+    assert memory.available_bytes(tmp_path / "absent") is None
+    assert memory.available_bytes(Path("/proc")) > 0  # this machine's own
