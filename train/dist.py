@@ -35,6 +35,9 @@ from torch.utils.checkpoint import checkpoint
 
 from doel.train.common import DoelError
 from doel.train.metrics import cpu_peak_flops
+from doel.train.torchcheck import cuda_unavailable_message, nvidia_driver, require_torch
+
+require_torch()  # an older torch: one line naming the floor, not an ImportError further on
 
 HEARTBEAT = "doel/step/"  # key prefix in torchrun's store: the step each rank last began
 
@@ -55,9 +58,19 @@ class DistInfo:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device `name` asks for. "auto" is CUDA where torch sees a GPU, else the CPU, but a
+    machine with an NVIDIA driver whose GPU torch cannot use is refused: a rented GPU must not
+    train silently on its CPU. "cuda" without a usable GPU is refused naming the likely cause."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if nvidia_driver() is not None:
+            raise DoelError(cuda_unavailable_message("auto"))
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DoelError(cuda_unavailable_message(name))
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -28,11 +28,17 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-# torch's own Newton-Schulz and shape-based lr adjustment (private names: a torch release that
-# renames them fails here, at import, not silently in a run).
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from doel.train.torchcheck import require_torch
 
-from doel.train.dist import unwrap
+# torch's own Newton-Schulz and shape-based lr adjustment (private names: a torch release that
+# renames them fails here, at import, not silently in a run; one older than the floor is named).
+try:
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+except ImportError:
+    require_torch()
+    raise
+
+from doel.train.dist import unwrap  # noqa: E402
 from doel.train.settings import TrainConfig
 
 
