@@ -6,11 +6,23 @@ they check or measure is what training runs, and a run resumes one way whatever 
 Order: device and dtype → the shards' vocabulary against the model's → loader at this rank
 (first: a loader that refuses its data does so before a model is built) → seed → model on the
 device → DDP/FSDP wrapper (and activation checkpointing) → optimizer (after FSDP: on the
-sharded parameters) → resume from a checkpoint → torch.compile, falling back to eager loudly.
+sharded parameters) → resume from a checkpoint → torch.compile.
+
+torch.compile is static (`dynamic=False`): a call at another shape (the parity check's small
+batch, the checks' smaller micro-batches) compiles a graph of its own instead of turning the
+training shape's entry into a dynamic-shape graph that would then serve every step (its speed
+is not the one measured). Before it, `compile_preflight` refuses in one line a machine that
+lacks what inductor builds with (a C compiler, Python.h, Triton on CUDA): without them the
+compile fails and an eager run is about a third slower and takes far more memory. Any other
+compile failure falls back to eager with a warning.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,12 +84,45 @@ def check_vocab(meta: dict, cfg: TrainConfig) -> None:
         )
 
 
+# torch.compile's options for every compiled model of a run (see the module docstring).
+COMPILE_OPTIONS = {"dynamic": False}
+
+
+def compile_preflight(device: torch.device, which=None, include=None) -> str | None:
+    """What torch.compile lacks on this machine to build its kernels, as the one line that
+    names the package to install, or None. Inductor compiles C++ on the CPU and Triton on CUDA,
+    and both build Python extensions: a C compiler and Python.h are needed either way."""
+    fix = " (or set compile=false: about a third slower and more memory)"
+    which = which or shutil.which
+    cc = os.environ.get("CC")
+    if not ((cc and which(cc)) or which("gcc") or which("cc") or which("clang")):
+        return (
+            "torch.compile needs a C compiler and none was found (gcc): apt-get install "
+            "build-essential, or dnf install gcc gcc-c++" + fix
+        )
+    if device.type == "cpu" and not (which(os.environ.get("CXX") or "g++") or which("c++")):
+        return "torch.compile on the CPU needs a C++ compiler (g++): apt-get install g++" + fix
+    include = include or sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        ver = sysconfig.get_python_version()
+        return (
+            f"torch.compile needs Python.h (not in {include}): apt-get install python{ver}-dev "
+            f"(or python3-devel)" + fix
+        )
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "torch.compile on CUDA needs the triton package: pip install triton" + fix
+    return None
+
+
 def compiled(model: nn.Module, batch, ctx, log) -> nn.Module:
-    """torch.compile the model, or say loudly why the run falls back to eager (e.g. no C
-    compiler for inductor's CPU kernels). `batch` (inputs, targets on the device) warms it up;
-    the gradients of that pass are cleared."""
+    """torch.compile the model (static shapes), or say loudly why the run falls back to eager.
+    `batch` (inputs, targets on the device) warms it up; the gradients of that pass are
+    cleared. A machine without inductor's toolchain is refused before (compile_preflight)."""
+    problem = compile_preflight(next(model.parameters()).device)
+    if problem:
+        raise DoelError(problem)
     log("compiling the model (the first step takes longer)")
-    fast = torch.compile(model)
+    fast = torch.compile(model, **COMPILE_OPTIONS)
     x, y = batch
     try:
         with ctx():
