@@ -51,6 +51,14 @@ class Target:
     repo_id: str | None = None
     base_model: str | None = None
     license: str = DEFAULT_LICENSE
+    imported: dict | None = None  # import.json's source: a model doel did not train
+
+    def what(self, otherwise: str) -> str:
+        """The sentence's subject: the base model (linked), what an import came from, or a
+        Bangla-first model trained with doel."""
+        if self.imported:
+            return self.base(_origin_sentence(self.imported))
+        return f"{self.base(otherwise)}, a Bangla-first language model trained with doel"
 
     @property
     def repo(self) -> str:
@@ -80,6 +88,23 @@ def source_card(folder: Path) -> dict:
     """What the checkpoint's doel card recorded (model_card.json): license, repo_id. Empty for a
     folder without one, or with a damaged one (the export does not depend on it)."""
     return read_json(folder / "model_card.json") or {}
+
+
+def imported_from(folder: Path) -> dict:
+    """What `doel-train import` recorded of the model a checkpoint came from (import.json's
+    `source`): a model someone else trained, whose card must not say doel trained it. Empty
+    for a checkpoint doel trained, or a damaged record."""
+    record = read_json(folder / "import.json") or {}
+    source = record.get("source") if record.get("format") == "doel-import" else None
+    return source if isinstance(source, dict) else {}
+
+
+def _origin_sentence(source: dict) -> str:
+    """', imported with `doel-train import` from NAME (by ORG)' for an imported model's card."""
+    name = source.get("model_name") or source.get("name") or "another model"
+    org = source.get("organization")
+    by = f" by {org}" if isinstance(org, str) and org else ""
+    return f"the model `{name}`{by}, imported with `doel-train import` from `{source.get('name')}`"
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -140,8 +165,7 @@ def onnx_card(manifest: dict, to: Target) -> str:
         [
             f"# {repo.split('/')[-1]}",
             "",
-            f"{to.base(f'The checkpoint `{source}`')}, a Bangla-first language model trained "
-            "with doel, exported for ONNX Runtime "
+            f"{to.what(f'The checkpoint `{source}`')}, exported for ONNX Runtime "
             f"on CPU ({scheme}, {manifest['engine']} engine, context "
             f"{manifest['context_length']:,} tokens).",
         ],
@@ -191,9 +215,7 @@ def gguf_card(manifest: dict, to: Target) -> str:
         [
             f"# {repo.split('/')[-1]}",
             "",
-            f"{to.base('A checkpoint')}, a Bangla-first language model trained with doel, as GGUF "
-            f"({quant}) for "
-            "llama.cpp, Ollama and LM Studio.",
+            f"{to.what('A checkpoint')}, as GGUF ({quant}) for llama.cpp, Ollama and LM Studio.",
         ],
         [
             "## Files",
@@ -224,11 +246,17 @@ def write_card(
     """Write STAGE/README.md for the bundle (ONNX, or GGUF where the manifest's kind says so)
     that will be named `folder_name`; the checkpoint folder `source` gives the license and,
     when its card recorded one, the base model's id."""
-    recorded = source_card(source)
+    recorded, imported = source_card(source), imported_from(source)
     base = recorded.get("repo_id") if isinstance(recorded.get("repo_id"), str) else None
-    license = recorded.get("license") if isinstance(recorded.get("license"), str) else None
+    license = next(
+        (x for x in (recorded.get("license"), imported.get("license")) if isinstance(x, str)),
+        None,
+    )
+    if imported and not license:
+        license = "other"  # not doel's default: the model's own terms apply, and are unknown
+    target = Target(folder_name, repo_id, base, license or DEFAULT_LICENSE, imported or None)
     write = gguf_card if manifest.get("kind") == "gguf" else onnx_card
-    text = write(manifest, Target(folder_name, repo_id, base, license or DEFAULT_LICENSE))
+    text = write(manifest, target)
     path = stage / "README.md"
     path.write_text(text, encoding="utf-8")
     return path

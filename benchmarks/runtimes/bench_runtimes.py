@@ -8,11 +8,15 @@ them all and writes one table, so a claim of reach is a row some tool printed, n
 code reading doel's files. A module whose tool is missing gives one row saying so (not ok).
 
     python -m benchmarks.runtimes.bench_runtimes [--only genai,ollama] [--work DIR]
+
+With `--only`, the other modules' rows are kept from the table already written, each marked with
+the date and CPU class of the run that made it, so one module can be rerun alone.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 import tempfile
 import time
@@ -49,6 +53,17 @@ def gather(names: list[str], work: Path) -> list[dict]:
     return out
 
 
+def kept_rows(out: Path, names: list[str]) -> list[dict]:
+    """The rows of the earlier runtimes.json in `out` whose module is not in `names`, each with
+    the run that made it ("2026-12-04, intel-avx512-vnni") where it had none yet."""
+    path = Path(out) / "runtimes.json"
+    if not path.is_file():
+        return []
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    run = f"{earlier.get('date', '?')}, {earlier.get('cpu', {}).get('class', '?')}"
+    return [{"run": run} | r for r in earlier.get("rows", []) if r.get("module") not in names]
+
+
 def _cell(value) -> str:
     """A table cell: the text with its pipes escaped (`<|end|>`) and on one line."""
     return " ".join(str(value).split()).replace("|", "\\|")
@@ -56,7 +71,7 @@ def _cell(value) -> str:
 
 def markdown(result: dict) -> str:
     rows = result["rows"]
-    lines = heading("Runtimes that read doel's default model", result)
+    lines = heading("Runtimes that read doel's models", result)
     lines += [
         cpu_line(result["cpu"]),
         "",
@@ -69,7 +84,8 @@ def markdown(result: dict) -> str:
     ]
     for r in rows:
         cells = [_cell(r[k]) for k in ("runtime", "version", "check", "result")]
-        cells += ["yes" if r["ok"] else "**no**", f"`{r['module']}`"]
+        run = f" (run {r['run']})" if r.get("run") else ""
+        cells += ["yes" if r["ok"] else "**no**", f"`{r['module']}`{run}"]
         lines.append("| " + " | ".join(cells) + " |")
     bad = sum(not r["ok"] for r in rows)
     lines += ["", f"{len(rows) - bad} of {len(rows)} rows ok; {result['load']}.", ""]
@@ -85,6 +101,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="doel-runtimes-") as tmp:
         work = Path(args.work or tmp)
         result = {**stamp(python=True), "rows": gather(names, work)}
+    if args.only:
+        result["rows"] += kept_rows(args.out, names)
     result["load"] = load_line()
     publish(args.out, "runtimes", result, markdown(result))
 

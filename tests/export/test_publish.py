@@ -166,3 +166,38 @@ def test_a_gguf_folder_is_a_hub_model_repo_on_its_own(tmp_path, sample_paths, ti
     assert "`model-q8_0.gguf`" in card.text
     manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     assert "README.md" in manifest["files"] and "model-q8_0.gguf" in manifest["files"]
+
+
+def _import_record(folder: Path, **source) -> None:
+    """import.json as `doel-train import` writes it beside an imported model."""
+    record = {"format": "doel-import", "version": 1, "source": {"kind": "gguf", **source}}
+    (folder / "import.json").write_text(json.dumps(record), encoding="utf-8")
+
+
+def test_an_imported_models_card_names_where_it_came_from_not_doel(tmp_path):
+    from doel.export.card import write_card
+
+    _import_record(
+        tmp_path,
+        name="Smol.Q4_1.gguf",
+        model_name="Smol 135M",
+        organization="Someone",
+        license="apache-2.0",
+    )
+    text = write_card(tmp_path, _manifest(), "bundle", tmp_path, None).read_text("utf-8")
+    assert "trained with doel" not in text
+    assert "`Smol 135M` by Someone, imported with `doel-train import` from `Smol.Q4_1.gguf`" in text
+    assert ModelCard(text).data.to_dict()["license"] == "apache-2.0"  # the model's, not doel's
+    gguf = {"kind": "gguf", "quant": "q8_0", "gguf": "m.gguf", "pre_tokenizer": "smollm"}
+    assert "trained with doel" not in write_card(tmp_path, gguf, "g", tmp_path, None).read_text()
+
+
+def test_an_imported_model_of_unknown_license_is_not_given_doels(tmp_path):
+    from doel.export.card import write_card
+
+    _import_record(tmp_path, name="x.gguf")
+    text = write_card(tmp_path, _manifest(), "bundle", tmp_path, None).read_text("utf-8")
+    assert ModelCard(text).data.to_dict()["license"] == "other"
+    (tmp_path / "import.json").unlink()  # a checkpoint doel trained: doel's wording and license
+    text = write_card(tmp_path, _manifest(), "bundle", tmp_path, None).read_text("utf-8")
+    assert "trained with doel" in text and ModelCard(text).data.to_dict()["license"] == "apache-2.0"

@@ -186,6 +186,8 @@ def read_gguf(path: Path) -> Source:
             "kind": "gguf",
             "name": path.name,
             "model_name": meta.get("general.name"),
+            "organization": meta.get("general.organization"),
+            "license": meta.get("general.license"),
             "file_type": meta.get("general.file_type"),
             "tokenizer": {
                 "model": meta.get("tokenizer.ggml.model"),

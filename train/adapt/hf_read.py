@@ -116,6 +116,23 @@ def chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     return template
 
 
+def card_license(folder: Path) -> str | None:
+    """The `license:` of the folder's README.md metadata block (a Hub model card), if any."""
+    path = folder / "README.md"
+    if not path.is_file() or path.is_symlink() or path.stat().st_size > untrusted.MAX_RECORD_BYTES:
+        return None
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    for line in lines[1:]:
+        if line.strip() == "---":
+            return None
+        key, _, value = line.partition(":")
+        if key.strip() == "license" and value.strip():
+            return value.strip().strip("'\"")[:64]
+    return None
+
+
 def read_folder(folder: Path) -> Source:
     """What an import writes from a Hugging Face folder, checked; Refused naming a problem."""
     config = _record(folder, "config.json", required=True)
@@ -141,6 +158,7 @@ def read_folder(folder: Path) -> Source:
         source={
             "kind": "huggingface",
             "name": folder.resolve().name,
+            "license": card_license(folder),
             "eos_token_id": config.get("eos_token_id"),
         },
         special={

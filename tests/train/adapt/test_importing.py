@@ -177,3 +177,19 @@ def test_the_imported_folder_passes_the_exports_checks_with_its_checksums(import
 def test_the_folder_keeps_the_umask(imported):
     modes = {p.name: p.stat().st_mode & 0o777 for p in imported["gguf"].iterdir()}
     assert len(set(modes.values())) == 1, modes  # safetensors' own 0600 is not kept
+
+
+def test_the_record_keeps_the_sources_license_from_its_card(tiny_hf, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_hf, src)
+    card = "---\nlanguage: [en]\nlicense: 'apache-2.0'\n---\n# A model\nlicense: not this one\n"
+    (src / "README.md").write_text(card, encoding="utf-8")
+    record = json.loads(
+        (import_model(src, tmp_path / "out", log=quiet) / "import.json").read_text()
+    )
+    assert record["source"]["license"] == "apache-2.0"
+    (src / "README.md").write_text("# A model\n\nlicense: mit\n", encoding="utf-8")  # no metadata
+    out = import_model(src, tmp_path / "o2", log=quiet)
+    assert json.loads((out / "import.json").read_text())["source"]["license"] is None

@@ -47,6 +47,11 @@ def test_the_imported_model_answers_the_chat_its_author_shipped(smollm2_folder):
     assert reply.endswith("<|im_end|>"), reply  # it stops at the end of its turn
 
 
+def test_its_record_names_the_models_author_and_license(smollm2_folder):
+    source = json.loads((smollm2_folder / "import.json").read_text())["source"]
+    assert source["organization"] == "HuggingFaceTB" and source["license"] == "apache-2.0"
+
+
 def test_its_tokenizer_gives_llama_cpps_own_ids(smollm2_file, smollm2_folder, tmp_path):
     from tokenizers import Tokenizer
 
