@@ -22,6 +22,7 @@ from doel.train.evals.modelcard import write_model_card
 from doel.train.evals.scoring import task_accuracy
 from doel.train.evals.tasks import load_task
 from doel.train.metrics import format_duration, mfu
+from doel.train.prefetch import Prefetcher, to_device
 from doel.train.step import (
     lr_at,
     micro_batches_per_update,
@@ -36,11 +37,9 @@ class NonFiniteLossError(DoelError):
 
 
 def batches_on(loader, device, n):
-    """The next n batches of the loader as tensors on the device."""
-    return [
-        (torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
-        for x, y in (loader.next_batch() for _ in range(n))
-    ]
+    """The next n batches of the loader as tensors on the device (pinned, non-blocking copies
+    on CUDA: train/prefetch.py)."""
+    return [to_device(loader.next_batch(), device) for _ in range(n)]
 
 
 class StepLoop:
@@ -80,10 +79,13 @@ class StepLoop:
         earlier = self.metrics.earlier_seconds if self.metrics else 0.0
         self.step, self.tokens_seen, self.seconds = step, tokens_seen, earlier
         self.updates = updates_before(step, cfg)  # optimizer updates: more than steps in a ramp
+        # The next step's batches are read and sent while this one computes; checkpoints keep
+        # the loader's state before them (self.batches.state_dict()).
+        self.batches = Prefetcher(self.loader, self.device, cfg.grad_accum)
         while step < cfg.steps:
             heartbeat(self.info, step + 1)
             t0 = time.perf_counter()
-            batches = batches_on(self.loader, self.device, cfg.grad_accum)
+            batches = self.batches.next()
             per_update = micro_batches_per_update(step, cfg)
             out = take_step(
                 self.fwd,
@@ -94,6 +96,8 @@ class StepLoop:
                 cfg.grad_clip,
                 self.ctx,
             )
+            if step + 1 < cfg.steps:  # the step's kernels are queued: read the next one's
+                self.batches.prefetch()
             self.updates += out["updates"]
             finite = torch.isfinite(out["loss"])
             self.bad_step = torch.where(~finite & (self.bad_step < 0), step + 1, self.bad_step)
@@ -258,7 +262,7 @@ class StepLoop:
     def _save(self, step, tokens_seen) -> None:
         self._check_finite()
         state = {
-            "loader": self.loader.state_dict(),
+            "loader": self.batches.state_dict(),  # before any step read ahead
             "tokens_seen": int(tokens_seen),
             "config": resolved(self.cfg),
         }
