@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mobile", action="store_true", help="also write model.ort (ORT Mobile)")
     p.add_argument(
+        "--embeddings",
+        nargs="?",
+        const="mean",
+        choices=("mean", "last"),
+        help="also write embeddings.onnx for doel-serve's /v1/embeddings: the last hidden state, "
+        "mean (the default) or last-token pooled, normalized (docs/serving.md#embeddings)",
+    )
+    p.add_argument(
         "--web",
         action="store_true",
         help="also write web/: a static page that runs the model in a browser: on WebAssembly "
@@ -164,6 +172,10 @@ def _onnx(args) -> None:
         log=lambda msg: print(msg, file=sys.stderr),
     )
     result = export_checkpoint(args.checkpoint, args.out, opts)
+    if args.embeddings:
+        from doel.export.embedder import add_embeddings
+
+        result["embeddings"] = add_embeddings(args.checkpoint, args.out, args.embeddings, opts.log)
     print(json.dumps(result, indent=2) if args.json else summary(Path(args.out), result))
 
 
