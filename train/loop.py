@@ -252,7 +252,8 @@ class StepLoop:
         if self._task_items is None:
             self._task_items = load_task(name, path, limit=self.cfg.eval_task_limit)
             self._task_tok = load_tokenizer(self.tok_path)
-        r = task_accuracy(self.model, self._task_tok, self._task_items, device=self.device)
+        with self.ctx():  # the run's autocast: fp32 with GQA would take SDPA's math kernel
+            r = task_accuracy(self.model, self._task_tok, self._task_items, device=self.device)
         self.log(
             f"{name} at step {step}: acc {r['acc']:.3f} ± {r['acc_stderr']:.3f}, "
             f"acc_norm {r['acc_norm']:.3f} (chance {r['chance']:.3f}, {r['items']} items)"

@@ -17,6 +17,7 @@ every figure here look too good: a model that can see the token it is asked to p
 from __future__ import annotations
 
 import bz2
+import contextlib
 import lzma
 import math
 import unicodedata
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from doel.train.common import DoelError
 from doel.train.data.textio import iter_documents
 from doel.train.data.tokenizer import load_tokenizer
+from doel.train.dist import autocast, resolve_dtype
 from doel.train.evals.cardeval import text_source
 from doel.train.evals.generate import continuations
 from doel.train.evals.modelcard import refresh_model_card
@@ -270,6 +272,7 @@ def evaluate_checkpoint(
     card: bool = True,
     progress: bool = True,
     repo_id: str | None = None,
+    dtype: str = "auto",
 ) -> dict:
     """Everything above for a model folder in Hugging Face layout (with its tokenizer.json).
     text_paths is a list of files (grouped by guessed language) or {language: files}; at most
@@ -279,7 +282,7 @@ def evaluate_checkpoint(
     these results (its path is the result's "model_card"; a folder without one is left alone),
     and with `repo_id` (its Hugging Face repository) in its usage example from then on.
     `progress`: a bar with an ETA for each part (held-out text, tasks, sample texts) on a
-    terminal's stderr."""
+    terminal's stderr. `dtype`: the autocast of every pass (`eval_autocast`)."""
 
     model = load_model(folder, device=device).eval()
     tokenizer = load_tokenizer(folder)
@@ -296,33 +299,46 @@ def evaluate_checkpoint(
     raw = {lang: read_texts(paths, max_chars) for lang, paths in groups.items()}
     encoded = {lang: encode_texts(tokenizer, texts) for lang, texts in raw.items()}
     n = sum(len(windows(d, seq_len)) for _, docs in encoded.values() for d in docs)
-    held = bar(progress, total=2 * n, desc="held-out text (model, twin)", unit="window")
-    languages = {}
-    try:
-        for lang, paths in groups.items():
-            texts, docs = encoded[lang]
-            languages[lang] = {
-                "files": [str(p) for p in paths],
-                "texts": [text_source(p) for p in paths],  # what the card names each row by
-                "model": doc_figures(model, texts, docs, seq_len, batch_size, progress=held),
-                "twin": doc_figures(twin, texts, docs, seq_len, batch_size, progress=held),
-                "compressors": compressor_bits_per_char(raw[lang]),
-            }
-    finally:
-        held.close()
-    result = {
-        "checkpoint": str(folder),
-        "seq_len": seq_len,
-        "vocab_size": model.config.vocab_size,
-        "parameters": model.num_parameters(),
-        "languages": languages,
-        "tasks": run_tasks(model, tokenizer, tasks or {}, limit, batch_size, progress),
-        "continuations": continuations(
-            model, tokenizer, prompts, max_new_tokens, seed=seed, progress=progress
-        ),
-    }
+    with eval_autocast(model, dtype):  # bf16 on CUDA: fp32 with GQA has no fused SDPA
+        held = bar(progress, total=2 * n, desc="held-out text (model, twin)", unit="window")
+        languages = {}
+        try:
+            for lang, paths in groups.items():
+                texts, docs = encoded[lang]
+                languages[lang] = {
+                    "files": [str(p) for p in paths],
+                    "texts": [text_source(p) for p in paths],  # what the card names each row by
+                    "model": doc_figures(model, texts, docs, seq_len, batch_size, progress=held),
+                    "twin": doc_figures(twin, texts, docs, seq_len, batch_size, progress=held),
+                    "compressors": compressor_bits_per_char(raw[lang]),
+                }
+        finally:
+            held.close()
+        result = {
+            "checkpoint": str(folder),
+            "seq_len": seq_len,
+            "vocab_size": model.config.vocab_size,
+            "parameters": model.num_parameters(),
+            "languages": languages,
+            "tasks": run_tasks(model, tokenizer, tasks or {}, limit, batch_size, progress),
+            "continuations": continuations(
+                model, tokenizer, prompts, max_new_tokens, seed=seed, progress=progress
+            ),
+        }
     path = refresh_model_card(folder, result, repo_id) if card else None
     return result | {"model_card": str(path) if path else None}
+
+
+def eval_autocast(model, dtype: str = "auto"):
+    """The autocast an evaluation runs under: `dtype` ("auto", "bfloat16", "float32") as a
+    run resolves it on the model's device, except that "auto" keeps a CPU in float32 (the
+    figures of a CPU evaluation stay those of the weights). On CUDA, "auto" is bfloat16: in
+    float32, attention with grouped KV heads has no fused SDPA kernel and silently takes the
+    math one (a (T, T) matrix a head)."""
+    device = next(model.parameters()).device
+    if dtype == "auto" and device.type != "cuda":
+        return contextlib.nullcontext()
+    return autocast(device, resolve_dtype(dtype, device))
 
 
 def check_not_empty(paths: Sequence[str]) -> None:
