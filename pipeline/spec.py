@@ -40,7 +40,7 @@ from doel.train.settings import TrainConfig
 RECIPE_DIRS = shipped_dirs("recipes", Path(__file__).resolve().parent)
 BOOKKEEPING = (  # TrainConfig fields that leave the trained weights as they are
     "hourly_price", "eval_task", "eval_task_limit", "log_every", "eval_every", "eval_batches",
-    "checkpoint_every", "keep_checkpoints", "dist_timeout",
+    "checkpoint_every", "keep_checkpoints", "dist_timeout", "dist_setup_timeout",
 )  # fmt: skip
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a folder name on every system
 

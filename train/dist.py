@@ -4,7 +4,15 @@
 (`--nnodes`, c10d rendezvous for several machines): `init_distributed` reads the variables
 torchrun sets. NCCL drives GPUs, gloo the CPU (how the tests run it, several processes on
 loopback, and two torchrun agents as two nodes: tests/train/test_multinode.py). Every collective has
-a timeout, so a rank that hangs ends the job with a message instead of hanging it forever.
+a timeout, so a rank that hangs ends the job instead of hanging it forever: `dist_setup_timeout`
+until step 1 (rendezvous, compilation and the checks, where ranks can be minutes apart: one
+node's inductor cache warm, another's cold), `dist_timeout` from step 1 on. Under gloo a timed-out
+collective raises on every rank and the job ends with a message naming the rank that stopped and
+the step it last began (`collective_timeout_message`, tests/train/test_dist.py). Under NCCL,
+torch's watchdog aborts the communicator and kills the process when the timeout passes (the
+default TORCH_NCCL_ASYNC_ERROR_HANDLING), usually before that message can be written: the job
+still ends, and torchrun's error report and the step keys in its store (HEARTBEAT) tell which
+rank stopped where.
 Across nodes the run folder must be one folder every node sees (`require_shared_folder`).
 
 Under DDP, checkpoints gather the full model and optimizer state to rank 0 and write the
@@ -92,8 +100,14 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+_TIMEOUT = {"s": 0.0}  # the collective timeout in force (set_collective_timeout)
+
+
 def init_distributed(device_name: str, timeout_s: float) -> tuple[DistInfo, torch.device]:
-    """Join the process group torchrun describes (or none), and pick this rank's device."""
+    """Join the process group torchrun describes (or none), and pick this rank's device.
+    `timeout_s` is the collectives' timeout until `set_collective_timeout` changes it (a run:
+    dist_setup_timeout until step 1, then dist_timeout)."""
+    _TIMEOUT["s"] = timeout_s
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo(), resolve_device(device_name)
@@ -166,6 +180,18 @@ def require_shared_folder(out: Path, info: DistInfo, wait_s: float = 5.0) -> Non
             "writes: each node would write its own partial checkpoint. Put --out on storage "
             "every node mounts at the same path (NFS, a shared volume, a mounted bucket)"
         )
+
+
+def set_collective_timeout(info: DistInfo, seconds: float) -> None:
+    """The timeout of every later collective of the default process group (gloo and NCCL)."""
+    if info.enabled and dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+    _TIMEOUT["s"] = seconds
+
+
+def collective_timeout() -> float:
+    """The collective timeout in force, in seconds."""
+    return _TIMEOUT["s"]
 
 
 def shutdown() -> None:

@@ -28,10 +28,12 @@ from doel.train.common import DoelError, Interrupted, atomic_write_json
 from doel.train.config import resolved
 from doel.train.dist import (
     DistInfo,
+    collective_timeout,
     collective_timeout_message,
     full_model_state,
     init_distributed,
     require_shared_folder,
+    set_collective_timeout,
     shutdown,
 )
 from doel.train.gradflow import check_gradient_flow, step_loss
@@ -55,7 +57,7 @@ def launch(cfg, out_dir, body: Callable[[Job], Path], *, command: str, log=print
     or while saving the final model, and a collective that timed out, end in one line that
     says what to do."""
     out = Path(out_dir)
-    info, device = init_distributed(cfg.device, cfg.dist_timeout)
+    info, device = init_distributed(cfg.device, cfg.dist_setup_timeout)  # until step 1
     log = log if info.is_main else (lambda *_: None)
     lock = None
     try:
@@ -69,7 +71,7 @@ def launch(cfg, out_dir, body: Callable[[Job], Path], *, command: str, log=print
     except (RuntimeError, torch.distributed.DistError) as e:
         text = str(e).lower()
         if info.enabled and ("timed out" in text or "timeout" in text):
-            raise DoelError(collective_timeout_message(info, cfg.dist_timeout, e)) from e
+            raise DoelError(collective_timeout_message(info, collective_timeout(), e)) from e
         raise
     finally:
         if lock is not None:
@@ -176,6 +178,8 @@ class Job:
         class (sft's ChatLoop) and `loop_kw` its own arguments; `meta` is what the card says
         about the data. Returns the final model folder."""
         self.verify(parts, checks)
+        # Compiled and checked: from here a collective waits dist_timeout, not the setup's.
+        set_collective_timeout(self.info, parts.cfg.dist_timeout)
         metrics = None
         if self.info.is_main:  # a resumed run's file goes on from its step
             resume_step = parts.step if self.resume_from is not None else None

@@ -145,7 +145,10 @@ class TrainConfig:
     device: str = "auto"
     strategy: str = "ddp"  # under torchrun: ddp, or fsdp (FSDP2 per block)
     activation_checkpointing: bool = False
-    dist_timeout: float = 600.0  # seconds a collective may wait before the job stops
+    dist_timeout: float = 600.0  # seconds a collective may wait during the steps
+    # ... and before step 1 (rendezvous, compile, the checks): ranks compile at their own
+    # speed (one node's inductor cache warm, another's cold), so the first wait is long
+    dist_setup_timeout: float = 1800.0
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100  # 0 disables periodic validation
@@ -194,8 +197,9 @@ class TrainConfig:
             )
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if not self.dist_timeout > 0:
-            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        for name in ("dist_timeout", "dist_setup_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.muon_adjust_lr not in MUON_ADJUST_LR:

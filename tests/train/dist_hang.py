@@ -5,6 +5,8 @@
 writes its PID to PID_FILE after step 5 and waits for the test to kill it
 (tests/train/test_multinode.py); the file, not torchrun's restart count, says it was the first
 start, since each node's agent counts its own restarts.
+`dist_hang.py slow-setup CONFIG DATA OUT`: rank 1 takes 8 s longer than rank 0 before step 1 (a
+cold compile cache), with dist_timeout=3 and dist_setup_timeout=60: the run must finish.
 """
 
 import os
@@ -12,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import doel.train.build
 from doel.train.config import load_config
 from doel.train.fit import fit
 from doel.train.settings import TrainConfig
@@ -38,6 +41,18 @@ if __name__ == "__main__":
         pid_file, config, data, out, *sets = sys.argv[2:]
         cfg = load_config(TrainConfig, config, sets)
         fit(cfg, data, out, step_hook=pause_once(Path(pid_file)), skip_verify=True)
+    elif sys.argv[1] == "slow-setup":
+        config, data, out = sys.argv[2:5]
+        describe = doel.train.build.describe
+
+        def slow_describe(*a, **kw):  # after the wrapper is built, before the checks
+            if os.environ.get("RANK") == "1":
+                time.sleep(8)
+            return describe(*a, **kw)
+
+        doel.train.build.describe = slow_describe
+        sets = ["batch_size=2", "steps=2", "dist_timeout=3", "dist_setup_timeout=60"]
+        fit(load_config(TrainConfig, config, sets), data, out)
     else:
         config, data, out = sys.argv[1:4]
         cfg = load_config(TrainConfig, config, ["batch_size=2", "dist_timeout=5", "steps=20"])

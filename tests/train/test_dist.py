@@ -243,6 +243,26 @@ def test_elastic_restart_after_kill_9_gives_the_uninterrupted_weights(shards, tm
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_ranks_minutes_apart_before_step_1_wait_the_setup_timeout(shards, tmp_path):
+    """Rank 1 reaches the checks 8 s after rank 0, past dist_timeout=3 but within
+    dist_setup_timeout=60: the run finishes (issue 56, item 8)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "tests" / "train" / "dist_hang.py"),
+        "slow-setup",
+        str(ROOT / "configs" / "tiny.toml"),
+        str(shards),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
 def test_a_hung_rank_ends_the_job_with_a_timeout_naming_it(shards, tmp_path):
     cmd = [
         sys.executable,
