@@ -23,7 +23,7 @@ from doel.train.build import build_parts
 from doel.train.common import DoelError
 from doel.train.dist import resolve_device
 from doel.train.metrics import format_duration, mfu, peak_flops
-from doel.train.step import train_step
+from doel.train.step import micro_batches_per_update, train_step
 
 GB = 1e9
 BYTES_PER_CHAR = {"bn": 3.0}  # UTF-8: Bengali letters take 3 bytes; other languages ~1
@@ -262,12 +262,39 @@ def _throughput(parts, times: list[float]) -> dict:
 
 # Muon (optimizer = "muon") reached AdamW's final held-out Bangla bits/char with this share of
 # AdamW's tokens in benchmarks/results/optim_small-mid_cpu-amd-avx512-vnni.md (a 5M-parameter
-# model on a CPU). A CPU-scale projection until a GPU run of bench_optim's comparison confirms
-# it at 0.4B; a run's measured step time already includes Muon's extra matmuls.
+# model on a CPU). A CPU-scale figure until a GPU run of bench_optim's comparison confirms it
+# at 0.4B: said as a token share, never counted as hours or dollars saved.
 MUON_TOKEN_RATIO = 0.44
 
 
-def format_projection(m: dict, p: dict, tokens: int, optimizer: str = "adamw") -> str:
+def overheads(cfg, sec_per_step: float, params: int) -> dict:
+    """What a run spends besides its measured steps: the validations (eval_batches forward
+    passes of one micro-batch every eval_every steps, each a third of a micro-batch's measured
+    forward and backward: estimated), and what is counted, not timed: the batch ramp's extra
+    optimizer updates (each a clipping and an optimizer step) and the checkpoints (fp32
+    weights and optimizer state, written every checkpoint_every steps)."""
+    evals = cfg.steps // cfg.eval_every if cfg.eval_every else 0
+    eval_s = evals * cfg.eval_batches * sec_per_step / cfg.grad_accum / 3
+    ramp = round(cfg.batch_ramp_fraction * cfg.steps)
+    extra = sum(cfg.grad_accum // micro_batches_per_update(s, cfg) - 1 for s in range(ramp))
+    ckpts = cfg.steps // cfg.checkpoint_every if cfg.checkpoint_every else 0
+    state = ADAM_STATE if cfg.optimizer == "adamw" else MUON_STATE  # Muon's matrices: roughly
+    return {
+        "validations": evals,
+        "validation_s": eval_s,
+        "ramp_steps": ramp,
+        "ramp_extra_updates": extra,
+        "checkpoints": ckpts,
+        "checkpoint_gb": params * (4 + state) / GB,
+    }
+
+
+def format_projection(
+    m: dict, p: dict, tokens: int, optimizer: str = "adamw", extra: dict | None = None
+) -> str:
+    """The measured steps and the projection, naming what it includes and what not (`extra`:
+    `overheads`). Measured on a CPU (a dry run), the dollars are the GPU price's arithmetic on
+    CPU seconds, and said to be."""
     util = f", MFU {100 * m['mfu']:.1f}%" if m["mfu"] is not None else ""
     mem = ""
     if m["peak_memory_gb"] is not None:
@@ -277,10 +304,23 @@ def format_projection(m: dict, p: dict, tokens: int, optimizer: str = "adamw") -
         f"{m['compile']}): {m['sec_per_step']:.3f} s a step, {m['tokens_per_s']:,.0f} tokens/s "
         f"a GPU{util}{mem}",
         f"projected: {p['steps']:,} steps for {tokens / 1e6:,.1f}M tokens = "
-        f"{format_duration(p['total_s'])} on {p['gpus']} GPU(s){_over_nodes(p)}, "
+        f"{format_duration(p['total_s'])} of steps on {p['gpus']} GPU(s){_over_nodes(p)}, "
         f"${p['total_usd']:,.2f} at ${p['hourly_price']:.2f}/GPU-hour "
-        f"(${hourly_cost(p['gpus'], p['hourly_price']):,.2f} an hour)",
+        f"(${hourly_cost(p['gpus'], p['hourly_price']):,.2f} an hour)"
+        + ("" if m["device"] != "cpu" else "; measured on this CPU: not a GPU's time or price"),
     ]
+    if extra:
+        e = extra
+        lines.append(
+            f"  includes: the steps at the measured {m['sec_per_step']:.3f} s each (full "
+            f"batch, steady state); plus about {format_duration(e['validation_s'])} for "
+            f"{e['validations']} validations (estimated, forward only)"
+        )
+        lines.append(
+            f"  not included: the batch ramp's {e['ramp_extra_updates']:,} extra optimizer "
+            f"updates over its first {e['ramp_steps']:,} steps, {e['checkpoints']} checkpoints "
+            f"of about {e['checkpoint_gb']:.1f} GB, compilation and the checks before step 1"
+        )
     if p["steps_done"]:
         lines.append(
             f"left after the checkpoint at step {p['steps_done']:,}: "
@@ -289,9 +329,9 @@ def format_projection(m: dict, p: dict, tokens: int, optimizer: str = "adamw") -
     if optimizer == "muon":
         r = MUON_TOKEN_RATIO
         lines.append(
-            f"with Muon, AdamW's quality at {tokens / 1e6:,.1f}M tokens is projected at {r:.2f}x "
-            f"the tokens: {format_duration(p['total_s'] * r)}, ${p['total_usd'] * r:,.2f} "
-            "(a CPU-scale projection, benchmarks/results/optim_small-mid_cpu-*.md; not yet "
-            "confirmed on a GPU); the run still trains all its steps"
+            f"with Muon: in a CPU-scale projection (a 5M-parameter model, "
+            f"benchmarks/results/optim_small-mid_cpu-*.md) Muon reached AdamW's quality at "
+            f"{r:.2f}x the tokens; not yet confirmed at this size on a GPU, so no saving is "
+            "counted: the run trains all its steps"
         )
     return "\n".join(lines)

@@ -17,7 +17,13 @@ from pathlib import Path
 import torch
 
 from doel.contracts import read_json
-from doel.pipeline.budget import confirm, format_projection, measure_steps, projection
+from doel.pipeline.budget import (
+    confirm,
+    format_projection,
+    measure_steps,
+    overheads,
+    projection,
+)
 from doel.pipeline.fetch import fetch_all, standins
 from doel.pipeline.nodes import Nodes, lead, rendezvous_args, run_agents
 from doel.pipeline.summary import write_card, write_summary
@@ -126,7 +132,9 @@ def train(r) -> None:
         log=r.log,
     )
     p = projection(cfg.steps, done, m["sec_per_step"], plan.gpus, cfg.hourly_price, r.nodes.count)
-    r.log(format_projection(m, p, cfg.steps * cfg.tokens_per_step * plan.gpus, cfg.optimizer))
+    extra = overheads(cfg, m["sec_per_step"], m["parameters"])
+    tokens = cfg.steps * cfg.tokens_per_step * plan.gpus
+    r.log(format_projection(m, p, tokens, cfg.optimizer, extra))
     atomic_write_json(r.plan.out / "measure.json", {"measured": m, "projection": p})
     cost = f"{format_duration(p['remaining_s'])} and ${p['remaining_usd']:,.2f}"
     confirm(f"train for about {cost}?", plan.yes, r.stdin)
@@ -293,7 +301,9 @@ def gpu_slice(cfg, preset: str, token_budget: int, seconds: float, out: Path, lo
     m = measure_steps(cfg, next_batches, 3, 5, seconds=seconds, log=log)
     steps = math.ceil(token_budget / cfg.tokens_per_step)
     p = projection(steps, 0, m["sec_per_step"], 1, cfg.hourly_price)
-    text = format_projection(m, p, token_budget, cfg.optimizer)
+    text = format_projection(
+        m, p, token_budget, cfg.optimizer, overheads(cfg, m["sec_per_step"], m["parameters"])
+    )
     log(text)
     day = datetime.date.today().isoformat()
     slug = "".join(c if c.isalnum() else "-" for c in m["device"].lower()).strip("-")

@@ -205,10 +205,15 @@ class StepLoop:
                 f"${self.cfg.hourly_price:.2f}/GPU-hour × {world} GPU(s)"
             )
         tokens = self.cfg.steps * self.desc["tokens_per_step"]
+        ramp = ""
+        if micro_batches_per_update(step - 1, self.cfg) < self.cfg.grad_accum:
+            ramp = ", in the batch ramp: slower than later steps"
         self.log(
             f"projected: {self.cfg.steps} steps × {sec_per_step:.3f} s = {format_duration(total)}"
             f" for {tokens / 1e6:,.1f}M tokens{cost}; "
-            f"{format_duration((self.cfg.steps - step) * sec_per_step)} left"
+            f"{format_duration((self.cfg.steps - step) * sec_per_step)} left (the steps alone, "
+            f"timed up to step {step}{ramp}"
+            "; validation and checkpoints come on top)"
         )
 
     def _validate(self, step, meta) -> None:

@@ -25,6 +25,7 @@ from doel.pipeline.budget import (
     estimate_needs,
     format_projection,
     hidden_matrix_count,
+    overheads,
     parameter_count,
     projection,
 )
@@ -189,7 +190,26 @@ def test_a_muon_run_also_projects_adamws_quality_at_the_measured_token_ratio():
     line = format_projection(m, p, 10**9, "muon").splitlines()[-1]
     assert 0 < MUON_TOKEN_RATIO < 1
     assert f"{MUON_TOKEN_RATIO:.2f}x the tokens" in line and "CPU-scale projection" in line
-    assert f"${6.0 * MUON_TOKEN_RATIO:,.2f}" in line  # 2 h at $3/h, times the ratio
+    assert "$" not in line and "no saving is counted" in line  # a CPU-scale ratio, not dollars
+
+
+def test_the_projection_names_what_it_includes_and_what_not():
+    """The 0.4B preset's projection (issue 56, item 9): the steps and the validations it
+    includes, the ramp's extra updates and the checkpoints it does not; CPU seconds say so."""
+    cfg = load_config(TrainConfig, ROOT / "configs" / "bangla-0.4b.toml")
+    m = {"mfu": None, "peak_memory_gb": None, "steps_timed": 5, "device": "cpu"}
+    m |= {"dtype": "float32", "compile": False, "sec_per_step": 4.0, "tokens_per_s": 1000.0}
+    e = overheads(cfg, 4.0, 390_000_000)
+    assert e["validations"] == cfg.steps // cfg.eval_every == 15
+    # 16 batches a validation, a third of a micro-batch's step time each
+    assert e["validation_s"] == pytest.approx(15 * 16 * 4.0 / cfg.grad_accum / 3)
+    assert e["ramp_steps"] == round(0.3 * cfg.steps) and e["ramp_extra_updates"] > 0
+    assert e["checkpoints"] == cfg.steps // cfg.checkpoint_every
+    p = projection(cfg.steps, 0, 4.0, 1, 3.0)
+    text = format_projection(m, p, 2 * 10**9, "muon", e)
+    assert "includes: the steps" in text and "15 validations" in text
+    assert f"{e['ramp_extra_updates']:,} extra optimizer updates" in text
+    assert "checkpoints" in text and "not a GPU's time or price" in text
 
 
 def test_the_projection_and_the_confirmation(capsys):
