@@ -4,7 +4,8 @@ doel-serve against llama.cpp's llama-server over HTTP, and doel's engine against
 onnxruntime-genai's Engine in-process, with the same requests (issue 33).
 
 One model (benchmarks/load/load_model.py: the 0.4B preset's random weights, a tokenizer covering its
-whole vocabulary) as a doel bundle and as GGUF of the same width (int4 / q4_0, int8 / q8_0).
+whole vocabulary; or with `--model smollm2-135m` the imported SmolLM2-135M-Instruct, issue 57) as a
+doel bundle and as GGUF of the same width (int4 / q4_0, int8 / q8_0).
 Each client (benchmarks/load/load_client.py) streams greedy completions of 128 new tokens, a Bangla
 prompt of its own each (128 or 1,024 tokens of the shared validation text), `--rounds` in turn;
 1, 4, 8 and 16 clients at once; a chat mode where each of 8 clients sends 3 turns, each turn's
@@ -18,7 +19,7 @@ load before it.
 Each server runs in `--processes` processes, interleaved with its peer (doel, llama, llama,
 doel, ...); a level's figures are those of its process with the best aggregate tokens/s. A run
 measures what its flags select and merges it into the CPU class's result
-(benchmarks/results/serve_load_0.4b_cpu-<class>.{json,md,png}), replacing the same levels of an
+(benchmarks/results/serve_load_<model>_cpu-<class>.{json,md,png}), replacing the same levels of an
 earlier run, so the sweep can be split into runs short enough to hold the benchmark lock
 (`flock /tmp/doel-bench.lock python -m benchmarks.load.bench_load ...`).
 
@@ -40,7 +41,7 @@ from benchmarks.common.cpu_class import this_cpu
 from benchmarks.common.report import command, parser, publish, stamp
 from benchmarks.load.bench_load_report import figure, markdown, targets
 from benchmarks.load.load_client import run_level
-from benchmarks.load.load_model import DEFAULT_PAIRS, PAIRS, Prompts, prepare
+from benchmarks.load.load_model import DEFAULT_PAIRS, MODELS, PAIRS, Prompts, prepare
 from benchmarks.load.load_servers import (
     BINARY,
     CACHE,
@@ -50,6 +51,7 @@ from benchmarks.load.load_servers import (
 )
 
 RESULTS = ("serve_load_0.4b_cpu-<class>",)
+RESULTS_NOT_YET_RUN = ("serve_load_smollm2-135m_cpu-<class>",)
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = {"doel": "doel-serve", "llama": "llama-server"}
@@ -176,7 +178,7 @@ def measure(args, work: Path, save) -> None:
     keeps what it measured)."""
     rows: list[dict] = []
     for pair in args.pair:
-        made = prepare(work, [(pair, PAIRS[pair])])
+        made = prepare(work, [(pair, PAIRS[pair])], args.model)
         prompts = Prompts(made[pair])
         http = [("doel", made[pair]), ("llama", made[PAIRS[pair]])] if args.http else []
         http = [(kind, model) for kind, model in http if kind in args.servers]
@@ -216,7 +218,16 @@ def merged(earlier: dict | None, rows: list[dict], run: dict) -> dict:
 
 
 def build_parser():
-    ap = parser(__doc__, work="model folder, kept and reused (default ~/.cache/doel/bench-load)")
+    ap = parser(
+        __doc__,
+        work="model folder, kept and reused (default ~/.cache/doel/bench-load, -MODEL beside it)",
+    )
+    ap.add_argument(
+        "--model",
+        choices=MODELS,
+        default="0.4b",
+        help="the 0.4B preset's random weights (default) or the imported SmolLM2-135M-Instruct",
+    )
     ap.add_argument(
         "--pair",
         nargs="+",
@@ -310,17 +321,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"llama-server is not built ({BINARY}): run with --install-llama-server")
     if args.inproc and not args.ortgenai_python.is_file():
         raise SystemExit(f"{args.ortgenai_python} is missing: run with --install-ortgenai")
-    work = Path(args.work or CACHE / "bench-load")
+    default = CACHE / ("bench-load" if args.model == "0.4b" else f"bench-load-{args.model}")
+    work = Path(args.work or default)
     run = stamp(python=True) | {"argv": sys.argv[1:] if argv is None else argv}
     run["load_start"], t0 = os.getloadavg()[0], time.perf_counter()
-    name = f"serve_load_0.4b_cpu-{this_cpu()['class']}"
+    name = f"serve_load_{args.model}_cpu-{this_cpu()['class']}"
     path = Path(args.out) / f"{name}.json"
     earlier = json.loads(path.read_text()) if path.is_file() else None
 
     def save(rows: list[dict]) -> None:
         """This run's rows so far merged into the result as it was when the run began."""
         done = run | {"load_end": os.getloadavg()[0], "wall_s": time.perf_counter() - t0}
-        result = stamp(python=True) | merged(earlier, rows, done)
+        result = stamp(python=True) | merged(earlier, rows, done) | {"model": args.model}
         result["best"] = best(result["measurements"])
         result["targets"] = targets(result["best"])
         publish(args.out, name, result, markdown(result), figure(result))

@@ -236,12 +236,18 @@ def ceiling_table(best: list[dict]) -> list[str]:
     return out
 
 
+MODEL_LINES = {
+    "0.4b": "The 0.4B preset's random weights with a tokenizer covering its whole vocabulary",
+    "smollm2-135m": "SmolLM2-135M-Instruct, imported (real weights, its own tokenizer)",
+}
+
+
 def markdown(result: dict) -> str:
     best = result["best"]
     lines = heading("Serving under load: doel-serve, llama-server, onnxruntime-genai", result)
     lines += [
-        f"CPU: {cpu_name(result['cpu'])}. The 0.4B preset's random weights with a tokenizer "
-        "covering its whole vocabulary (benchmarks/load/load_model.py); greedy, 128 new tokens a "
+        f"CPU: {cpu_name(result['cpu'])}. {MODEL_LINES[result.get('model', '0.4b')]} "
+        "(benchmarks/load/load_model.py); greedy, 128 new tokens a "
         "request, streamed; every request a Bangla prompt of its own from the shared validation "
         "text; 16 slots of 2,048 positions and 2 threads on both servers, prefix caching on. "
         "Each level: the best of its server's processes (by aggregate tokens/s), the processes "

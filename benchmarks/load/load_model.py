@@ -10,6 +10,12 @@ controls), both servers stream one piece a token, and llama.cpp tokenizes text a
 does (benchmarks/results/spm.md proves it id for id), so both get the same text prompts.
 Every file is made by doel's own commands (`doel-export`, its `--format gguf` for llama.cpp) from
 one checkpoint, kept in a cache folder keyed by the preset, and made once.
+
+The second model (`model="smollm2-135m"`, issue 57): SmolLM2-135M-Instruct imported by
+bench_real_model's helper, real weights and its own tokenizer; its GGUF files are converted by
+llama.cpp's own converter (bench_serve_llama.make_ggufs, as bench_real_model does), and its
+bundles are exported with the loss bound lifted (the int4 bound refuses every int4 of it, q4_0
+included: speed is what is measured here, its loss is bench_real_model's).
 """
 
 from __future__ import annotations
@@ -89,23 +95,39 @@ EXPORT_FLAGS = {
 }
 
 
-def prepare(work: Path, pairs: list[tuple[str, str]]) -> dict[str, Path]:
+MODELS = ("0.4b", "smollm2-135m")  # the shapes the load benchmarks take (--model)
+
+
+def prepare(work: Path, pairs: list[tuple[str, str]], model: str = "0.4b") -> dict[str, Path]:
     """{variant: bundle folder or GGUF file} for each (doel variant of EXPORT_FLAGS, llama.cpp
-    quant) pair."""
+    quant) pair, of `model` (MODELS)."""
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpoint(work)
+    real = model == "smollm2-135m"
+    if real:
+        from benchmarks.export.bench_real_model import imported
+
+        ckpt = imported(work)
+    else:
+        ckpt = checkpoint(work)
+    lifted = ("--max-loss-increase", "1e6") if real else ()
     made: dict[str, Path] = {}
     for ours, peer in pairs:
         bundle = work / f"bundle-{ours}"
         if not (bundle / "manifest.json").is_file():
             print(f"exporting {ours} ...", flush=True)
-            _export(ckpt, bundle, *EXPORT_FLAGS[ours], "--eval-tokens", "256")
+            _export(ckpt, bundle, *EXPORT_FLAGS[ours], "--eval-tokens", "256", *lifted)
         made[ours] = bundle
         gguf = work / f"gguf-{peer}"
         if not list(gguf.glob("*.gguf")):
             print(f"exporting {peer} (GGUF) ...", flush=True)
-            _export(ckpt, gguf, "--format", "gguf", "--quant", peer)
-        (made[peer],) = gguf.glob("*.gguf")
+            if real:
+                from benchmarks.serve.bench_serve_llama import make_ggufs
+
+                gguf.mkdir(parents=True, exist_ok=True)
+                make_ggufs(ckpt, gguf, [peer])
+            else:
+                _export(ckpt, gguf, "--format", "gguf", "--quant", peer)
+        (made[peer],) = gguf.glob(f"*{peer}.gguf" if real else "*.gguf")
     return made
 
 

@@ -116,10 +116,11 @@ def markdown(result: dict) -> str:
     busy = [r["variant"] for r in result["rows"] if r.get("busy")]
     busy += [f"sweep {v}" for v, sw in result["sweeps"].items() if sw.get("busy")]
     lines = [
-        f"# Serving benchmark, {p['preset']} (random weights) ({result['date']}, "
+        f"# Serving benchmark, {p['preset']} ({p.get('weights', 'random')} weights) "
+        f"({result['date']}, "
         f"{result['machine']})",
         "",
-        f"Model: `configs/{p['preset']}.toml` [model], {result['parameters_m']:.1f}M parameters "
+        f"Model: {model_source(p)}, {result['parameters_m']:.1f}M parameters "
         f"(vocabulary {m['vocab_size']}, {m['num_hidden_layers']} layers, hidden "
         f"{m['hidden_size']}, {m['num_attention_heads']}/{m['num_key_value_heads']} heads). "
         f"{p['threads']} threads everywhere; greedy, batch 1, {p['new_tokens']} new tokens after "
@@ -169,11 +170,42 @@ def markdown(result: dict) -> str:
     lines += [
         f"Bandwidth bound: bytes read per decoded token (all weights but the embedding table, "
         f"of which one row, plus the KV cache at the run's mean context) over the read bandwidth "
-        f"of a {bw['threads']}-thread numpy sum measured in this run: {bw['read_gb_s']:.1f} GB/s "
+        f"of a {bw['threads']}-thread {bw.get('method', 'numpy sum')} over "
+        f"{bw.get('array_mib', 512)} MiB (benchmarks/probes/probe_stream.py) measured in this "
+        f"run: {bw['read_gb_s']:.1f} GB/s "
         f"at the start, {result['bandwidth_end']['read_gb_s']:.1f} at the end (copy "
-        f"{bw['copy_gb_s']:.1f} GB/s, read + write).",
+        f"{bw['copy_gb_s']:.1f} GB/s, read + write)"
+        + (
+            f"; the numpy sum that was the probe before issue 57 read {bw['numpy_sum_gb_s']:.1f}."
+            if "numpy_sum_gb_s" in bw
+            else "."
+        ),
         "",
         *bound_table(result),
+        *sweep_lines(result),
+    ]
+    info = result["llama_cpp"]
+    if "missing" in info:
+        lines += ["", "llama-cpp-python was not installed; to build it:", "", "```"]
+        lines += [info["missing"], "```"]
+    else:
+        lines += ["", f"llama-cpp-python {info['version']}: `{info['system_info']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def model_source(p: dict) -> str:
+    """Where the run's model came from: a preset's config, or the imported model."""
+    if p.get("weights", "random") == "random":
+        return f"`configs/{p['preset']}.toml` [model]"
+    return p["weights"]
+
+
+def sweep_lines(result: dict) -> list[str]:
+    """The sweeps' section (none in a --single-stream run)."""
+    p = result["settings"]
+    if not result["sweeps"]:
+        return ["", "No concurrency sweeps in this run (`--single-stream`)."]
+    lines = [
         "",
         f"## Concurrency sweeps (our engine, scheduler with {max(p['streams'])} slots)",
         "",
@@ -194,13 +226,7 @@ def markdown(result: dict) -> str:
     ]
     for variant, sw in result["sweeps"].items():
         lines += ["", f"### {variant}", "", *sweep_table(sw)]
-    info = result["llama_cpp"]
-    if "missing" in info:
-        lines += ["", "llama-cpp-python was not installed; to build it:", "", "```"]
-        lines += [info["missing"], "```"]
-    else:
-        lines += ["", f"llama-cpp-python {info['version']}: `{info['system_info']}`"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 SHORT = {"doel": "doel", "llama.cpp": "llama.cpp", "llama.cpp+fa": "llama.cpp\nflash attn",

@@ -96,6 +96,9 @@ NOT_RESULTS = {
     "probes.probe_web_table": "probe_web_matmul's Markdown",
     "web.web_loss": "bench_web's held-out loss of the page's graphs and kernel",
     "web.web_kernel_node": "runs the page's kernel in Node.js for web_loss",
+    "probes.probe_stream": "the streaming-read bandwidth that bench_serve and the probes record",
+    "probes.probe_chain": "probe_ablation's per-shape MatMulNBits timing",
+    "probes.probe_ablation_report": "probe_ablation's Markdown",
 }
 
 # Files a module writes that are not results (scratch for a child process, a cache, a model),
@@ -118,6 +121,8 @@ SCRATCH = {
     "checks.check_seed_isolation": "the server's API keys file",
     "probes.probe_web_matmul": "the probe's weights, Node.js script, worker and page (scratch)",
     "export.bench_gguf": "held-out text copied for llama.cpp",
+    "probes.probe_ablation": "the ablated copies of a bundle's graph, beside its weights",
+    "probes.probe_stream": "its C read kernel's source and library, in ~/.cache/doel",
     "export.bench_phone_memory": "/proc/self/clear_refs, to reset the peak resident memory",
     "export.bench_export": "the exports' figures, kept between runs in --work",
     "export.bench_real_model": "the speed rows' spec for their processes; the figures, in --work",
