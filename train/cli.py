@@ -1,6 +1,7 @@
 """`doel-train` (or `python -m doel.train`): a thin command line over train's functions.
 
-Commands: tokenizer, fertility, prepare, fit, sft, check-gradients, verify, eval, plot, import (the
+Commands: tokenizer, fertility, prepare, fit, sft, check-gradients, verify, eval, plot, import,
+adapt (the
 demo and the recipe, which use every stage, are `doel demo` and `doel recipe`). Heavy imports
 happen inside each command, so a missing extra is reported with the `pip install` line that
 fixes it.
@@ -225,6 +226,15 @@ def _cmd_import(args) -> None:
     from doel.train.adapt.importing import import_model
 
     import_model(args.source, args.out, force=args.force)
+
+
+def _cmd_adapt(args) -> None:
+    from doel.train.adapt.run import AdaptConfig, adapt, resolve_preset
+    from doel.train.config import load_config
+
+    cfg = load_config(AdaptConfig, resolve_preset(args.config), list(args.set))
+    adapt(cfg, args.base, args.data, args.out, args.weights, args.chat or (),
+          fresh=args.fresh, skip_verify=args.skip_verify)  # fmt: skip
 
 
 def _data_args(p: argparse.ArgumentParser, config: str, weights_help: str) -> None:
@@ -532,6 +542,33 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--out", required=True, help="the model folder to write (appears whole)")
     im.add_argument("--force", action="store_true", help="replace --out if it exists")
     im.set_defaults(func=_cmd_import)
+
+    ad = sub.add_parser(
+        "adapt",
+        help="an imported model + Bangla and English text -> a Bangla-fair chat model",
+        description=(
+            "Adapt an imported model (doel-train import) to Bangla: its tokenizer extended "
+            "with Bangla tokens (or replaced), new rows initialised from the base's, continued "
+            "pretraining on the text with fit's checks and exact resume, then chat fine-tuning "
+            "in the base's own template. A rerun continues where it stopped (docs/adapt.md)."
+        ),
+    )
+    ad.add_argument("base", help="the imported model folder (doel-train import --out)")
+    ad.add_argument("--data", nargs="+", required=True, help="Bangla and English text files")
+    ad.add_argument("--out", required=True, help="run folder (adapted/, shards/, ..., final)")
+    ad.add_argument("--weights", nargs="*", default=[], metavar="SOURCE=SHARE",
+                    help="shares of characters by source, e.g. bn=2 en=1")  # fmt: skip
+    ad.add_argument("--chat", nargs="+", help="conversations (.jsonl) for the chat stage")
+    ad.add_argument("--config", help="TOML file or preset (recipes/adapt-*/adapt.toml)")
+    ad.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override, e.g. pretrain.steps=10 or split=base (repeat it)")  # fmt: skip
+    ad.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    ad.add_argument(
+        "--skip-verify",
+        action="store_true",
+        help="skip the checks before step 1 (loudly; the gradient gates still run)",
+    )
+    ad.set_defaults(func=_cmd_adapt)
 
     for name in MOVED:
         sub.add_parser(name, help=f"moved: `doel {name}`", add_help=False)
