@@ -24,7 +24,10 @@ its per-matrix loop replaced by foreach momentum ops and one Newton-Schulz a sha
 stacked matrices of that shape (`newton_schulz_batched`, as modded-nanogpt and nanochat batch
 it): 5 shapes instead of 168 matrices at 0.4B, so a few dozen kernel launches an update instead
 of thousands. The same arithmetic in the same order: on the CPU it equals torch's per-matrix
-update bit for bit (tests/train/test_muon_batched.py).
+update bit for bit (tests/train/test_muon_batched.py). Under DDP every rank holds the same
+averaged gradients, so instead of each rank orthogonalizing all of them, rank r takes every
+world-th matrix of each shape and an all-gather shares the results (`_orthogonalized`): each
+matrix is computed once, by one rank, and every rank applies the same numbers.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -170,15 +174,30 @@ def _batched_muon_step(params: list[torch.Tensor], state: dict, group: dict) -> 
     same = defaultdict(list)
     for i, p in enumerate(params):
         same[(tuple(p.shape), p.device, p.dtype)].append(i)
-    coefficients = tuple(group["ns_coefficients"])
     for (shape, _, _), idx in same.items():
-        stack = torch.stack([updates[i] for i in idx])
-        ortho = newton_schulz_batched(stack, coefficients, group["ns_steps"], group["eps"])
+        ortho = _orthogonalized(torch.stack([updates[i] for i in idx]), group)
         mine = [params[i] for i in idx]
         torch._foreach_mul_(mine, 1 - lr * group["weight_decay"])
         step = -_adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape))
         for p, o in zip(mine, ortho.unbind(0)):
             p.add_(o, alpha=step)
+
+
+def _orthogonalized(stack: torch.Tensor, group: dict) -> torch.Tensor:
+    """Newton-Schulz of a stack of same-shape matrices; under a process group (DDP: every rank
+    holds the same stack) each rank computes every world-th matrix and an all-gather shares
+    them, so the work is split, not repeated."""
+    ns = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 or stack.size(0) == 1:
+        return newton_schulz_batched(stack, *ns)
+    n = stack.size(0)
+    per = -(-n // world)  # matrices a rank (the last ranks may pad with zeros)
+    padded = torch.cat([stack, stack.new_zeros(per * world - n, *stack.shape[1:])])
+    mine = newton_schulz_batched(padded[dist.get_rank() * per : (dist.get_rank() + 1) * per], *ns)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine.contiguous())
+    return torch.cat(parts)[:n]
 
 
 def _sharded_muon_step(p: DTensor, state: dict, group: dict) -> None:
