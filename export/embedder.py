@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ def _module(folder: Path, pooling: str):
                 pooled = states[torch.arange(states.shape[0]), last]
             return torch.nn.functional.normalize(pooled, dim=-1)
 
-    return Pooled().eval(), base.config.hidden_size
+    return Pooled().eval(), base.config.hidden_size, base.config.vocab_size
 
 
 def batch(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +86,10 @@ def batch(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 def _export(module, path: Path, vocab: int) -> None:
     example = (torch.randint(0, vocab, (2, 5)), torch.ones(2, 5, dtype=torch.int64))
     axes = {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"}}
-    with torch.no_grad():
+    # The tracer warns of each shape it reads; the parity check below is what tells a graph
+    # that does not generalize (several lengths and a padded batch)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         torch.onnx.export(
             module,
             example,
@@ -110,34 +114,34 @@ def _parity(module, path: Path, rows: list[list[int]]) -> float:
     return float(max(np.abs(got - want).max(), np.abs(np.stack(alone) - want).max()))
 
 
-def add_embeddings(checkpoint: str | Path, bundle: str | Path, pooling: str = "mean", log=print):
-    """Write BUNDLE/embeddings.onnx from `checkpoint` (the one the bundle was exported from) and
-    record it in the manifest; returns the manifest's `embeddings` record."""
+def _check(pooling: str) -> None:
     if pooling not in POOLINGS:
         raise ExportError(f"--embeddings must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-    folder, bundle = Path(checkpoint), Path(bundle)
-    manifest_path = bundle / "manifest.json"
-    if not manifest_path.is_file():
-        raise ExportError(f"{bundle} is not an export bundle (no manifest.json); export it first")
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+
+
+def write_graph(checkpoint, path: Path, pooling: str, tokenizer: Path, log=print) -> dict:
+    """The embeddings graph of `checkpoint` at `path` (renamed into place once it matches
+    PyTorch on TEXTS, tokenized by `tokenizer`); its manifest record."""
+    _check(pooling)
+    tok = Tokenizer.from_file(str(tokenizer))
     rows = [e.ids for e in tok.encode_batch(list(TEXTS))]
-    module, hidden = _module(folder, pooling)
-    tmp = bundle / f".{FILE}.tmp"
+    module, hidden, vocab = _module(Path(checkpoint), pooling)
+    tmp = path.parent / f".{path.name}.tmp"
     try:
         log(f"embeddings: exporting the last hidden state, {pooling} pooled ({hidden} dimensions)")
-        _export(module, tmp, int(manifest["vocab_size"]))
+        _export(module, tmp, vocab)
         diff = _parity(module, tmp, rows)
         if not diff <= PARITY_BOUND:
             raise ExportError(
-                f"embeddings.onnx differs from PyTorch by {diff:.2e} (bound {PARITY_BOUND:g}); "
+                f"{path.name} differs from PyTorch by {diff:.2e} (bound {PARITY_BOUND:g}); "
                 "export again, and report it if it persists"
             )
-        os.replace(tmp, bundle / FILE)
+        os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    record = {
-        "model": FILE,
+    log(f"embeddings: {path.name} matches PyTorch within {diff:.1e}")
+    return {
+        "model": path.name,
         "pooling": pooling,
         "normalized": True,
         "dimensions": hidden,
@@ -145,11 +149,22 @@ def add_embeddings(checkpoint: str | Path, bundle: str | Path, pooling: str = "m
         "output": "embeddings",
         "max_abs_diff": diff,
     }
+
+
+def add_embeddings(checkpoint: str | Path, bundle: str | Path, pooling: str = "mean", log=print):
+    """Write BUNDLE/embeddings.onnx from `checkpoint` (the one the bundle was exported from) and
+    record it in the manifest, written last; returns the manifest's `embeddings` record."""
+    _check(pooling)
+    bundle = Path(bundle)
+    manifest_path = bundle / "manifest.json"
+    if not manifest_path.is_file():
+        raise ExportError(f"{bundle} is not an export bundle (no manifest.json); export it first")
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    record = write_graph(checkpoint, bundle / FILE, pooling, bundle / "tokenizer.json", log)
     manifest["embeddings"] = record
     files = manifest.setdefault("files", {})
     files[FILE] = {"bytes": (bundle / FILE).stat().st_size, "sha256": sha256_file(bundle / FILE)}
     tmp_manifest = bundle / ".manifest.json.tmp"
     tmp_manifest.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", "utf-8")
     os.replace(tmp_manifest, manifest_path)
-    log(f"embeddings: {FILE} matches PyTorch within {diff:.1e}")
     return record

@@ -215,8 +215,8 @@ def _request_bounds(p: argparse.ArgumentParser) -> None:
     for flag, metavar, what in (
         ("--max-tools", "N", "functions in one request's tools; more"),
         ("--max-tool-schema-bytes", "BYTES", "bytes of one tool's parameters schema; more"),
-        ("--max-input-items", "N", "items in one /v1/responses input; more"),
-        ("--max-input-bytes", "BYTES", "bytes of the texts of one /v1/responses input; more"),
+        ("--max-input-items", "N", "items in one /v1/responses or /v1/embeddings input; more"),
+        ("--max-input-bytes", "BYTES", "bytes of the texts of one such input; more"),
         ("--compile-timeout", "S", "seconds a schema or grammar may take to compile; longer"),
     ):
         setting(p, flag, f"{what} is refused with 400 (default %(default)s)", metavar=metavar)

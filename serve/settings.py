@@ -80,11 +80,12 @@ class Settings:
     # Bytes of one tool's parameters schema (compact JSON); more is a 400. It is shown in the
     # prompt and compiled; a real one is a few KiB.
     max_tool_schema_bytes: int = 1 << 16
-    # Items in one /v1/responses input; more is a 400. Each is validated, then rendered as a
-    # chat message (which --max-messages bounds too).
+    # Items in one /v1/responses input (or /v1/embeddings' inputs); more is a 400. Each is
+    # validated, then rendered as a chat message (which --max-messages bounds too).
     max_input_items: int = 512
-    # UTF-8 bytes of the texts of one /v1/responses input together; more is a 400. Far over
-    # any doel model's context (a token is several bytes), read before anything is rendered.
+    # UTF-8 bytes of the texts of one /v1/responses input (or /v1/embeddings') together; more
+    # is a 400. Far over any doel model's context (a token is several bytes), read before
+    # anything is rendered.
     max_input_bytes: int = 1 << 19
     # Seconds one schema or grammar may take to compile (on a thread of its own); longer is a
     # 400. The engine's own limits (grammar_limits.PARSER_LIMITS) keep a compile well under it.

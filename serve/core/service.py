@@ -94,6 +94,7 @@ class Piece:
     completion_tokens: int = 0
     ids: list[int] | None = None  # at the end of a scored one: prompt + completion ids
     cached_tokens: int = 0  # prompt tokens that a slot's cache held
+    stop: str | None = None  # the stop string that ended it (Anthropic's stop_sequence)
 
 
 class Service:
@@ -327,7 +328,8 @@ class Service:
         if constraint is not None:  # fails closed: only a document the grammar accepted
             reason = "stop" if constraint.finished else "length"
         ids_out = out if record else None
-        yield Piece(stream.finish(), reason, len(ids), made, ids_out, hit.tokens)
+        rest = stream.finish()
+        yield Piece(rest, reason, len(ids), made, ids_out, hit.tokens, stream.stop)
 
     def logprobs(self, ids: list[int], prompt_tokens: int, record: Record, echo: bool) -> dict:
         """`choices[i].logprobs` of prompt + completion `ids`, the prompt's tokens included

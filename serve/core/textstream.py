@@ -90,6 +90,7 @@ class TextStream:
         self.prefix = decode(self.ids) if self.ids else ""  # the text of ids[:read]
         self.held = ""  # decoded text not sent yet
         self.stopped = False
+        self.stop: str | None = None  # the stop string that ended the text, once one has
 
     def _new_text(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -143,8 +144,11 @@ class TextStream:
         for s in self.stops:
             i = self.held.find(s, max(0, before - len(s) + 1))
             if i >= 0:
-                hits.append(i)
-        return min(hits) if hits else None
+                hits.append((i, s))
+        if not hits:
+            return None
+        cut, self.stop = min(hits, key=lambda hit: hit[0])
+        return cut
 
     def _cluster_start(self) -> int:
         """Where the open cluster at the end of `held` starts; a run of marks longer than any

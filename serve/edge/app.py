@@ -1,5 +1,5 @@
-"""The HTTP server: `create_app(settings)` → a FastAPI app with OpenAI-compatible completions and
-chat completions.
+"""The HTTP server: `create_app(settings)` → a FastAPI app with OpenAI-compatible completions, chat
+completions, responses and embeddings, and Anthropic's messages.
 
 The model loads in `lifespan`, in a worker thread, so the port answers at once: `/health` says
 503 while loading (as llama.cpp's server does) and 200 when ready. Every refusal is a 4xx with
@@ -34,7 +34,7 @@ from doel.serve import playground
 from doel.serve.core.models import LEASES, Cards, Model, Models
 from doel.serve.core.service import RequestError, Service
 from doel.serve.core.verify import Damaged
-from doel.serve.edge.answer import failure, respond
+from doel.serve.edge.answer import failure, respond, unless_gone
 from doel.serve.edge.bounds import LIMITS
 from doel.serve.edge.guard import AllowedHosts, Guard
 from doel.serve.edge.jsonbody import decode_error, parse_failure
@@ -42,6 +42,11 @@ from doel.serve.edge.metrics import CountRequests, Metrics
 from doel.serve.endpoints.chat import route as chat
 from doel.serve.endpoints.chat.protocol import MESSAGE_LIMIT, ChatCompletion, ChatCompletionRequest
 from doel.serve.endpoints.completions import route as completion
+from doel.serve.endpoints.embeddings import route as embeddings
+from doel.serve.endpoints.embeddings.protocol import EmbeddingsRequest, EmbeddingsResponse
+from doel.serve.endpoints.messages import route as messages
+from doel.serve.endpoints.messages.errors import AnthropicErrors
+from doel.serve.endpoints.messages.protocol import CountTokensRequest, MessagesRequest
 from doel.serve.endpoints.protocol import (
     CONTEXT_LENGTH,
     MAX_ERRORS_SHOWN,
@@ -237,6 +242,20 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
     async def create_response(req: ResponsesRequest, request: Request):
         return await respond(request, responses, await service(request, req.model), req)
 
+    @app.post("/v1/messages", responses=ERRORS)
+    async def create_message(req: MessagesRequest, request: Request):
+        """Anthropic's Messages API (serve/endpoints/messages), errors in its shape."""
+        return await respond(request, messages, await service(request, req.model), req)
+
+    @app.post("/v1/messages/count_tokens", responses=ERRORS)
+    async def count_message_tokens(req: CountTokensRequest, request: Request):
+        return await messages.count(await service(request, req.model), req)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)
+    async def create_embeddings(req: EmbeddingsRequest, request: Request):
+        svc = await service(request, req.model)
+        return await unless_gone(request, embeddings.embed(svc, req))
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest, request: Request):
         svc = await service(request, req.model)
@@ -303,7 +322,8 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
     app.add_middleware(
         ModelContext, state=app.state, max_messages=settings.max_messages, settings=settings
     )
-    # The last added is the outermost: CountRequests → AllowedHosts → CORS → Guard → routes.
+    # The last added is the outermost: CountRequests → AnthropicErrors → AllowedHosts → CORS →
+    # Guard → routes.
     # A Host not ours is refused before anything else. CORS outside the key check answers a
     # browser's preflight (which carries no key) and puts its headers on a 401, so that a page
     # can read why it was refused.
@@ -324,6 +344,9 @@ def create_app(settings: Settings, loader: Callable[[Settings], Service] | None 
             allow_headers=["*"],
         )
     app.add_middleware(AllowedHosts, hosts=settings.allowed_hosts)
+    # Every refusal under /v1/messages, the Guard's and AllowedHosts' included, in Anthropic's
+    # error shape.
+    app.add_middleware(AnthropicErrors)
     # Outermost: counts 401s too. Its route names are the router's (add_routes), not a list of
     # its own.
     app.add_middleware(CountRequests, metrics=app.state.metrics, router=app.router)

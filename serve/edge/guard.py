@@ -1,7 +1,8 @@
 """ASGI middleware in front of every route: the Host name (`AllowedHosts`); the header count, the
-API key and so the tenant (`Keys`), each client's request rate (`ClientRates`: past it, a 429
-before anything is read or routed), the body-size limit and each client's body rate (`Guard`,
-with `BodyBudget`: a large body waits, unread, for its client's turn).
+API key (from Authorization or x-api-key) and so the tenant (`Keys`), each client's request rate
+(`ClientRates`: past it, a 429 before anything is read or routed), the body-size limit and each
+client's body rate (`Guard`, with `BodyBudget`: a large body waits, unread, for its client's
+turn).
 
 It is plain ASGI rather than FastAPI dependencies so that it also covers 404s, the OpenAPI page
 and bodies sent without a Content-Length (chunked), which are read up to the limit and replayed.
@@ -98,19 +99,28 @@ class Guard:
 
     def _refusal(self, scope) -> tuple[int, str, str, list] | None:
         """Why the request does not pass the key check (status, message, type, headers); None
-        when it passes, its tenant then in scope[TENANT]."""
+        when it passes, its tenant then in scope[TENANT]. The key comes as `Authorization:
+        Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's); both, they must agree."""
         given = [v for k, v in scope["headers"] if k == b"authorization"]
-        if len(given) > 1:  # which one counts would depend on who reads them: refuse both
-            why = f"the request has {len(given)} Authorization headers; send one"
-            return 400, why, "invalid_request_error", []
+        plain = [v for k, v in scope["headers"] if k == b"x-api-key"]
+        for name, values in (("Authorization", given), ("x-api-key", plain)):
+            if len(values) > 1:  # which one counts would depend on who reads them: refuse both
+                why = f"the request has {len(values)} {name} headers; send one"
+                return 400, why, "invalid_request_error", []
         scheme, _, token = (given[0] if given else b"").partition(b" ")
+        token = token.strip(b" \t")
+        if plain and given and (scheme.lower() != b"bearer" or token != plain[0].strip(b" \t")):
+            why = "the request's Authorization and x-api-key headers differ; send one key"
+            return 400, why, "invalid_request_error", []
+        if plain:
+            scheme, token = b"bearer", plain[0].strip(b" \t")
         # The scheme in any case (RFC 9110 11.1); the keys compared in constant time, so that
         # none can be guessed by timing.
-        tenant = self.key.tenant(token.strip(b" \t"))
+        tenant = self.key.tenant(token)
         if scheme.lower() == b"bearer" and tenant is not None:
             scope[TENANT] = tenant
             return None
-        why = "missing or wrong API key: send Authorization: Bearer KEY"
+        why = "missing or wrong API key: send Authorization: Bearer KEY (or x-api-key: KEY)"
         return 401, why, "authentication_error", [(b"www-authenticate", b"Bearer")]
 
     async def __call__(self, scope, receive, send):
