@@ -38,9 +38,15 @@ class VerifyConfig:
     parity_max_len: int = 256  # the float64 reference runs on at most this many positions
     leak_positions: int = 4  # perturbed positions in the causal-leak check
     copy_steps: int = 30  # Adam steps of the copy task (8 rows of 15 tokens)
-    copy_lr: float = 0.0  # Adam lr of the copy task; 0: min(1e-2, 3 x the run's lr)
+    copy_lr: float = (
+        0.0  # Adam lr of the copy task; 0: min(1e-2, 3 x lr), less at depth (causal.py)
+    )
     copy_max_loss: float = 0.25  # nats on the copied tokens (chance: ln 16 = 2.77)
     resume_steps: int = 4  # N of "N steps == N/2 + save + load + N/2"
+    # Rows of each micro-batch in the checks that train fresh models (step, resume): a second
+    # and third model beside the run's own at its full micro-batch (16 x 2048 at 0.4B) would
+    # not fit one GPU. The properties hold at any batch; the run's shape is timed elsewhere.
+    fresh_rows: int = 4
     max_lost_updates: float = 0.01  # share of elements with a gradient that may stay put
     mfu_floor: float = 0.0  # forward and backward MFU floor; 0: 10 % on GPU, 0.2 % on CPU
     max_backward_ratio: float = 4.0  # backward time / forward time (about 2 when healthy)
@@ -52,7 +58,7 @@ class VerifyConfig:
     tokenizer_docs: int = 300  # documents decoded from the shards for chars/token
 
     def __post_init__(self):
-        for name in ("parity_rows", "parity_max_len", "leak_positions", "copy_steps"):
+        for name in ("parity_rows", "parity_max_len", "leak_positions", "copy_steps", "fresh_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.parity_rows < 2:
@@ -126,6 +132,10 @@ class Setup:
 
     def batch(self):
         return self.batches(1)[0]
+
+    def fresh_batch(self):
+        """The run's next batch cut to vcfg.fresh_rows rows: what a fresh model trains on."""
+        return tuple(t[: self.vcfg.fresh_rows] for t in self.batch())
 
 
 def fresh_like(model: nn.Module, device: torch.device) -> Callable[[], nn.Module]:

@@ -29,6 +29,24 @@ def _copy_batch(vocab: int, gen, rows=8, pairs=8, symbols=16):
     return x, y, fresh
 
 
+# The copy task's Adam lr, min(1e-2, 3 x the run's lr), was calibrated on models up to 4 layers
+# of 128; a deeper or wider model takes it scaled by sqrt(4 / layers) and sqrt(128 / hidden):
+# Adam moves every weight by about lr a step whatever its size, so at 24 layers of 1024 the
+# tiny models' rate would change the model's function by far more a step than at 2 layers of 64.
+COPY_CALIBRATED = {"layers": 4, "hidden": 128}
+
+
+def copy_lr(cfg, vcfg) -> float:
+    """The copy task's Adam lr: vcfg.copy_lr when set, else the calibrated rate scaled down for
+    depth and width beyond the models it was calibrated on (COPY_CALIBRATED)."""
+    if vcfg.copy_lr:
+        return vcfg.copy_lr
+    m = cfg.model
+    depth = min(1.0, COPY_CALIBRATED["layers"] / m.num_hidden_layers)
+    width = min(1.0, COPY_CALIBRATED["hidden"] / m.hidden_size)
+    return min(1e-2, 3 * cfg.lr) * (depth * width) ** 0.5
+
+
 def copy_task(s: Setup) -> dict:
     """Train a fresh model of the run's recipe on the copy task with plain Adam; with the
     shift right, copied tokens reach ~0 loss while new tokens stay near ln(symbols)."""
@@ -36,7 +54,7 @@ def copy_task(s: Setup) -> dict:
     torch.manual_seed(s.cfg.seed)
     model = s.make_model()
     vocab = unwrap(model).config.vocab_size
-    lr = s.vcfg.copy_lr or min(1e-2, 3 * s.cfg.lr)
+    lr = copy_lr(s.cfg, s.vcfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
     for _ in range(s.vcfg.copy_steps):

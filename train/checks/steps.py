@@ -30,7 +30,7 @@ def one_step(s: Setup):
     torch.manual_seed(s.cfg.seed)
     model = s.make_model()
     opt = s.make_optimizer(model)
-    x, y = s.batch()
+    x, y = s.fresh_batch()  # vcfg.fresh_rows rows: beside the run's model on one GPU
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with s.ctx():
         loss = model(x, y, reduction="sum") / int((y != IGNORE_INDEX).sum())
@@ -164,8 +164,12 @@ def _train(s: Setup, model, opt, loader, start: int, steps: int):
     for step in range(start, start + steps):
         raw = [loader.next_batch() for _ in range(s.cfg.grad_accum)]
         seen.append("".join(_window_hash(x, y) for x, y in raw))
+        rows = s.vcfg.fresh_rows  # two fresh models at the run's micro-batch would not fit
         mbs = [
-            (torch.as_tensor(x, device=s.device), torch.as_tensor(y, device=s.device))
+            (
+                torch.as_tensor(x[:rows], device=s.device),
+                torch.as_tensor(y[:rows], device=s.device),
+            )
             for x, y in raw
         ]
         per_update = micro_batches_per_update(step, s.cfg)  # the run's, ramp included
