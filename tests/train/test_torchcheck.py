@@ -39,6 +39,7 @@ def test_the_floor_and_newer_pass(version):
     assert too_old(version) is None
 
 
+@pytest.mark.slow  # a child interpreter
 def test_doel_train_fit_over_torch_2_8_exits_with_the_one_line(tmp_path):
     """The real CLI path, in a child whose torch claims 2.8: one line, no traceback."""
     code = (
