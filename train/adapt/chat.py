@@ -26,20 +26,12 @@ from tokenizers import Tokenizer
 from doel.train.adapt.init import keep_tokenizer_files
 from doel.train.build import build_parts
 from doel.train.common import DoelError
-from doel.train.config import from_values
 from doel.train.data.chat import IGNORE, ChatData, ChatLoader
 from doel.train.data.conversations import SFTConfig, iter_conversations
 from doel.train.data.textio import resolve_sources
 from doel.train.hf import load_model, read_config
 from doel.train.job import Checks, Job, gradient_gate, launch
 from doel.train.sft import ChatLoop
-
-CHAT_DEFAULTS = {"seq_len": 512, "batch_size": 4, "steps": 200, "lr": 5e-5, "warmup_steps": 10}
-
-
-def chat_config(values: dict) -> SFTConfig:
-    """SFTConfig from adapt's [chat] table, over adapt's chat defaults."""
-    return from_values(SFTConfig, CHAT_DEFAULTS | dict(values), "[chat]")
 
 
 class Template:
@@ -123,10 +115,11 @@ def check_mask(tmpl: Template, data: ChatData, loader: ChatLoader) -> str:
     return tmpl.tok.decode(kept, skip_special_tokens=False)
 
 
-def chat_finetune(values: dict, base: Path, data: list[str], out: Path, log=print, **asked) -> Path:
+def chat_finetune(
+    cfg: SFTConfig, base: Path, data: list[str], out: Path, log=print, **asked
+) -> Path:
     """Fine-tune the model folder `base` on conversations in its own template; returns
     out/final (with the base's tokenizer files). A rerun resumes from out's last checkpoint."""
-    cfg = chat_config(values)
     try:
         cfg = dataclasses.replace(cfg, model=read_config(base))
     except ValueError as e:

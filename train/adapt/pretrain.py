@@ -151,7 +151,10 @@ def _pretrain(job: Job, cfg: TrainConfig, model_dir: Path, shards: Path, n_base:
     checks = Checks(
         # the copy task learns at a pretraining rate, as sft's does (a base's lr is too low)
         perform=lambda o: verify_before_training(
-            parts, log, out_dir=o, names=fit_subset(job.info.enabled),
+            parts,
+            log,
+            out_dir=o,
+            names=fit_subset(job.info.enabled),
             vcfg=VerifyConfig(copy_lr=min(1e-2, max(3 * cfg.lr, 3e-3))),
         ),  # fmt: skip
         inputs=lambda: {"shards_sha256": shards_key(meta)},

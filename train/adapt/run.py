@@ -24,9 +24,10 @@ from pathlib import Path
 from doel.train.adapt.chat import chat_finetune
 from doel.train.adapt.init import RECORD, keep_tokenizer_files, write_adapted
 from doel.train.adapt.pretrain import continue_pretraining, make_shards
-from doel.train.adapt.vocab import extend
+from doel.train.adapt.vocab import SPLITS, extend
 from doel.train.common import DoelError, atomic_write_json
 from doel.train.config import PACKAGE, shipped_dirs
+from doel.train.data.conversations import SFTConfig
 from doel.train.data.prepare import PrepareConfig
 from doel.train.data.textio import resolve_sources
 from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
@@ -43,25 +44,32 @@ def _pretrain_default() -> TrainConfig:
     return TrainConfig(seq_len=1024, batch_size=8, steps=1000, lr=3e-4, warmup_steps=50)
 
 
+def _chat_default() -> SFTConfig:
+    return SFTConfig(seq_len=512, batch_size=4, steps=200, lr=5e-5, warmup_steps=10)
+
+
 @dataclass(frozen=True)
 class AdaptConfig:
-    """`doel-train adapt`'s settings. TOML: the keys below, [pretrain] (TrainConfig's, its
-    [model] ignored: the base's), [chat] (SFTConfig's) and [prepare] (PrepareConfig's)."""
+    """`doel-train adapt`'s settings. TOML: the keys below, [pretrain] (TrainConfig's), [chat]
+    (SFTConfig's; the [model] of both is the base's) and [prepare] (PrepareConfig's). A table
+    given in TOML starts from those classes' defaults, not from the defaults here."""
 
     tokenizer: str = "extend"  # extend the base's | spm: replace with doel's | keep the base's
-    split: str = "marks"  # extend: "marks" keeps Bangla marks in the word, "base" the base's split
+    # extend: "qwen35" keeps a Bangla word whole in a split llama.cpp runs (docs/adapt.md);
+    # "marks" widens the base's own split; "base" keeps it (cuts at every vowel sign)
+    split: str = "qwen35"
     new_tokens: int = 8192  # extend: the most tokens added
     spm_vocab_size: int = 32768  # spm: the replacing vocabulary's size
     tokenizer_chars: int = 20_000_000  # characters of the text the new tokens are learned on
     pretrain: TrainConfig = field(default_factory=_pretrain_default)
-    chat: dict = field(default_factory=dict)  # SFTConfig's fields (train/data/conversations.py)
+    chat: SFTConfig = field(default_factory=_chat_default)
     prepare: PrepareConfig = field(default_factory=lambda: PrepareConfig(val_fraction=0.01))
 
     def __post_init__(self):
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
-        if self.split not in ("base", "marks"):
-            raise ValueError(f"split must be base or marks, got {self.split!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         for name in ("new_tokens", "spm_vocab_size", "tokenizer_chars"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")

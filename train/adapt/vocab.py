@@ -18,6 +18,9 @@ Two pre-tokenizers are offered, and benchmarks/results/adapt_*.md measures both:
 - "marks": the base's split with the combining marks put into the letter class (`[\\p{L}\\p{M}]`
   where the base has `\\p{L}`), so a Bangla word is one piece. Text without marks splits as
   before; a runtime with its own hand-written splitter (llama.cpp) does not know this regex.
+- "qwen35": the split of llama.cpp's qwen35 pre-type (train/data/bytelevel.py's, which doel's
+  GGUF export names): marks in the word as "marks" has them, and a split llama.cpp runs; it
+  differs from a GPT-2-style split around punctuation, which the base's merges rarely cross.
 
 The third choice, replacing the tokenizer with doel's `spm` one, needs no code here: it is
 `doel-train tokenizer` (train/data/tokenizer.py) and the transplant of embeddings (init.py).
@@ -34,8 +37,9 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from doel.train.common import DoelError
+from doel.train.data.bytelevel import _byte_level_parts
 
-SPLITS = ("base", "marks")
+SPLITS = ("base", "marks", "qwen35")
 FIRST_PRIVATE = 0xF0000  # Supplementary Private Use Area-A: one character a base token
 # the split ByteLevel(use_regex=True) runs (GPT-2's), written out
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -72,9 +76,16 @@ def _explicit_regex(pre: dict) -> dict:
     return pre
 
 
+def pre_tokenizer(data: dict, split: str) -> dict:
+    """The pre_tokenizer of the `split` choice for a base tokenizer.json `data`."""
+    if split == "qwen35":  # llama.cpp's pre-type, as doel's gguf style writes it
+        return _byte_level_parts()["pre_tokenizer"]
+    return data["pre_tokenizer"] if split == "base" else marks_kept(data["pre_tokenizer"])
+
+
 def _byte_level_words(data: dict, split: str, texts: Iterable[str]) -> Counter:
     """How often each pre-tokenized word (in the base's byte-level spelling) occurs."""
-    pre = data["pre_tokenizer"] if split == "base" else marks_kept(data["pre_tokenizer"])
+    pre = pre_tokenizer(data, split)
     splitter = Tokenizer.from_str(json.dumps(data | {"pre_tokenizer": pre})).pre_tokenizer
     words: Counter = Counter()
     for text in texts:
@@ -148,8 +159,7 @@ def extend(base_json: dict, texts: Iterable[str], n_new: int, split: str = "base
         if left + right not in vocab:
             vocab[left + right] = size + added
             added += 1
-    if split == "marks":
-        out["pre_tokenizer"] = marks_kept(base_json["pre_tokenizer"])
+    out["pre_tokenizer"] = pre_tokenizer(base_json, split)
     return out
 
 
