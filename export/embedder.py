@@ -11,7 +11,7 @@ training for it), `last` takes the last token's, the only state that has read th
 The graph is fp32 and has no KV cache: a text is read once. It is checked against PyTorch on
 the export's own texts (`max_abs_diff`, recorded), then written beside the decoder with its
 sha256 added to the manifest's file table; what this is good for and what it is not:
-docs/serving.md#embeddings (measured in benchmarks/results/embeddings_*).
+docs/serving.md#embeddings-post-v1embeddings (measured in benchmarks/results/embeddings_*).
 
 It is added to a finished bundle: its own files are written under temporary names and renamed
 into place, the manifest last, so a failure leaves the bundle as it was.

@@ -6,7 +6,8 @@ the Message object as the official client reads them (anthropic-python's types/m
 
 Text only: an `image` or `document` block (or any other kind) is refused by name, in a 400.
 `cache_control` on a block or tool is accepted and ignored: doel's prefix cache reuses a
-conversation's prefix by itself (docs/serving.md#prefix-cache). `max_tokens` is required, as
+conversation's prefix by itself
+(docs/serving.md#sharing-a-server-tenants-and-the-prefix-cache). `max_tokens` is required, as
 Anthropic requires it. A conversation that ends with the assistant's text is continued from
 that text (Anthropic's prefill).
 """

@@ -18,6 +18,7 @@ from live_server import live_server
 from long_bundle import long_bundle
 
 from doel.serve.core.service import Piece, RequestError
+from doel.serve.endpoints.chat import tools
 from doel.serve.endpoints.messages import route
 from doel.serve.endpoints.messages.protocol import MessagesRequest
 
@@ -86,6 +87,7 @@ def _text(m) -> str:
     return "".join(b.text for b in m.content if b.type == "text")
 
 
+@pytest.mark.slow  # a live server
 def test_a_message_is_the_chat_routes_greedy_reply_in_anthropics_shape(client, server):
     m = _greedy(client, system="ছোট করে বলো")
     with openai.OpenAI(
@@ -107,6 +109,7 @@ def test_a_message_is_the_chat_routes_greedy_reply_in_anthropics_shape(client, s
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat.usage.prompt_tokens
 
 
+@pytest.mark.slow  # a live server
 def test_a_stop_sequence_ends_the_text_before_it_and_is_named(client):
     whole = _text(_greedy(client, max_tokens=24))
     stop = next(c for c in whole[1:] if c.isalpha())  # a letter the greedy reply writes
@@ -115,6 +118,7 @@ def test_a_stop_sequence_ends_the_text_before_it_and_is_named(client):
     assert _text(m) == whole[: whole.index(stop)]
 
 
+@pytest.mark.slow  # a live server
 def test_the_stream_is_anthropics_event_sequence_and_accumulates_the_same_message(client):
     kw = {"model": client.model, "max_tokens": 12, "extra_body": GREEDY, "messages": ASK}
     raw = [e.type for e in client.messages.create(stream=True, **kw)]
@@ -130,6 +134,7 @@ def test_the_stream_is_anthropics_event_sequence_and_accumulates_the_same_messag
     assert streamed.stop_reason == "max_tokens" and _text(streamed)
 
 
+@pytest.mark.slow  # a live server
 def test_tool_choice_any_calls_with_input_that_validates_and_a_result_goes_back(client):
     m = _greedy(client, max_tokens=40, tools=[ADD], tool_choice={"type": "any"})
     assert m.stop_reason == "tool_use"
@@ -150,6 +155,7 @@ def test_tool_choice_any_calls_with_input_that_validates_and_a_result_goes_back(
     assert none.stop_reason != "tool_use" and all(b.type == "text" for b in none.content)
 
 
+@pytest.mark.slow  # a live server
 def test_a_named_tool_streams_input_json_deltas_and_accumulates_the_whole_call(client):
     kw = {
         "model": client.model, "max_tokens": 40, "extra_body": GREEDY, "messages": ASK,
@@ -165,12 +171,14 @@ def test_a_named_tool_streams_input_json_deltas_and_accumulates_the_whole_call(c
     jsonschema.validate(a.input, ADD["input_schema"])
 
 
+@pytest.mark.slow  # a live server
 def test_count_tokens_is_the_prompt_the_message_reads(client):
     counted = client.messages.count_tokens(model=client.model, messages=ASK, system="ছোট")
     m = _greedy(client, system="ছোট", max_tokens=1)
     assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
+@pytest.mark.slow  # a live server
 def test_keys_come_from_either_header_and_the_prefix_cache_is_the_tenants(client, server):
     turns = [{"role": "user", "content": "একটি লম্বা প্রশ্ন, যার শুরু আগে দেখা হয়নি " * 4}]
     first, again = _greedy(client, messages=turns), _greedy(client, messages=turns)
@@ -191,6 +199,7 @@ def _refused(call, exc, kind: str) -> str:
     return e.value.body["error"]["message"]
 
 
+@pytest.mark.slow  # a live server
 def test_every_refusal_is_the_clients_exception_with_anthropics_error_body(client, server):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
     said = _refused(
@@ -219,6 +228,7 @@ def test_every_refusal_is_the_clients_exception_with_anthropics_error_body(clien
         )
 
 
+@pytest.mark.slow  # a live server
 def test_a_tenant_past_its_rate_gets_a_429_in_anthropics_shape(server):
     with _client(server, api_key="key-b") as bob:
 
@@ -230,6 +240,7 @@ def test_a_tenant_past_its_rate_gets_a_429_in_anthropics_shape(server):
     assert "--client-request-rate" in said
 
 
+@pytest.mark.slow  # a live server
 def test_metrics_count_the_messages_routes(client, server):
     _greedy(client, max_tokens=1)
     headers = {"x-api-key": "key-a"}
@@ -263,3 +274,18 @@ def test_a_stream_that_fails_after_it_began_ends_with_an_error_event():
     assert kinds == [*EVENTS, "error"]
     last = json.loads(said[-1].split("data: ", 1)[1])
     assert last == {"type": "error", "error": {"type": "api_error", "message": "the engine failed"}}
+
+
+@pytest.mark.parametrize(
+    ("piece", "mode", "said"),
+    [
+        (Piece("", "stop"), "text", ("end_turn", None)),
+        (Piece("", "length"), "text", ("max_tokens", None)),
+        (Piece("", "stop", stop="।"), "text", ("stop_sequence", "।")),
+        (Piece("", "stop"), "named", ("tool_use", None)),
+        (Piece("", "length"), "named", ("max_tokens", None)),  # a call cut short
+    ],
+)
+def test_the_stop_reason_is_anthropics_for_each_end(piece, mode, said):
+    plan = tools.ToolPlan(mode, name="add", names={"add"})
+    assert route._end(piece, tools.Deltas(plan))[1:] == said
