@@ -58,6 +58,8 @@ class ExportOptions:
     eval_tokens: int = 4096
     kv_cache: str = "fp32"  # fp16: half the cache's memory (builder graphs only)
     head_bits: int | None = None  # the head (builder graphs); None: the table's head_bits
+    promoted_bits: int | None = None  # llama.cpp's mixed matrices (builder graphs); None: the
+    # table's promoted_bits, 0: none (a body all of one width)
     force: bool = False
     tokenizer: str | None = None
     repo_id: str | None = None  # the bundle's Hub repository, for its card
@@ -79,6 +81,9 @@ class ExportOptions:
             raise ExportError(
                 f"--head-bits must be {' or '.join(map(str, heads))}, got {self.head_bits}"
             )
+        if self.promoted_bits not in (None, 0, *heads):
+            choices = " or ".join(map(str, (0, *heads)))
+            raise ExportError(f"--promoted-bits must be {choices}, got {self.promoted_bits}")
         if self.kv_cache not in KV_CACHE:
             raise ExportError(f"--kv-cache must be one of {KV_CACHE}, got {self.kv_cache!r}")
         if self.eval_tokens < 16:
@@ -263,6 +268,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
             engine,
             half_kv=opts.kv_cache == "fp16",
             head_bits=opts.head_bits,
+            promoted_bits=opts.promoted_bits,
         )
         build_s = time.perf_counter() - t0
         shutil.copyfile(ckpt.tokenizer, stage / "tokenizer.json")

@@ -29,6 +29,12 @@ def _per_quant(field: str) -> str:
     return ", ".join(f"{r.name} {getattr(r, field)}" for r in rows)
 
 
+def _promoted() -> str:
+    """ "int4 8": the formats whose table row promotes matrices, and to what."""
+    rows = [QUANTS[n] for n in names("onnx") if QUANTS[n].promoted_bits]
+    return ", ".join(f"{r.name} {r.promoted_bits}" for r in rows) or "none"
+
+
 def build_parser() -> argparse.ArgumentParser:
     onnx_bits = sorted({QUANTS[n].bits for n in names("onnx") if QUANTS[n].quantized})
     p = argparse.ArgumentParser(
@@ -108,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         "bundle, at far more loss)",
     )
     p.add_argument(
+        "--promoted-bits",
+        type=int,
+        choices=[0, *onnx_bits[1:]],
+        help="bits of the matrices llama.cpp's mixed formats keep finer (first and last eighth "
+        f"of the layers, every third between: QKV and down; default {_promoted()}; 0: none, "
+        "the body all of one width)",
+    )
+    p.add_argument(
         "--max-seq-len",
         type=int,
         help="pte, litertlm: positions the phone program's KV cache holds (default 2048, at most "
@@ -175,6 +189,7 @@ def _onnx(args) -> None:
         eval_tokens=args.eval_tokens,
         kv_cache=args.kv_cache,
         head_bits=args.head_bits,
+        promoted_bits=args.promoted_bits,
         force=args.force,
         tokenizer=args.tokenizer,
         repo_id=args.repo_id,

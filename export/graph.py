@@ -82,8 +82,20 @@ def quantization_info(quant: str, block_size: int, engine: str, model: Path) -> 
         "accuracy_level": ACCURACY_LEVEL,
         "embedding": embedding.describe(model),
         "lm_head": f"int{_head_bits(model, bits)} MatMulNBits",
+        "promoted": promoted_matrices(model, bits),
         "quantizer": "onnxruntime-genai builder" if engine == "genai" else "MatMulNBitsQuantizer",
     }
+
+
+def promoted_matrices(model: Path, bits: int) -> dict:
+    """The body's MatMulNBits written finer than `bits` (the head apart): {"bits": their bits
+    or None, "matrices": how many, "of": the body's MatMulNBits}."""
+    import onnx
+
+    nodes = onnx.load(str(model), load_external_data=False).graph.node
+    body = [n for n in nodes if n.op_type == "MatMulNBits" and "lm_head" not in n.name]
+    finer = [b for n in body for a in n.attribute if a.name == "bits" and (b := a.i) > bits]
+    return {"bits": max(finer, default=None), "matrices": len(finer), "of": len(body)}
 
 
 def _head_bits(model: Path, default: int) -> int:
@@ -118,25 +130,39 @@ def _quiet(what: str):
 
 
 def build_genai(
-    ckpt: Checkpoint, out: Path, quant: str, block_size: int, head_bits: int | None = None
+    ckpt: Checkpoint,
+    out: Path,
+    quant: str,
+    block_size: int,
+    head_bits: int | None = None,
+    promoted_bits: int | None = None,
 ) -> Path:
     """Run onnxruntime-genai's builder (its precision names are the table's ONNX names); keep
-    model.onnx, its weights and genai_config.json. `head_bits` (None: the table's) above the
-    body's bits keeps the head finer; at or below them it is the body's."""
+    model.onnx, its weights and genai_config.json. `head_bits` / `promoted_bits` (None: the
+    table's; 0: none) above the body's bits keep the head / llama.cpp's mixed matrices finer; at
+    or below them they are the body's."""
     from onnxruntime_genai.models import builder
 
     row = quant_row(quant, "onnx")
     head = head_bits or row.head_bits
+    promoted = row.promoted_bits if promoted_bits is None else promoted_bits
     work, cache = out / ".genai", out / ".genai-cache"
     options = [f"block_size={block_size}", f"accuracy_level={ACCURACY_LEVEL}", "is_symmetric=1"]
     # A tied head would otherwise share one quantized matrix with the embedding, which 0.15.2
     # only implements for 4 bits (at 8 it writes a graph that does not load); kept apart, the
     # embedding stays fp32 as on untied models.
     options.append("shared_embeddings=0")
+    finer = []
     if row.quantized and head and head > row.bits:
         # The head finer than the body, as llama.cpp's q4_0 keeps its output matrix at 6 or 8:
         # it is where 4 bits cost most (benchmarks/results/quant_quality_small.md).
-        options.append(f"matmul_mixed_precision=last_matmul:int{head}")
+        finer.append(f"last_matmul:int{head}")
+    if row.quantized and promoted and promoted > row.bits:
+        # llama.cpp's mixed placement (its Q4_K_M's): on a real model, int4 at any block is past
+        # its loss bound without it (doel.contracts.quant's notes).
+        finer.append(f"mixed_layers:int{promoted}")
+    if finer:
+        options.append(f"matmul_mixed_precision={','.join(finer)}")
     with _quiet("onnxruntime-genai's model builder"):
         args = (None, str(ckpt.folder), str(work), quant, "cpu", str(cache))
         extra = builder.parse_extra_options(*args, options if row.quantized else [])
@@ -232,15 +258,16 @@ def build_graph(
     engine: str,
     half_kv: bool = False,
     head_bits: int | None = None,
+    promoted_bits: int | None = None,
 ) -> Path:
-    """The graph in `out`; `head_bits` applies to builder graphs (optimum's keep the head at the
-    body's bits; the manifest reports what was written)."""
+    """The graph in `out`; `head_bits` and `promoted_bits` apply to builder graphs (optimum's
+    keep every matrix at the body's bits; the manifest reports what was written)."""
     try:
         row = quant_row(quant, "onnx")
     except ValueError as e:
         raise ExportError(f"--quant: {e}") from None
     if engine == "genai":
-        model = build_genai(ckpt, out, quant, block_size, head_bits)
+        model = build_genai(ckpt, out, quant, block_size, head_bits, promoted_bits)
     else:
         model = build_optimum(ckpt, out, quant, block_size)
     add_logits_to_keep(model)

@@ -36,6 +36,9 @@ LINEAR = {"qkv_proj": "qkv", "o_proj": "o", "gate_proj": "gate", "up_proj": "up"
 LINEAR |= {"down_proj": "down"}
 # Nodes the kernel does in its own way or not at all: SiLU (Sigmoid, Mul), the attention mask's
 # length (Constant ... Gather, Cast) and logits_to_keep (Neg, Slice).
+# The matrices the kernel also runs at 8 bits (llama.cpp's mixed placement keeps QKV and down
+# finer in some layers), as kernel.c's E_* flags of a layer's number after the config's.
+EIGHT = {"qkv": 1, "o": 2, "down": 4}
 CARRIED = {"Sigmoid", "Mul", "Constant", "Cast", "ReduceSum", "Sub", "Shape", "Gather"}
 CARRIED |= {"Neg", "Slice"}
 
@@ -103,12 +106,14 @@ def kernel_layout(model_path: Path) -> dict:
             w, s = node.input[1], node.input[2]
             hit = re.search(r"layers\.(\d+)\.(?:attn|mlp)\.(\w+)\.MatMul", w)
             if hit:
-                _need(a["bits"] == 4, f"{node.name} is {a['bits']}-bit")
                 i, part = int(hit.group(1)), LINEAR.get(hit.group(2))
+                finer = a["bits"] == 8 and part in EIGHT
+                _need(a["bits"] == 4 or finer, f"{node.name} is {a['bits']}-bit")
                 _need(part is not None and i <= len(layers), f"unexpected {w}")
                 if i == len(layers):
                     layers.append({})
                 layers[i][f"{part}_w"], layers[i][f"{part}_s"] = at(w), at(s)
+                layers[i]["eight"] = layers[i].get("eight", 0) | (EIGHT[part] if finer else 0)
                 if part == "gate":
                     shape["ffn"] = a["N"]
             else:
@@ -124,6 +129,7 @@ def _assemble(glob: dict, layers: list[dict], shape: dict, norms: list, names: d
     initializer)."""
     _need(len(norms) == 2 * len(layers) + 1 and layers, "norms do not match the layers")
     _need(len({eps for _, eps in norms}) == 1, "norms with different epsilons")
+    eight = [layer.pop("eight", 0) for layer in layers]
     for i, layer in enumerate(layers):
         layer["ln1"], layer["ln2"] = norms[2 * i][0], norms[2 * i + 1][0]
         _need(set(layer) == set(LAYER), f"layer {i} lacks {sorted(set(LAYER) - set(layer))}")
@@ -133,7 +139,7 @@ def _assemble(glob: dict, layers: list[dict], shape: dict, norms: list, names: d
     _need(s["d"] % s["block"] == 0 and s["ffn"] % s["block"] == 0, "block size")
     _need(s["block"] % 32 == 0 and s["head_dim"] % 4 == 0, "block or head size")
     config = [len(layers), s["d"], s["heads"], s["kv_heads"], s["head_dim"], s["ffn"]]
-    config += [s["vocab"], s["block"], s["rope_rows"], MAX_ROWS, s["lm_bits"]]
+    config += [s["vocab"], s["block"], s["rope_rows"], MAX_ROWS, s["lm_bits"], *eight]
     scale = s["scale"] or s["head_dim"] ** -0.5
     offsets = [glob[k] for k in GLOBAL] + [lay[k] for lay in layers for k in LAYER]
     return {

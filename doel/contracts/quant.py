@@ -29,6 +29,10 @@ class Quant:
     gguf_type: the llama.cpp type of the same bits (ONNX: the peer a benchmark compares it
         with; GGUF: the type the body's matrices are written in).
     gguf_ftype: llama.cpp's `general.file_type` (llama_ftype) for a GGUF of this format.
+    promoted_bits: bits of the matrices llama.cpp's mixed formats keep finer (the QKV and down
+        projections of the first and last eighth of the layers and of every third layer
+        between: onnxruntime-genai's builder selector `mixed_layers`), above `bits`; None: the
+        body is all `bits`.
     """
 
     name: str
@@ -40,6 +44,7 @@ class Quant:
     bytes_per_param: float
     gguf_type: str | None
     gguf_ftype: int | None = None
+    promoted_bits: int | None = None
 
     @property
     def quantized(self) -> bool:
@@ -65,6 +70,9 @@ class Quant:
 # - head_bits 8 on int4: the head at 4 bits is what costs int4 most
 #   (benchmarks/results/quant_quality_small.md); the speed it costs on AVX2, where 8-bit weights
 #   have no one-row kernel, is argued, not measured (docs/kernels.md).
+# - promoted_bits 8 on int4: on a real model (SmolLM2-135M-Instruct), int4 at any block costs more
+#   held-out loss than the bound, as llama.cpp's q4_0 does; the mixed placement brings it within
+#   for a little speed (benchmarks/results/real_model_smollm2-135m_cpu-*.md, "The int4 default").
 # - loss bounds: export/parity.py's, the bound an export fails past.
 # - ONNX bytes_per_param: the recipe's budget (benchmarks/results/export_0.4b_cpu.md's bundles,
 #   rounded up for the side files and model.ort's copy).
@@ -77,7 +85,7 @@ QUANTS: dict[str, Quant] = {
     for q in (
         Quant("fp32", "onnx", None, 32, None, None, 4.0, "f32"),
         Quant("int8", "onnx", 8, 128, 8, 0.02, 1.4, "q8_0"),
-        Quant("int4", "onnx", 4, 256, 8, 0.10, 0.95, "q4_0"),
+        Quant("int4", "onnx", 4, 256, 8, 0.10, 0.95, "q4_0", promoted_bits=8),
         Quant("f32", "gguf", None, None, None, None, 4.0, "f32", 0),
         Quant("f16", "gguf", None, None, None, None, 2.0, "f16", 1),
         Quant("q8_0", "gguf", 8, 32, 8, None, 34 / 32, "q8_0", 7),

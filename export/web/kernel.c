@@ -61,6 +61,8 @@ enum { C_LAYERS, C_D, C_HEADS, C_KV_HEADS, C_HEAD_DIM, C_FFN, C_VOCAB, C_BLOCK, 
        C_MAX_ROWS, C_LM_BITS, C_N };
 
 static int cfg[C_N];
+static int *eight;        // per layer: which of its matrices are 8-bit (E_QKV | E_O | E_DOWN)
+enum { E_QKV = 1, E_O = 2, E_DOWN = 4 };
 static float eps, attn_scale;
 static u8 *base;          // the graph's weights file, as copied in by the worker
 static const u8 *W[G_N];  // global tensors
@@ -84,6 +86,8 @@ __attribute__((export_name("dk_init"))) int dk_init(u8 *weights, const int *c, c
   attn_scale = fcfg[1];
   base = weights;
   for (int i = 0; i < G_N; i++) W[i] = base + offsets[i];
+  eight = dk_alloc(sizeof(int) * cfg[C_LAYERS]); // after the C_N numbers: one a layer
+  for (int l = 0; l < cfg[C_LAYERS]; l++) eight[l] = c[C_N + l];
   LW = dk_alloc(sizeof(u8 *) * cfg[C_LAYERS] * L_N);
   for (int i = 0; i < cfg[C_LAYERS] * L_N; i++) LW[i] = base + offsets[G_N + i];
   int rows = cfg[C_MAX_ROWS], d = cfg[C_D], f = cfg[C_FFN];
@@ -254,16 +258,16 @@ __attribute__((export_name("dk_forward"))) float *dk_forward(const int *ids, int
   for (int l = 0; l < L; l++) {
     const u8 **lw = LW + l * L_N;
     for (int r = 0; r < rows; r++) rmsnorm(h + r * d, x + r * d, (const float *)lw[L_LN1], d);
-    linear4(qkv, h, rows, d, nq, lw[L_QKV_W], lw[L_QKV_S]);
+    linear(qkv, h, rows, d, nq, lw[L_QKV_W], lw[L_QKV_S], eight[l] & E_QKV);
     for (int r = 0; r < rows; r++) attend(l, r, pos + r);
-    linear4(h, att, rows, d, d, lw[L_O_W], lw[L_O_S]);
+    linear(h, att, rows, d, d, lw[L_O_W], lw[L_O_S], eight[l] & E_O);
     for (int i = 0; i < rows * d; i++) x[i] += h[i];
     for (int r = 0; r < rows; r++) rmsnorm(h + r * d, x + r * d, (const float *)lw[L_LN2], d);
     quantize(h, rows, d, 1); // gate and up read the same activations
     matmul4(gate, rows, d, f, lw[L_G_W], (const float *)lw[L_G_S]);
     matmul4(up, rows, d, f, lw[L_U_W], (const float *)lw[L_U_S]);
     for (int i = 0; i < rows * f; i++) gate[i] = gate[i] / (1.f + expf_(-gate[i])) * up[i];
-    linear4(h, gate, rows, f, d, lw[L_D_W], lw[L_D_S]);
+    linear(h, gate, rows, f, d, lw[L_D_W], lw[L_D_S], eight[l] & E_DOWN);
     for (int i = 0; i < rows * d; i++) x[i] += h[i];
   }
   rmsnorm(h, x + (usize)(rows - 1) * d, (const float *)W[G_NORM], d);

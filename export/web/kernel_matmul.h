@@ -262,6 +262,18 @@ static void linear4(float *y, const float *a, int rows, int K, int N, const u8 *
   matmul4(y, rows, K, N, w, (const float *)s);
 }
 
+// A matrix of the body at 4 bits, or at 8 where the export kept it finer (llama.cpp's mixed
+// placement: QKV and down of some layers): the lm_head's 8-bit path, a row at a time.
+static void linear(float *y, const float *a, int rows, int K, int N, const u8 *w, const u8 *s,
+                   int eight_bit) {
+  if (!eight_bit) {
+    linear4(y, a, rows, K, N, w, s);
+  } else {
+    quantize(a, rows, K, SPLIT8);
+    matmul8(y, rows, K, N, w, (const float *)s);
+  }
+}
+
 // 1 when the matmuls give the integers' exact dot products on this engine (4-bit weights through
 // decode's tile, every byte value through the lm_head's 8-bit path): the worker loads the relaxed
 // build only where this holds (an i8 x i7 dot whose operands an engine swapped, or whose 7-bit

@@ -185,6 +185,38 @@ def test_every_onnx_row_of_the_table_builds_as_the_row_says(ckpt, tmp_path, name
     )  # fmt: skip
     assert _nbits_attrs(out / "model.onnx") == {(row.bits, block), (row.head_bits, block)}
     assert parity["loss"]["bound_nats_per_token"] == row.loss_bound
+    assert q["promoted"]["bits"] == row.promoted_bits and bool(q["promoted"]["matrices"]) == bool(
+        row.promoted_bits
+    )
+
+
+def _finer(model: Path, bits: int) -> set[tuple[int, str]]:
+    """(layer, matrix) of the body's MatMulNBits written with more than `bits` bits."""
+    import onnx
+
+    found = set()
+    for node in onnx.load(str(model), load_external_data=False).graph.node:
+        hit = re.search(r"layers\.(\d+)/\w+/(\w+)/MatMul", node.name)
+        attrs = {a.name: a.i for a in node.attribute}
+        if node.op_type == "MatMulNBits" and hit and attrs["bits"] > bits:
+            found.add((int(hit.group(1)), hit.group(2)))
+    return found
+
+
+def test_int4_keeps_llama_cpps_mixed_matrices_finer_unless_told_not_to(ckpt, tmp_path):
+    """The first and last eighth of the layers and every third between keep QKV and down at 8
+    bits (llama.cpp's placement, the builder's `mixed_layers`); --promoted-bits 0: none."""
+    n = TINY.num_hidden_layers
+    layers = [i for i in range(n) if i < n / 8 or i >= 7 * n / 8 or (i - round(n / 8)) % 3 == 2]
+    m = export_checkpoint(ckpt, tmp_path / "mixed", _quiet(quant="int4"))
+    want = {(i, part) for i in layers for part in ("qkv_proj", "down_proj")}
+    assert _finer(tmp_path / "mixed" / "model.onnx", 4) == want and layers
+    assert m["quantization"]["promoted"] == {"bits": 8, "matrices": len(want), "of": 5 * n}
+    m = export_checkpoint(ckpt, tmp_path / "uniform", _quiet(quant="int4", promoted_bits=0))
+    assert not _finer(tmp_path / "uniform" / "model.onnx", 4)
+    assert m["quantization"]["promoted"] == {"bits": None, "matrices": 0, "of": 5 * n}
+    with pytest.raises(ExportError, match="--promoted-bits must be 0 or 4 or 8"):
+        _quiet(quant="int4", promoted_bits=2)
 
 
 def test_greedy_decoding_equals_pytorch_with_and_without_a_shared_kv_buffer(fp32_bundle, ckpt, tok):

@@ -60,7 +60,15 @@ def test_the_layout_points_at_each_tensor_of_the_graph(web_graph_dir, tiny_model
     for name, at in zip(layout["tensors"], layout["offsets"]):
         raw = inits[name].tobytes()
         assert data[at : at + len(raw)] == raw, name
-    assert layout["tensors"][7 + 1].endswith("layers.0.attn.qkv_proj.MatMul.weight_Q4")
+    # each layer's number after the config's 11 says which of its matrices are 8-bit: those the
+    # export's mixed placement keeps finer (doel.contracts.quant's promoted_bits)
+    eight = layout["config"][11:]
+    assert len(eight) == layers and eight[0] == 1 | 4  # the first layer: QKV and down
+    for i, flags in enumerate(eight):
+        for slot, flag in ((1, 1), (3, 2), (10, 4)):  # qkv_w, o_w, down_w in LAYER
+            name = layout["tensors"][7 + 12 * i + slot]
+            assert name.endswith("_Q8" if flags & flag else "_Q4"), name
+    assert layout["tensors"][7 + 1].endswith("layers.0.attn.qkv_proj.MatMul.weight_Q8")
     assert layout["floats"][1] == pytest.approx(head_dim**-0.5)
 
 
