@@ -148,21 +148,33 @@ def greedy_row(version: str, what: str, got: dict, want: list[list[int]]) -> dic
     return row(version, f"greedy ids == {what}", f"{bad} of {len(want)} differ{where}", not bad)
 
 
+def shared_model(work: Path) -> tuple[dict[str, Path], Path]:
+    """genai.build's spm model and its ONNX bundles (int4, int8, fp32: doel-serve's side), made
+    once in WORK/../phone-default for every phone runtime's rows (the same weights for each)."""
+    from benchmarks.runtimes.genai import build
+    from doel.export.bundle import ExportOptions, export_checkpoint
+
+    folder = work.parent / "phone-default"
+    bundles = {q: folder / f"bundle-{q}" for q in ("int4", "int8", "fp32")}
+    if not all((b / "manifest.json").exists() for b in bundles.values()):
+        folder.mkdir(parents=True, exist_ok=True)
+        build(folder)
+        opts = ExportOptions(quant="fp32", eval_tokens=64, force=True, log=lambda _m: None)
+        export_checkpoint(folder / "ckpt", bundles["fp32"], opts)
+    return bundles, folder / "ckpt"
+
+
 def default_rows(work: Path) -> list[dict]:
     """The default (spm) tokenizer on the shared data and a random 4-layer Llama on it
     (genai.build's), exported to ONNX (doel-serve's side) and to .pte at fp32, int4 and int8."""
-    from benchmarks.runtimes.genai import CHATS, build, doel_side, serve_text, validation_lines
-    from doel.export.bundle import ExportOptions, export_checkpoint
+    from benchmarks.runtimes.genai import CHATS, doel_side, serve_text, validation_lines
     from doel.export.pte import export_pte
 
-    bundles = build(work)
-    opts = ExportOptions(quant="fp32", eval_tokens=64, force=True, log=lambda _m: None)
-    export_checkpoint(work / "ckpt", work / "bundle-fp32", opts)
-    bundles["fp32"] = work / "bundle-fp32"
+    bundles, model = shared_model(work)
     ptes = {}
     for q in ("fp32", "int4", "int8"):
         ptes[q] = work / f"pte-{q}"
-        export_pte(work / "ckpt", ptes[q], q, force=True, max_seq_len=256, log=lambda _m: None)
+        export_pte(model, ptes[q], q, force=True, max_seq_len=256, log=lambda _m: None)
     lines = validation_lines()
     rows = tokenizer_rows(ptes["int4"], lines, work, "default (spm)")
     prompt_text = [ls[i][:80] for ls in lines.values() for i in range(4)]

@@ -51,7 +51,7 @@ def rows(work: Path) -> list[dict]:
         runtime_python("executorch")
     except ExportError as e:
         return [row("?", "the runtime is installed", str(e).split(";")[0], False)]
-    folder = imported(work)
+    folder = imported(work.parent / "phone-smollm2")
     ptes = {}
     for q in ("fp32", "int4"):
         ptes[q] = work / f"pte-{q}"
@@ -85,17 +85,25 @@ def rows(work: Path) -> list[dict]:
     return out + speed_rows(folder, ptes["int4"], lines["en"][0], work, version)
 
 
+def onnx_int4(folder: Path) -> Path:
+    """doel's int4 ONNX bundle of the imported model (beside it, made once): doel-serve's side
+    of the speed rows. Its loss bound is lifted: SmolLM2's int4 is past doel's 0.1 (the
+    real-model benchmark's finding), and this row measures speed, not loss."""
+    from doel.export.bundle import ExportOptions, export_checkpoint
+
+    bundle = folder.parent / "onnx-int4"
+    if not (bundle / "manifest.json").exists():
+        opts = ExportOptions(quant="int4", eval_tokens=64, force=True, max_loss_increase=1.0)
+        export_checkpoint(folder, bundle, dataclasses.replace(opts, log=lambda _m: None))
+    return bundle
+
+
 def speed_rows(folder: Path, pte: Path, text: str, work: Path, version: str) -> list[dict]:
     """Decode tokens/s of ExecuTorch's runner (its own stats) and doel-serve's engine, both on
     SmolLM2 int4 weights (8da4w vs doel's int4), the same prompt, in this run."""
     from tokenizers import Tokenizer
 
-    from doel.export.bundle import ExportOptions, export_checkpoint
-
-    opts = ExportOptions(quant="int4", eval_tokens=64, force=True, max_loss_increase=1.0)
-    opts = dataclasses.replace(opts, log=lambda _m: None)
-    bundle = work / "onnx-int4"
-    export_checkpoint(folder, bundle, opts)
+    bundle = onnx_int4(folder)
     ids = Tokenizer.from_file(str(bundle / "tokenizer.json")).encode(text).ids
     doel = engine_rate(bundle, ids, SPEED_NEW)
     spec = {"tokenizer": str(pte / "tokenizer.json"), "pte": str(pte / "model-int4.pte")}

@@ -111,21 +111,19 @@ def model(bundle: Path) -> Path:
 
 
 def default_rows(work: Path) -> list[dict]:
-    """genai.build's spm model, exported to ONNX (doel-serve's side) and to .litertlm."""
+    """genai.build's spm model (executorch_pte.shared_model's, the same weights), exported to
+    .litertlm at fp32 and int4."""
     from tokenizers import Tokenizer
 
-    from benchmarks.runtimes.genai import CHATS, build, doel_side, serve_text, validation_lines
-    from doel.export.bundle import ExportOptions, export_checkpoint
+    from benchmarks.runtimes.executorch_pte import shared_model
+    from benchmarks.runtimes.genai import CHATS, doel_side, serve_text, validation_lines
     from doel.export.litertlm import export_litertlm
 
-    bundles = build(work)
-    opts = ExportOptions(quant="fp32", eval_tokens=64, force=True, log=lambda _m: None)
-    export_checkpoint(work / "ckpt", work / "bundle-fp32", opts)
-    bundles["fp32"] = work / "bundle-fp32"
+    bundles, ckpt = shared_model(work)
     lt = {}
     for q in ("fp32", "int4"):
         lt[q] = work / f"litertlm-{q}"
-        export_litertlm(work / "ckpt", lt[q], q, force=True, max_seq_len=256, log=lambda _m: None)
+        export_litertlm(ckpt, lt[q], q, force=True, max_seq_len=256, log=lambda _m: None)
     lines = validation_lines()
     rows = tokenizer_rows(lt["fp32"], lines, work, "default (spm)")
     version = rows[0]["version"]

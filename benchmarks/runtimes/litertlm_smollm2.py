@@ -11,11 +11,10 @@ Run alone: `python -m benchmarks.runtimes.litertlm_smollm2` prints the rows as J
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
-from benchmarks.runtimes.executorch_smollm2 import SEQ, SPEED_NEW, engine_rate
+from benchmarks.runtimes.executorch_smollm2 import SEQ, SPEED_NEW, engine_rate, onnx_int4
 from benchmarks.runtimes.litertlm_bundle import model, row, run_probe, tokenizer_rows
 
 RESULTS = ()  # bench_runtimes writes runtimes.{json,md}
@@ -34,7 +33,7 @@ def rows(work: Path) -> list[dict]:
         runtime_python("litertlm")
     except ExportError as e:
         return [row("?", "the runtime is installed", str(e).split(";")[0], False)]
-    folder = imported(work)
+    folder = imported(work.parent / "phone-smollm2")
     lt = {}
     for q in ("fp32", "int4"):
         lt[q] = work / f"litertlm-{q}"
@@ -63,11 +62,7 @@ def rows(work: Path) -> list[dict]:
 def speed_rows(folder: Path, bundle: Path, text: str, work: Path, version: str) -> list[dict]:
     from tokenizers import Tokenizer
 
-    from doel.export.bundle import ExportOptions, export_checkpoint
-
-    onnx = work / "onnx-int4"
-    opts = ExportOptions(quant="int4", eval_tokens=64, force=True, max_loss_increase=1.0)
-    export_checkpoint(folder, onnx, dataclasses.replace(opts, log=lambda _m: None))
+    onnx = onnx_int4(folder)
     ids = Tokenizer.from_file(str(onnx / "tokenizer.json")).encode(text).ids
     doel = engine_rate(onnx, ids, SPEED_NEW)
     spec = {"bundle": str(model(bundle)), "seq": SEQ, "prompts": [text, text], "new": SPEED_NEW}
