@@ -5,10 +5,11 @@ shape.
 An `Encoder` a model holds the graph's ONNX Runtime session, loaded on the first request (its
 file checked against the sha256 its manifest records) and run on a thread of its own, one batch
 at a time: a request's inputs are tokenized (texts with the tokenizer's special tokens, as
-/tokenize does; ids as they are), sorted by length and run in batches of at most BATCH_TOKENS
-padded positions, so that a list of short texts costs one run, not one each, and a long text
-does not pad a batch of short ones. Every input must fit the model's context (its graph reads
-a text whole); a longer one is refused by index, not cut.
+/tokenize does; ids as they are) and wait for the thread with the other requests' (each run
+takes every input waiting, so concurrent requests share runs), then are sorted by length and
+run in batches of at most BATCH_TOKENS padded positions, so that a list of short texts costs one
+run, not one each, and a long text does not pad a batch of short ones. Every input must fit
+the model's context (its graph reads a text whole); a longer one is refused by index, not cut.
 """
 
 from __future__ import annotations
@@ -49,6 +50,34 @@ class Encoder:
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         self.pooling, self.dimensions = record.get("pooling"), int(record["dimensions"])
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="doel-embed")
+        self.pending: list[tuple[list[list[int]], asyncio.Future]] = []
+        self.lock = threading.Lock()
+
+    async def embed(self, rows: list[list[int]]) -> np.ndarray:
+        """The vectors of one request's `rows`, run together with the other requests' that
+        wait while a batch runs (one thread: the next run takes all of them)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self.lock:
+            self.pending.append((rows, done))
+        self.thread.submit(self._drain, loop)
+        return await done
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self.lock:
+            waiting, self.pending = self.pending, []
+        waiting = [(rows, done) for rows, done in waiting if not done.cancelled()]
+        if not waiting:
+            return
+        try:
+            out, at = self.encode([r for rows, _ in waiting for r in rows]), 0
+        except Exception as e:  # each request fails with it (a 500 naming its type)
+            for _, done in waiting:
+                loop.call_soon_threadsafe(_settle, done, None, e)
+            return
+        for rows, done in waiting:
+            loop.call_soon_threadsafe(_settle, done, out[at : at + len(rows)], None)
+            at += len(rows)
 
     def encode(self, rows: list[list[int]]) -> np.ndarray:
         """The vectors of `rows` (token id lists), in their order: [len(rows), dimensions]."""
@@ -71,6 +100,15 @@ class Encoder:
         for i, r in enumerate(rows):
             ids[i, : len(r)], mask[i, : len(r)] = r, 1
         return self.session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+
+
+def _settle(done: asyncio.Future, result, error) -> None:
+    if done.done():  # its client left
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 _ENCODERS: weakref.WeakKeyDictionary[Service, Encoder] = weakref.WeakKeyDictionary()
@@ -135,7 +173,7 @@ async def embed(svc: Service, req: EmbeddingsRequest) -> EmbeddingsResponse:
             "dimensions",
         )
     ids = await svc.in_thread(rows, svc, req)
-    vectors = await loop.run_in_executor(enc.thread, enc.encode, ids)
+    vectors = await enc.embed(ids)
     data = [
         Embedding(index=i, embedding=encoded(v, req.encoding_format)) for i, v in enumerate(vectors)
     ]

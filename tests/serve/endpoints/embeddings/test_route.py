@@ -6,9 +6,12 @@ exported without embeddings); /metrics counting the route."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx2
 import numpy as np
@@ -16,7 +19,7 @@ import pytest
 from live_server import live_server
 
 from doel.serve.core.service import RequestError
-from doel.serve.endpoints.embeddings.route import encoder
+from doel.serve.endpoints.embeddings.route import Encoder, encoder
 
 openai = pytest.importorskip("openai", reason="the dev extra: pip install 'doel[dev]'")
 
@@ -104,3 +107,33 @@ def test_a_model_exported_without_embeddings_is_a_400_that_says_how_to_export_it
     with pytest.raises(RequestError, match="doel-export CHECKPOINT --out DIR --embeddings") as e:
         encoder(svc)
     assert e.value.status == 400
+
+
+class _Session:
+    """A graph whose vector is the sum of a row's ids; it counts its runs."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def run(self, _names, feed):
+        self.runs += 1
+        return [(feed["input_ids"] * feed["attention_mask"]).sum(1, keepdims=True) * 1.0]
+
+
+def test_requests_that_wait_together_share_one_run_and_each_gets_its_own_rows():
+    enc = Encoder.__new__(Encoder)
+    enc.session, enc.dimensions = _Session(), 1
+    enc.thread, enc.pending, enc.lock = ThreadPoolExecutor(1), [], threading.Lock()
+    hold = threading.Event()
+    enc.thread.submit(hold.wait, 10)  # a batch running: the requests below wait together
+    asks = [[[1, 2], [3]], [[10]], [[5, 5, 5], [7], [1]]]
+
+    async def main():
+        tasks = [asyncio.ensure_future(enc.embed(rows)) for rows in asks]
+        await asyncio.sleep(0.05)
+        hold.set()
+        return await asyncio.gather(*tasks)
+
+    got = asyncio.run(main())
+    assert [v[:, 0].tolist() for v in got] == [[3, 3], [10], [15, 7, 1]]
+    assert enc.session.runs == 1
