@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from doel.contracts import read_json
 from doel.train.build import build_parts
 from doel.train.checks.base import VerifyConfig
 from doel.train.checks.suite import fit_subset, verify_before_training
-from doel.train.common import DoelError, atomic_write_bytes
+from doel.train.common import DoelError, atomic_write_bytes, atomic_write_json
+from doel.train.config import resolved
 from doel.train.data.prepare import prepare
 from doel.train.data.tokenizer import BOS, EOS
 from doel.train.fit import shards_key
@@ -33,6 +35,7 @@ from doel.train.hf import load_model, read_config
 from doel.train.job import Checks, GradientFlowError, Job, launch
 from doel.train.settings import TrainConfig
 
+INPUTS = "shards-inputs.json"  # what the shards were made of, beside them
 DOC_START = ("<|endoftext|>", "<s>", "<|begin_of_text|>")
 _SPECIAL = {"SpecialToken": {"id": BOS, "type_id": 0}}
 _A = {"Sequence": {"id": "A", "type_id": 0}}
@@ -82,11 +85,18 @@ def shard_tokenizer(model_dir: Path, out: Path) -> Path:
 def make_shards(model_dir: Path, data, out: Path, cfg, weights=(), val=(), log=print) -> dict:
     """The shards of `data` in the adapted vocabulary (out/shards), resumable as prepare is."""
     tok = shard_tokenizer(model_dir, out / "shard-tokenizer")
-    if (out / "shards" / "meta.json").is_file():
-        meta = json.loads((out / "shards" / "meta.json").read_text(encoding="utf-8"))
-        if meta["tokenizer"]["path"] == str(tok):
-            return meta
-    return prepare(tok, data, out / "shards", cfg, weights, val, progress=False, log=log)
+    asked = {
+        "data": list(data),
+        "weights": list(weights),
+        "val": list(val),
+        "config": resolved(cfg),
+    }
+    made = out / "shards" / "meta.json"
+    if made.is_file() and read_json(out / INPUTS) == asked:
+        return json.loads(made.read_text(encoding="utf-8"))
+    meta = prepare(tok, data, out / "shards", cfg, weights, val, progress=False, log=log)
+    atomic_write_json(out / INPUTS, asked)  # other text or settings next time: made again
+    return meta
 
 
 def rows_gate(parts, n_base: int, log) -> None:
