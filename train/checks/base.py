@@ -38,9 +38,7 @@ class VerifyConfig:
     parity_max_len: int = 256  # the float64 reference runs on at most this many positions
     leak_positions: int = 4  # perturbed positions in the causal-leak check
     copy_steps: int = 30  # Adam steps of the copy task (8 rows of 15 tokens)
-    copy_lr: float = (
-        0.0  # Adam lr of the copy task; 0: min(1e-2, 3 x lr), less at depth (causal.py)
-    )
+    copy_lr: float = 0.0  # Adam lr of the copy task; 0: min(1e-2, 3 x lr), less if wide
     copy_max_loss: float = 0.25  # nats on the copied tokens (chance: ln 16 = 2.77)
     resume_steps: int = 4  # N of "N steps == N/2 + save + load + N/2"
     # Rows of each micro-batch in the checks that train fresh models (step, resume): a second
