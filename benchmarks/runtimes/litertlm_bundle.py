@@ -115,7 +115,7 @@ def default_rows(work: Path) -> list[dict]:
     .litertlm at fp32 and int4."""
     from tokenizers import Tokenizer
 
-    from benchmarks.runtimes.executorch_pte import shared_model
+    from benchmarks.runtimes.executorch_pte import once, shared_model
     from benchmarks.runtimes.genai import CHATS, doel_side, serve_text, validation_lines
     from doel.export.litertlm import export_litertlm
 
@@ -123,7 +123,7 @@ def default_rows(work: Path) -> list[dict]:
     lt = {}
     for q in ("fp32", "int4"):
         lt[q] = work / f"litertlm-{q}"
-        export_litertlm(ckpt, lt[q], q, force=True, max_seq_len=256, log=lambda _m: None)
+        once(lt[q], lambda q=q: export_litertlm(ckpt, lt[q], q, force=True, max_seq_len=256))
     lines = validation_lines()
     rows = tokenizer_rows(lt["fp32"], lines, work, "default (spm)")
     version = rows[0]["version"]

@@ -23,6 +23,7 @@ LABEL = "SmolLM2's (byte-level, digits split first)"
 
 def rows(work: Path) -> list[dict]:
     from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported, reference
+    from benchmarks.runtimes.executorch_pte import once
     from benchmarks.runtimes.genai import validation_lines
     from doel.export.common import ExportError
     from doel.export.litertlm import export_litertlm
@@ -37,7 +38,7 @@ def rows(work: Path) -> list[dict]:
     lt = {}
     for q in ("fp32", "int4"):
         lt[q] = work / f"litertlm-{q}"
-        export_litertlm(folder, lt[q], q, force=True, max_seq_len=SEQ, log=lambda _m: None)
+        once(lt[q], lambda q=q: export_litertlm(folder, lt[q], q, force=True, max_seq_len=SEQ))
     lines = validation_lines()
     out = tokenizer_rows(lt["int4"], lines, work, LABEL)
     version, ref = out[0]["version"], reference(folder)
