@@ -193,29 +193,31 @@ def ablation(bundle: Path) -> dict:
     return {"ms": out, "nodes": nodes}
 
 
-def flash_child(bundle: str) -> None:
+def flash_child(bundle: str, plan: str) -> None:
     """In a process with ORT_GQA_DISABLE_FLASH_ATTENTION set by the parent: the engine's
-    prefill (best of 2) and decode steps (best of ROUNDS), printed as one JSON line."""
+    prefill (best of 2) and decode steps (best of ROUNDS), printed as one JSON line; `plan`:
+    JSON of the prefill lengths, cache lengths, steps and rounds."""
+    prefills, contexts, steps, rounds = json.loads(plan)
     from doel.serve.core.engine import Engine, read_bundle
 
     e = Engine(read_bundle(bundle), threads=THREADS)
     e.warm_up()
-    ids = np.random.default_rng(0).integers(16, 1000, max(PREFILLS)).tolist()
+    ids = np.random.default_rng(0).integers(16, 1000, max(prefills)).tolist()
     out = {"prefill_ms": {}, "decode_ms": {}}
-    for n in PREFILLS:
+    for n in prefills:
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
             e.forward(ids[:n], 0)
             times.append((time.perf_counter() - t0) * 1000)
         out["prefill_ms"][n] = min(times)
-    for ctx in CONTEXTS:
+    for ctx in contexts:
         best = float("inf")
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             t0 = time.perf_counter()
-            for _ in range(STEPS):
+            for _ in range(steps):
                 e.decode([17], [ctx + 1])
-            best = min(best, (time.perf_counter() - t0) / STEPS * 1000)
+            best = min(best, (time.perf_counter() - t0) / steps * 1000)
         out["decode_ms"][ctx] = best
     print(json.dumps(out))
 
@@ -226,7 +228,8 @@ def flash_ab(bundle: Path) -> dict:
     for _ in range(FLASH_PROCESSES):
         for setting in runs:
             env = os.environ | {"ORT_GQA_DISABLE_FLASH_ATTENTION": setting}
-            cmd = command("probes.probe_ablation", "--flash-child", bundle)
+            plan = json.dumps([PREFILLS, CONTEXTS, STEPS, ROUNDS])
+            cmd = command("probes.probe_ablation", "--flash-child", bundle, plan)
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(f"flash A/B child failed:\n{proc.stderr[-2000:]}")
@@ -264,7 +267,7 @@ def run(work: Path, model: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     if argv is None and sys.argv[1:2] == ["--flash-child"]:
-        flash_child(sys.argv[2])
+        flash_child(sys.argv[2], sys.argv[3])
         return
     ap = parser(__doc__, work="bench_serve.py's scratch folder for --model (kept and reused)")
     ap.add_argument("--model", choices=sorted(MODELS), default="0.4b")

@@ -458,6 +458,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--single-stream", action="store_true", help="only the rows against llama.cpp: no sweeps"
     )
+    ap.add_argument(
+        "--processes", type=int, help="processes per row and sweep (best of; default 3)"
+    )
     args = ap.parse_args(argv)
     if args.install_llama_cpp:
         install_llama_cpp()
@@ -468,6 +471,8 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
     p = QUICK if args.quick else MODELS[args.model]
+    if args.processes:
+        p = p | {"processes": args.processes}
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_serve_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
