@@ -125,6 +125,14 @@ def _args_variant(ap) -> None:
     ap.add_argument("--base", type=Path, default=WORK / "smollm2")
 
 
+def _shards_config():
+    from doel.train.data.prepare import PrepareConfig
+
+    # the shards' own validation split draws the curves; the poems repeat lines across
+    # documents, so their overlap is tolerated (the figures are on splits.json's held-out files)
+    return PrepareConfig(val_fraction=0.01, max_val_overlap=1.0)
+
+
 def pretrain_config(steps: int, lr: float, time_limit: float = 0.0, eval_every: int = 0):
     from doel.train.settings import TrainConfig
 
@@ -151,7 +159,6 @@ def run_variant(name: str, steps: int, base: Path, work: Path) -> dict:
     """Build, shard, train and score one tokenizer variant; its row (also written to work)."""
     from doel.train.adapt.pretrain import continue_pretraining, make_shards
     from doel.train.adapt.run import AdaptConfig, adapted_model
-    from doel.train.data.prepare import PrepareConfig
 
     bn, en = corpus(work)
     texts = held_out()
@@ -174,10 +181,7 @@ def run_variant(name: str, steps: int, base: Path, work: Path) -> dict:
     row["bits_per_char_before"] = heldout_bits(model, texts)
     row["score_seconds"] = time.time() - t0
     weights = ["bn=2", "en=1"]
-    # the shards' own validation split draws the curves; the poems repeat lines across
-    # documents, so their overlap is tolerated (the figures are on splits.json's held-out files)
-    prep = PrepareConfig(val_fraction=0.01, max_val_overlap=1.0)
-    make_shards(model, [str(bn), str(en)], vdir, prep, weights)
+    make_shards(model, [str(bn), str(en)], vdir, _shards_config(), weights)
     t0 = time.time()
     final = continue_pretraining(
         pretrain_config(steps, LR_ADAPT), model, vdir / "shards", vdir / "run", n_base,
@@ -207,7 +211,7 @@ def run_arm(arm: str, minutes: float, default: str, work: Path, device: str) -> 
     every EVAL_EVERY steps; its held-out figures at the start and the end."""
     import dataclasses
 
-    from doel.train.adapt.pretrain import continue_pretraining
+    from doel.train.adapt.pretrain import continue_pretraining, make_shards
     from doel.train.fit import fit
 
     texts = held_out()
@@ -217,6 +221,8 @@ def run_arm(arm: str, minutes: float, default: str, work: Path, device: str) -> 
     before = None
     if arm == "adapted":
         vdir = work / default
+        bn, en = corpus(work)
+        make_shards(vdir / "adapted", [str(bn), str(en)], vdir, _shards_config(), ["bn=2", "en=1"])
         before = heldout_bits(vdir / "adapted", texts)
         t0 = time.time()
         final = continue_pretraining(

@@ -113,7 +113,7 @@ def rows_gate(parts, n_base: int, log) -> None:
     norms = grad.float().norm(dim=1)
     seen = torch.unique(x)
     groups = {"base": seen[seen < n_base], "new": seen[seen >= n_base]}
-    if groups["new"].numel() == 0:  # no new token in the batch: the head's new rows
+    if groups["new"].numel() == 0 and n_base < norms.numel():  # the head's new rows
         groups["new"] = torch.arange(n_base, norms.numel(), device=norms.device)
     bad = []
     for name, ids in groups.items():

@@ -93,7 +93,8 @@ def resolve_preset(name: str | None) -> Path | None:
 
 
 def adapted_model(base: Path, data: list[str], run: Path, cfg: AdaptConfig, log=print):
-    """RUN/adapted (the base itself for tokenizer=keep) and the base's vocabulary size."""
+    """RUN/adapted (the base itself for tokenizer=keep) and how many of its first rows are the
+    base's (none for a replaced vocabulary)."""
     n_base = read_config(base).vocab_size
     if cfg.tokenizer == "keep":
         return base, n_base
@@ -103,13 +104,15 @@ def adapted_model(base: Path, data: list[str], run: Path, cfg: AdaptConfig, log=
     if (out / RECORD).is_file():
         have = json.loads((out / RECORD).read_text(encoding="utf-8"))
         if {k: have.get(k) for k in want} == want:
-            return out, n_base
+            return out, n_base if cfg.tokenizer == "extend" else 0
         raise DoelError(f"{out} was made with other settings ({have}); use another --out")
     adapted = _tokenizer(base, data, run, cfg, log)
     counts = write_adapted(base, adapted, out, cfg.tokenizer == "extend", want)
+    n_base = n_base if cfg.tokenizer == "extend" else 0
+    rows = f"{counts['new']:,} new" if cfg.tokenizer == "extend" else "every one replaced"
     log(
-        f"adapted vocabulary: {counts['vocab']:,} tokens ({counts['new']:,} new, their rows the "
-        f"mean of the base's rows of their text) in {out}"
+        f"adapted vocabulary: {counts['vocab']:,} tokens ({rows}, their rows the mean of the "
+        f"base's rows of their text) in {out}"
     )
     return out, n_base
 
