@@ -90,18 +90,21 @@ def wait_quiet() -> None:
 
 def export_bundles(ckpt: Path, work: Path, variants=None, **options) -> dict[str, Path]:
     """The doel bundles of `variants` (default VARIANTS), exported into `work` (reused where a
-    manifest.json is already there); `options`: ExportOptions fields over the ones set here."""
+    manifest.json is already there); `options`: ExportOptions fields over the ones set here, and
+    a variant's seventh item, where it has one, over those."""
     out = {}
-    for row, engine, quant, block, head, _ in variants or VARIANTS:
+    for row, engine, quant, block, head, *more in variants or VARIANTS:
         if engine != "doel":
             continue
-        out[row] = work / f"bundle-{quant}-b{block}-h{head}"
+        extra = more[1] if len(more) > 1 else {}  # a variant's own ExportOptions fields
+        tail = "".join(f"-{k}{v}" for k, v in sorted(extra.items()))
+        out[row] = work / f"bundle-{quant}-b{block}-h{head}{tail}"
         if (out[row] / "manifest.json").is_file():
             continue
         wait_quiet()
         print(f"exporting {row} ...", flush=True)
         fields = {"eval_tokens": 64, "force": True, "log": lambda *_: None} | options
-        opts = ExportOptions(quant=quant, block_size=block, head_bits=head, **fields)
+        opts = ExportOptions(quant=quant, block_size=block, head_bits=head, **fields | extra)
         export_checkpoint(ckpt, out[row], opts)
     return out
 
@@ -268,7 +271,7 @@ def run_variants(
     import llama_cpp
 
     sums, secs = {}, {}
-    for row, engine, quant, _, _, _ in variants or VARIANTS:
+    for row, engine, quant, *_ in variants or VARIANTS:
         print(f"scoring {row} ...", flush=True)
         if engine == "torch":
             fn = torch_reference(ckpt)
@@ -296,7 +299,7 @@ def n_tokens(texts: list[dict]) -> int:
 def rows(sums: dict, secs: dict, texts: list[dict], weights: dict, variants=None) -> list[dict]:
     out = []
     ref = sums["torch fp32"]
-    for row, engine, quant, block, head, nominal in variants or VARIANTS:
+    for row, engine, quant, block, head, nominal, *_ in variants or VARIANTS:
         r = {"variant": row, "engine": engine, "quant": quant, "block_size": block}
         r["head_bits"] = head
         r |= {"nominal_bits_per_weight": nominal, "weights": weights.get(row)}

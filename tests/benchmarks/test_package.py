@@ -89,6 +89,7 @@ NOT_RESULTS = {
     "serve.bench_serve_report": "bench_serve's Markdown and PNG",
     "load.bench_load_inproc": "one in-process engine's levels, a file for bench_load's process",
     "load.bench_load_report": "bench_load's targets, Markdown and PNG",
+    "export.bench_real_model_report": "bench_real_model's Markdown",
     "load.load_client": "bench_load's HTTP client",
     "load.load_model": "bench_load's model files and prompts",
     "load.load_servers": "builds llama-server; starts bench_load's servers",
