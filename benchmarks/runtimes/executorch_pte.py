@@ -111,14 +111,14 @@ def row(version: str, check: str, result: str, ok: bool) -> dict:
     return {"runtime": RUNTIME, "version": version, "check": check, "result": result, "ok": ok}
 
 
-def tokenizer_rows(bundle: Path, lines: dict, work: Path, label: str) -> list[dict]:
-    """pytorch-tokenizers' ids == tokenizers' (the special tokens the post-processor adds
-    included: the runner's num_bos)."""
+def tokenizer_rows(bundle: Path, lines: dict, work: Path, label: str, source: Path) -> list[dict]:
+    """pytorch-tokenizers' ids on the bundle's tokenizer.json == tokenizers' on the checkpoint's
+    own (`source`; the special tokens the post-processor adds included: the runner's num_bos)."""
     from tokenizers import Tokenizer
 
     manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
     bos = manifest["executorch"]["add_bos"]
-    ref = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    ref = Tokenizer.from_file(str(source))
     texts = texts_of(lines)
     flat = [t for ts in texts.values() for t in ts]
     got = run_probe({"tokenizer": str(bundle / "tokenizer.json"), "texts": flat, "bos": bos}, work)
@@ -184,7 +184,7 @@ def default_rows(work: Path) -> list[dict]:
         ptes[q] = work / f"pte-{q}"
         once(ptes[q], lambda q=q: export_pte(model, ptes[q], q, force=True, max_seq_len=256))
     lines = validation_lines()
-    rows = tokenizer_rows(ptes["int4"], lines, work, "default (spm)")
+    rows = tokenizer_rows(ptes["int4"], lines, work, "default (spm)", model / "tokenizer.json")
     prompt_text = [ls[i][:80] for ls in lines.values() for i in range(4)]
     ref = doel_side(bundles["fp32"], prompt_text, [])
     prompts, version = ref["ids"], rows[0]["version"]

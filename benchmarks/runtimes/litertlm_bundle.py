@@ -64,7 +64,9 @@ def probe(spec: dict) -> dict:
                 messages=chat[:-1], sampler_config=greedy, max_output_tokens=spec["new"]
             )
             said = conv.send_message(chat[-1])
-            out["replies"].append("".join(c.get("text", "") for c in said.get("content", [])))
+            content = (said.to_json() if hasattr(said, "to_json") else said).get("content", "")
+            parts = [content] if isinstance(content, str) else [c.get("text", "") for c in content]
+            out["replies"].append("".join(parts))
             conv.close()
     return out
 
@@ -85,14 +87,15 @@ def row(version: str, check: str, result: str, ok: bool) -> dict:
     return {"runtime": RUNTIME, "version": version, "check": check, "result": result, "ok": ok}
 
 
-def tokenizer_rows(bundle: Path, lines: dict, work: Path, label: str) -> list[dict]:
-    """LiteRT-LM's ids == tokenizers' without special tokens (it adds the start token itself)."""
+def tokenizer_rows(bundle: Path, lines: dict, work: Path, label: str, source: Path) -> list[dict]:
+    """LiteRT-LM's ids == tokenizers' on the checkpoint's own tokenizer.json (`source`), without
+    special tokens (LiteRT-LM adds the start token itself)."""
     from tokenizers import Tokenizer
 
     from benchmarks.runtimes.executorch_pte import texts_of
 
     seq = json.loads((bundle / "manifest.json").read_text())["context_length"]
-    ref = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    ref = Tokenizer.from_file(str(source))
     texts = texts_of(lines)
     flat = [t for ts in texts.values() for t in ts]
     got = run_probe({"bundle": str(model(bundle)), "seq": seq, "texts": flat}, work)
@@ -116,7 +119,7 @@ def default_rows(work: Path) -> list[dict]:
     from tokenizers import Tokenizer
 
     from benchmarks.runtimes.executorch_pte import once, shared_model
-    from benchmarks.runtimes.genai import CHATS, doel_side, serve_text, validation_lines
+    from benchmarks.runtimes.genai import CHATS, doel_side, validation_lines
     from doel.export.litertlm import export_litertlm
 
     bundles, ckpt = shared_model(work)
@@ -125,7 +128,7 @@ def default_rows(work: Path) -> list[dict]:
         lt[q] = work / f"litertlm-{q}"
         once(lt[q], lambda q=q: export_litertlm(ckpt, lt[q], q, force=True, max_seq_len=256))
     lines = validation_lines()
-    rows = tokenizer_rows(lt["fp32"], lines, work, "default (spm)")
+    rows = tokenizer_rows(lt["fp32"], lines, work, "default (spm)", ckpt / "tokenizer.json")
     version = rows[0]["version"]
     prompt_text = [ls[i][:80] for ls in lines.values() for i in range(4)]
     ref = doel_side(bundles["fp32"], prompt_text, [])
@@ -136,10 +139,15 @@ def default_rows(work: Path) -> list[dict]:
         spec["fp32"] = q == "fp32"
         spec |= {"chats": CHATS} if q == "fp32" else {}
         got = run_probe(spec, work)
-        texts = [serve_text(tok, p, g) for p, g in zip(ref["ids"], side["gen"])]
+        # LiteRT-LM decodes a reply alone, as tokenizers' decode does (the spm decoder's Strip
+        # takes the first space); doel-serve's stream keeps it, the prompt being its context
+        texts = [tok.decode(g) for g in side["gen"]]
         made = [(g["text"], t) for g, t in zip(got["gen"], texts) if "\ufffd" not in t]
         bad = sum(a != b for a, b in made)
-        check = f"greedy text == doel-serve's, {q} (.litertlm {q} vs ONNX {q}, valid UTF-8)"
+        check = (
+            f"greedy text == tokenizers' decode of doel-serve's greedy ids, {q} (.litertlm {q} "
+            f"vs ONNX {q}, valid UTF-8)"
+        )
         rows.append(row(version, check, f"{bad} of {len(made)} differ", not bad))
         if q != "fp32":
             continue

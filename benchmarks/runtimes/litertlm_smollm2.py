@@ -40,7 +40,7 @@ def rows(work: Path) -> list[dict]:
         lt[q] = work / f"litertlm-{q}"
         once(lt[q], lambda q=q: export_litertlm(folder, lt[q], q, force=True, max_seq_len=SEQ))
     lines = validation_lines()
-    out = tokenizer_rows(lt["int4"], lines, work, LABEL)
+    out = tokenizer_rows(lt["int4"], lines, work, LABEL, folder / "tokenizer.json")
     version, ref = out[0]["version"], reference(folder)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
     spec = {"bundle": str(model(lt["fp32"])), "seq": SEQ, "chats": chats, "reply": True}
@@ -57,7 +57,7 @@ def rows(work: Path) -> list[dict]:
     stops = ref["stops"]
     check = "bundle's stop tokens (Engine.eos_token_ids) == transformers' (SmolLM2)"
     out.append(row(version, check, f"{got['stops']} vs {stops}", set(got["stops"]) == set(stops)))
-    return out + speed_rows(folder, lt["int4"], lines["en"][0], work, version)
+    return out + speed_rows(folder, lt["int4"], lines["en"][0][:200], work, version)
 
 
 def speed_rows(folder: Path, bundle: Path, text: str, work: Path, version: str) -> list[dict]:
