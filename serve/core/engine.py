@@ -84,6 +84,10 @@ class Bundle:
         return eos["id"] if eos else None
 
 
+PHONE_HINT = (
+    "{folder} holds {model} for a phone runtime ({kind}): run it with that runtime "
+    "(docs/phones.md), or export an ONNX bundle with doel-export CHECKPOINT --out DIR"
+)
 GGUF_HINT = (
     "{folder} holds a GGUF for llama.cpp ({gguf}): run it with llama-server or Ollama, or export "
     "an ONNX bundle with doel-export CHECKPOINT --out DIR"
@@ -108,6 +112,8 @@ def read_bundle(folder: str | Path) -> Bundle:
         raise BundleError(f"{path} is damaged ({type(e).__name__}: {e}); export again") from None
     if m.kind == "gguf":
         raise BundleError(GGUF_HINT.format(folder=folder, gguf=m.gguf))
+    if m.kind != "onnx":  # a phone runtime's folder (--format pte / litertlm: docs/phones.md)
+        raise BundleError(PHONE_HINT.format(folder=folder, kind=m.kind, model=m.model))
     if m.context_length is None:  # optional in the contract, needed here
         raise BundleError(f"{path} has no context_length; export the bundle again")
     kv = m.kv_cache

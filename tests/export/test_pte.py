@@ -146,3 +146,15 @@ def test_executorchs_own_tokenizer_and_program_read_the_bundle(pte_bundle, tmp_p
     text = tok.decode(prompt + made)[len(tok.decode(prompt)) :]
     if "\ufffd" not in text:  # a random model's bytes may be no UTF-8
         assert got["runner"][0]["text"] == text
+
+
+@pytest.mark.parametrize("kind", ["pte", "litertlm"])
+def test_doel_serve_refuses_a_phone_folder_in_one_line(tmp_path, kind):
+    from doel.contracts.manifest import Manifest
+    from doel.export.common import write_json
+    from doel.serve.core.engine import BundleError, read_bundle
+
+    record = Manifest(kind=kind, model=f"model-int4.{kind}", vocab_size=8, context_length=8)
+    write_json(tmp_path / "manifest.json", record.to_dict())
+    with pytest.raises(BundleError, match=f"model-int4.{kind} for a phone runtime"):
+        read_bundle(tmp_path)
