@@ -312,9 +312,10 @@ def format_projection(
     if extra:
         e = extra
         lines.append(
-            f"  includes: the steps at the measured {m['sec_per_step']:.3f} s each (full "
-            f"batch, steady state); plus about {format_duration(e['validation_s'])} for "
-            f"{e['validations']} validations (estimated, forward only)"
+            f"  the time above is the steps alone, each at the measured {m['sec_per_step']:.3f} s "
+            f"(full batch, steady state); validation adds about "
+            f"{format_duration(e['validation_s'])} ({e['validations']} validations, forward "
+            "only, estimated)"
         )
         lines.append(
             f"  not included: the batch ramp's {e['ramp_extra_updates']:,} extra optimizer "

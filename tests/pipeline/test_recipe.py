@@ -207,7 +207,7 @@ def test_the_projection_names_what_it_includes_and_what_not():
     assert e["checkpoints"] == cfg.steps // cfg.checkpoint_every
     p = projection(cfg.steps, 0, 4.0, 1, 3.0)
     text = format_projection(m, p, 2 * 10**9, "muon", e)
-    assert "includes: the steps" in text and "15 validations" in text
+    assert "the time above is the steps alone" in text and "15 validations" in text
     assert f"{e['ramp_extra_updates']:,} extra optimizer updates" in text
     assert "checkpoints" in text and "not a GPU's time or price" in text
 
