@@ -138,7 +138,7 @@ def pretrain_config(steps: int, lr: float, time_limit: float = 0.0, eval_every: 
 
     return TrainConfig(
         seq_len=256, batch_size=2, grad_accum=1, steps=steps, lr=lr,
-        warmup_steps=max(1, steps // 10), dtype="float32", device="cpu", checkpoint_every=0,
+        warmup_steps=min(10, max(1, steps // 10)), dtype="float32", device="cpu", checkpoint_every=0,
         eval_every=eval_every, eval_batches=4, log_every=5, time_limit=time_limit,
     )  # fmt: skip
 

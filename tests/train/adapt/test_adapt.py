@@ -210,3 +210,22 @@ def test_doel_train_adapt_on_smollm2_at_a_few_steps(smollm2_folder, tmp_path):
     assert any(i >= 49152 for i in ids) and tok.decode(ids) == "বাংলা ভাষা"
     assert "<|im_start|>" in _json(final, "tokenizer_config.json")["chat_template"]
     assert "pass rows" in done.stdout and "loss_mask" in done.stdout
+
+
+def test_a_replaced_vocabulary_is_doel_s_spm_with_every_row_transplanted(base, tmp_path):
+    cfg = load_config(AdaptConfig, None, ["tokenizer=spm", "spm_vocab_size=600"])
+    model, n_base = adapted_model(base, TEXT, tmp_path, cfg)
+    assert n_base == 0  # the rows gate takes every row as new
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    config = _json(model, "config.json")
+    assert tok.get_vocab_size() == config["vocab_size"] == 600
+    assert config["bos_token_id"] == tok.token_to_id("<|bos|>")
+    old = load_file(str(base / "model.safetensors"))["model.embed_tokens.weight"]
+    now = load_file(str(model / "model.safetensors"))["model.embed_tokens.weight"]
+    base_tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    assert torch.allclose(
+        now[tok.token_to_id("<|bos|>")], old[base_tok.token_to_id("<|endoftext|>")]
+    )
+    piece = next(p for p, i in tok.get_vocab().items() if p.startswith("▁") and len(p) > 3)
+    ids = base_tok.encode(piece.replace("▁", " ")).ids
+    assert torch.allclose(now[tok.token_to_id(piece)], old[ids].mean(0), atol=1e-6)
