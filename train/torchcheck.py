@@ -52,7 +52,7 @@ def require_torch(version: str | None = None) -> None:
 
 
 def nvidia_driver() -> str | None:
-    """The NVIDIA driver version nvidia-smi reports, or None (no driver, no nvidia-smi)."""
+    """The NVIDIA driver version nvidia-smi reports, or None (no nvidia-smi, or it fails)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -66,7 +66,8 @@ def nvidia_driver() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = out.stdout.strip().splitlines()
-    return lines[0].strip() if out.returncode == 0 and lines else "unknown (nvidia-smi failed)"
+    # nvidia-smi that fails (no GPU, no kernel module) is no driver a GPU answers through
+    return lines[0].strip() if out.returncode == 0 and lines else None
 
 
 def cuda_missing_reason(wheel_cuda: str | None, torch_version: str, driver: str | None) -> str:
