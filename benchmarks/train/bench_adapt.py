@@ -138,8 +138,9 @@ def pretrain_config(steps: int, lr: float, time_limit: float = 0.0, eval_every: 
 
     return TrainConfig(
         seq_len=256, batch_size=2, grad_accum=1, steps=steps, lr=lr,
-        warmup_steps=min(10, max(1, steps // 10)), dtype="float32", device="cpu", checkpoint_every=0,
-        eval_every=eval_every, eval_batches=4, log_every=5, time_limit=time_limit,
+        warmup_steps=min(10, max(1, steps // 10)), dtype="float32", device="cpu",
+        checkpoint_every=0, eval_every=eval_every, eval_batches=4, log_every=5,
+        time_limit=time_limit,
     )  # fmt: skip
 
 
@@ -313,6 +314,10 @@ def compare_md(r: dict) -> str:
         f"{_f(s['bits_per_char_after']['bn'])} | {_f(s['bits_per_char_after']['en'])} |",
         END,
         "",
+        f"Median speed: adapted {a.get('tokens_per_s', 0):.0f} tokens/s, from scratch "
+        f"{s.get('tokens_per_s', 0):.0f} (the machine is shared: processes of other sessions ran "
+        "beside these, outside the lock, on both cores; the two arms shared those conditions).",
+        "",
         f"Held-out: the first {HELD_CHARS:,} characters a language of splits.json's validation "
         "split. The curves (PNG): each run's validation split of its shards (the same held-out "
         "documents: prepare holds out by a hash of the text), bits per character ≈ nats per "
@@ -353,6 +358,7 @@ def report(work: Path, out: Path) -> None:
             pts = curves(work, arm)
             r["arms"][arm]["curve"] = pts
             r["arms"][arm]["steps"] = _last_step(work, arm)
+            r["arms"][arm]["tokens_per_s"] = _speed(work, arm)
             ax.plot([t / 60 for t, _ in pts], [b for _, b in pts], marker=".", label=label)
         ax.set_xlabel("training minutes (one core each, at the same time)")
         ax.set_ylabel("validation bits/char (bn + en)")
@@ -365,6 +371,13 @@ def report(work: Path, out: Path) -> None:
 def _last_step(work: Path, arm: str) -> int:
     rows = [json.loads(x) for x in (work / f"arm-{arm}" / "metrics.jsonl").read_text().splitlines()]
     return max((r["step"] for r in rows if r.get("kind") == "train"), default=0)
+
+
+def _speed(work: Path, arm: str) -> float:
+    """The median tokens/s of an arm's logged steps."""
+    rows = [json.loads(x) for x in (work / f"arm-{arm}" / "metrics.jsonl").read_text().splitlines()]
+    rates = sorted(r["tokens_per_s"] for r in rows if r.get("kind") == "train")
+    return rates[len(rates) // 2] if rates else 0.0
 
 
 def runtime_checks(work: Path) -> dict[str, str]:
