@@ -15,7 +15,8 @@ apart so that one failure does not hide the others:
 4. `optimizer_step`: the optimizer step alone, timed (our batched Muon), against torch.optim.Muon
    one matrix at a time on the same matrices: the ratio is the launch overhead saved.
 5. `muon_lr_sweep`: three muon_lr values (half, the preset's, double) for `sweep_steps` steps
-   each on the sample shards; the preset's value came from a 5M-parameter CPU sweep.
+   each on the sample shards, eager, one micro-batch a step; the preset's value came from a
+   5M-parameter CPU sweep whose best was the edge of its grid.
 6. `ddp`, `fsdp`: `doel-train fit` under torchrun with 2 processes for `dist_steps` steps, then
    the last checkpoint's step deleted and the run resumed: the resumed final weights must equal
    the uninterrupted ones. With fewer than 2 GPUs they run on the CPU (gloo) at tiny size.
@@ -27,6 +28,7 @@ run. Results: benchmarks/results/gpu_first_hour_<device>_<date>.{json,md}, one r
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -223,18 +225,29 @@ def _last_loss(run: Path) -> float | None:
 
 
 def part_muon_lr_sweep(ctx: dict) -> dict:
+    """`fit` in this process (no interpreter start per value), the checks skipped: three runs
+    of the same data and seed that differ only in muon_lr."""
     from doel.train.config import load_config, resolve_config
+    from doel.train.fit import fit
     from doel.train.settings import TrainConfig
 
-    base = load_config(TrainConfig, resolve_config(ctx["config"]), [])
+    preset = resolve_config(ctx["config"])
+    base = load_config(TrainConfig, preset, [])
     losses = {}
     for scale in (0.5, 1.0, 2.0):
         lr = base.muon_lr * scale
         out = ctx["work"] / f"sweep-{lr:g}"
-        sets = ("optimizer=muon", f"muon_lr={lr}", "grad_accum=1", "compile=false")
-        cmd = _doel_train(*_fit_args(ctx, out, ctx["sweep_steps"], *sets, *ctx["device_set"][1:]))
-        _run([*cmd, "--skip-verify"], ctx["work"] / f"sweep-{lr:g}.log")
+        args = _fit_args(ctx, out, ctx["sweep_steps"], "optimizer=muon", f"muon_lr={lr}",
+                         "grad_accum=1", "compile=false", *ctx["device_set"][1:])  # fmt: skip
+        sets = [a for a in args[args.index("--fresh") + 1 :] if a != "--set"]
+        lines: list[str] = []
+        fit(load_config(TrainConfig, preset, sets), ctx["shards"], out, fresh=True,
+            log=lines.append, skip_verify=True)  # fmt: skip
+        (ctx["work"] / f"sweep-{lr:g}.log").write_text("\n".join(lines), encoding="utf-8")
         losses[f"{lr:g}"] = _last_loss(out)
+        gc.collect()  # the run's model and optimizer, before the next one's
+        if ctx["device"].type == "cuda":
+            torch.cuda.empty_cache()
     best = min(losses, key=lambda k: losses[k] if losses[k] is not None else float("inf"))
     return {"steps": ctx["sweep_steps"], "final_train_loss": losses, "best_muon_lr": best}
 
@@ -253,9 +266,6 @@ def _torchrun(ctx: dict, strategy: str) -> dict:
     out = ctx["work"] / f"torchrun-{strategy}"
     sets = (f"strategy={strategy}", "grad_accum=1", *device)
     fit = _fit_args(sub, out, ctx["dist_steps"], *sets)
-    if gpus < 2:  # tiny, on the CPU: the sample's vocabulary is the tiny preset's model's
-        fit = [a for a in fit if not a.startswith("model.vocab_size=")]
-        fit += ["--set", f"model.vocab_size={_vocab(ctx['shards'])}"]
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "doel.train", *fit, "--skip-verify"]  # fmt: skip
     env = {"OMP_NUM_THREADS": "1"}
