@@ -46,7 +46,7 @@ def engine_rate(bundle: Path, prompt: list[int], new: int) -> float:
 
 
 def rows(work: Path) -> list[dict]:
-    from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported, reference
+    from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported
     from doel.export.common import ExportError
     from doel.export.phone import runtime_python
     from doel.export.pte import export_pte
@@ -67,7 +67,7 @@ def rows(work: Path) -> list[dict]:
 
     lines = validation_lines()
     out = tokenizer_rows(ptes["int4"], lines, work, LABEL, folder / "tokenizer.json")
-    version, ref = out[0]["version"], reference(folder)
+    version, ref = out[0]["version"], transformers_replies(folder)
     want = [r + ref["stops"][:1] if len(r) < NEW_TOKENS else r for r in ref["replies"]]
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ends = [tok.id_to_token(i) for i in ref["stops"]]
@@ -95,6 +95,17 @@ def rows(work: Path) -> list[dict]:
         check = f"TextLLMRunner ends at <|im_end|> where the greedy reply does (SmolLM2 {q})"
         out.append(row(version, check, f"{len(late)} of {len(ended)} differ", not late))
     return out + speed_rows(folder, ptes["int4"], lines["en"][0][:200], work, version)
+
+
+def transformers_replies(folder: Path) -> dict:
+    """bench_real_model's `reference` (transformers' fp32 greedy replies to its chats), kept in
+    a JSON file beside the imported folder: both phone runtimes' modules read the same one."""
+    from benchmarks.export.bench_real_model import reference
+
+    path = folder.parent / "transformers_replies.json"
+    if not path.exists():
+        path.write_text(json.dumps(reference(folder), ensure_ascii=False), encoding="utf-8")
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def _cut(text: str, ends: list[str]) -> str:

@@ -15,7 +15,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.runtimes.executorch_smollm2 import SEQ, SPEED_NEW, engine_rate, onnx_int4
+from benchmarks.runtimes.executorch_smollm2 import (
+    SEQ,
+    SPEED_NEW,
+    engine_rate,
+    onnx_int4,
+    transformers_replies,
+)
 from benchmarks.runtimes.litertlm_bundle import model, row, run_probe, tokenizer_rows
 
 RESULTS = ()  # bench_runtimes writes runtimes.{json,md}
@@ -26,7 +32,7 @@ QUANTS = ("int4",)  # the fp32 conversion is left out for time, as in executorch
 def rows(work: Path) -> list[dict]:
     from tokenizers import Tokenizer
 
-    from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported, reference
+    from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported
     from benchmarks.runtimes.executorch_pte import once
     from benchmarks.runtimes.genai import validation_lines
     from doel.export.common import ExportError
@@ -45,7 +51,7 @@ def rows(work: Path) -> list[dict]:
         once(lt[q], lambda q=q: export_litertlm(folder, lt[q], q, force=True, max_seq_len=SEQ))
     lines = validation_lines()
     out = tokenizer_rows(lt["int4"], lines, work, LABEL, folder / "tokenizer.json")
-    version, ref = out[0]["version"], reference(folder)
+    version, ref = out[0]["version"], transformers_replies(folder)
     chats = [[{"role": "user", "content": c}] for c in CHATS]
     spec = {"bundle": str(model(lt["int4"])), "seq": SEQ, "chats": chats, "reply": True}
     got = run_probe(spec | {"new": NEW_TOKENS}, work)
