@@ -153,7 +153,11 @@ def newton_schulz_batched(
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        if b and c:
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        else:  # a zero coefficient: the CPU's bf16 baddbmm then returns NaN (torch 2.13)
+            poly = gram * b + (gram @ gram) * c
+        x = torch.baddbmm(x, poly, x, beta=a)
     return x.mT if tall else x
 
 
