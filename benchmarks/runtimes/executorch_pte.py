@@ -90,9 +90,11 @@ def run_probe(spec: dict, work: Path) -> dict:
     src, dst = work / "executorch-in.json", work / "executorch-out.json"
     src.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
     cmd = [str(runtime_python("executorch")), str(Path(__file__).resolve()), "probe"]
-    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, text=True, timeout=3600)
+    # bytes: the runner prints each piece as it comes, a character's bytes split across pieces
+    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"ExecuTorch's probe failed: {done.stderr.strip().splitlines()[-1:]}")
+        err = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
+        raise RuntimeError(f"ExecuTorch's probe failed: {err}")
     return json.loads(dst.read_text(encoding="utf-8"))
 
 

@@ -77,9 +77,10 @@ def run_probe(spec: dict, work: Path) -> dict:
     src, dst = work / "litertlm-in.json", work / "litertlm-out.json"
     src.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
     cmd = [str(runtime_python("litertlm")), str(Path(__file__).resolve()), "probe"]
-    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"LiteRT-LM's probe failed: {done.stderr.strip().splitlines()[-1:]}")
+        err = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
+        raise RuntimeError(f"LiteRT-LM's probe failed: {err}")
     return json.loads(dst.read_text(encoding="utf-8"))
 
 
