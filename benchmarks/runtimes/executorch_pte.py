@@ -65,19 +65,40 @@ def probe(spec: dict) -> dict:
 
 
 def _runner(spec: dict) -> list[dict]:
-    """ExecuTorch's TextLLMRunner on each prompt text: the streamed text, tokens made, decode
-    tokens/s from its own stats."""
+    """ExecuTorch's TextLLMRunner on each prompt text: the text it streams, tokens made, decode
+    tokens/s from its own stats. The text is read from what the runner prints (its stdout): its
+    Python callback gets each piece as a str, which fails on a piece that is part of a character
+    (a byte-level token of a Bengali letter)."""
+    import ctypes
+    import os
+    import tempfile
+
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
+    libc = ctypes.CDLL(None)
     runner = TextLLMRunner(spec["pte"], spec["tokenizer"])
     found = []
     for text, bos in spec["prompts"]:
-        pieces, stats = [], []
+        stats = []
         config = GenerationConfig(echo=False, max_new_tokens=spec.get("new", NEW), temperature=0)
         config.num_bos = bos
-        runner.generate(text, config, pieces.append, stats.append)
+        with tempfile.TemporaryFile() as f:
+            sys.stdout.flush()
+            saved = os.dup(1)
+            os.dup2(f.fileno(), 1)
+            try:
+                runner.generate(text, config, None, stats.append)
+            finally:
+                libc.fflush(None)
+                os.dup2(saved, 1)
+                os.close(saved)
+            f.seek(0)
+            printed = f.read().decode("utf-8", "replace")
+        # after the pieces it prints a newline and its stats line ("PyTorchObserver {...}")
+        printed = printed.rsplit("\nPyTorchObserver ", 1)[0]
         report = json.loads(stats[-1].to_json_string()) if stats else {}
-        found.append({"text": "".join(pieces), "made": len(pieces)})
+        made = report.get("generated_tokens", -1) + 1  # and the prefill's token
+        found.append({"text": printed, "made": made})
         found[-1]["decode_tok_s"] = report.get("decode_token_per_sec")
         runner.reset()
     return found
