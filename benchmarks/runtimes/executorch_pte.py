@@ -48,13 +48,14 @@ def probe(spec: dict) -> dict:
     for prompt, want in zip(spec.get("gen", []), spec.get("want", []), strict=True):
         logits = forward.execute([torch.tensor([prompt]), torch.tensor([0])])[0][0, -1]
         made, departure = [], None
-        for step in range(len(want)):
+        steps = max(len(want), spec.get("gen_new", 0))  # past `want`'s end where asked
+        for step in range(steps):
             pick = int(logits.argmax())
-            if departure is None and pick != want[step]:
+            if departure is None and step < len(want) and pick != want[step]:
                 margin = float(logits[pick] - logits[want[step]])
                 departure = {"step": step, "margin": round(margin, 4)}
             made.append(pick)
-            if pick in spec.get("stops", []) or step == len(want) - 1:
+            if pick in spec.get("stops", []) or step == steps - 1:
                 break
             step_in = [torch.tensor([[pick]]), torch.tensor([len(prompt) + step])]
             logits = forward.execute(step_in)[0][0, -1]
@@ -157,8 +158,8 @@ def tokenizer_rows(bundle: Path, lines: dict, work: Path, label: str, source: Pa
 def departures(got: dict, want: list[list[int]]) -> tuple[int, str]:
     """(prompts whose greedy ids differ, where the first differs and by what margin)."""
     bad = [(i, d) for i, d in enumerate(got["departures"]) if d is not None]
-    bad += [(i, None) for i, (a, b) in enumerate(zip(got["gen"], want)) if a != b and not any(
-        j == i for j, _ in bad)]  # fmt: skip
+    bad += [(i, None) for i, (a, b) in enumerate(zip(got["gen"], want))
+            if a[: len(b)] != b and not any(j == i for j, _ in bad)]  # fmt: skip
     if not bad:
         return 0, ""
     i, d = bad[0]

@@ -78,6 +78,7 @@ def rows(work: Path) -> list[dict]:
         }
         spec |= {"gen": ref["prompts"], "want": want, "stops": ref["stops"]}
         spec |= {"prompts": [[t, 0] for t in ref["rendered"]], "new": NEW_TOKENS}
+        spec["gen_new"] = NEW_TOKENS  # the runner's length, for its text and stops below
         got = run_probe(spec, work)
         what = f"transformers' fp32 replies, SmolLM2 .pte {q} ({len(CHATS)} chats)"
         out.append(greedy_row(version, what, got, want))
