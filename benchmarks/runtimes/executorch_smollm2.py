@@ -86,11 +86,15 @@ def rows(work: Path) -> list[dict]:
         # it streams the stop token's own text last, as it meets it: not reply text
         own = [[i for i in g if i not in ref["stops"]] for g in got["gen"]]
         texts = [_cut(r["text"], ends) for r in got["runner"]]
-        bad = sum(a != tok.decode(b) for a, b in zip(texts, own))
+        differ = [tok.decode(b) for a, b in zip(texts, own) if a != tok.decode(b)]
+        bad, garbled = len(differ), sum(not t.isascii() for t in differ)
         check = (
             f"TextLLMRunner text == tokenizers' decode of the program's greedy ids (SmolLM2 {q})"
         )
-        out.append(row(version, check, f"{bad} of {len(texts)} differ", not bad))
+        why = (
+            f"; {garbled} of them non-ASCII, each such character streamed as U+FFFD" if bad else ""
+        )
+        out.append(row(version, check, f"{bad} of {len(texts)} differ{why}", not bad))
         ended = [i for i, g in enumerate(got["gen"]) if g and g[-1] in ref["stops"]]
         late = [i for i in ended if got["runner"][i]["made"] != len(got["gen"][i])]
         check = f"TextLLMRunner ends at <|im_end|> where the greedy reply does (SmolLM2 {q})"
@@ -110,6 +114,8 @@ def transformers_replies(folder: Path) -> dict:
 
 
 def _cut(text: str, ends: list[str]) -> str:
+    """The runner's text without the stop token's own text and the newline it prints at a stop."""
+    text = text.removesuffix("\n")
     for end in ends:
         if end and text.endswith(end):
             return text[: -len(end)]
