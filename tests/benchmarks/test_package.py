@@ -129,6 +129,7 @@ SCRATCH = {
     "export.bench_real_model": "the speed rows' spec for their processes; the figures, in --work",
     "train.bench_train": "the run's metrics log and its child's stdout, in --work",
     "train.bench_optim": "a run's figures cached in --work",
+    "train.bench_adapt": "its text, each run's figures and the runtime checks, in --work",
 }
 
 

@@ -28,10 +28,9 @@ from doel.train.adapt.vocab import SPLITS, extend
 from doel.train.common import DoelError, atomic_write_json
 from doel.train.config import PACKAGE, shipped_dirs
 from doel.train.data.conversations import SFTConfig
-from doel.train.data.prepare import PrepareConfig
-from doel.train.data.textio import resolve_sources
+from doel.train.data.prepare import PrepareConfig, parse_weights
+from doel.train.data.textio import iter_documents, resolve_sources
 from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
-from doel.train.evals.heldout import read_texts
 from doel.train.hf import read_config
 from doel.train.settings import TrainConfig
 
@@ -92,7 +91,7 @@ def resolve_preset(name: str | None) -> Path | None:
     raise DoelError(f"config {name!r} is neither a file nor an adapt preset; presets: {presets()}")
 
 
-def adapted_model(base: Path, data: list[str], run: Path, cfg: AdaptConfig, log=print):
+def adapted_model(base: Path, data: list[str], run: Path, cfg: AdaptConfig, weights=(), log=print):
     """RUN/adapted (the base itself for tokenizer=keep) and how many of its first rows are the
     base's (none for a replaced vocabulary)."""
     n_base = read_config(base).vocab_size
@@ -106,7 +105,7 @@ def adapted_model(base: Path, data: list[str], run: Path, cfg: AdaptConfig, log=
         if {k: have.get(k) for k in want} == want:
             return out, n_base if cfg.tokenizer == "extend" else 0
         raise DoelError(f"{out} was made with other settings ({have}); use another --out")
-    adapted = _tokenizer(base, data, run, cfg, log)
+    adapted = _tokenizer(base, data, run, cfg, weights, log)
     counts = write_adapted(base, adapted, out, cfg.tokenizer == "extend", want)
     n_base = n_base if cfg.tokenizer == "extend" else 0
     rows = f"{counts['new']:,} new" if cfg.tokenizer == "extend" else "every one replaced"
@@ -117,18 +116,32 @@ def adapted_model(base: Path, data: list[str], run: Path, cfg: AdaptConfig, log=
     return out, n_base
 
 
-def _tokenizer(base: Path, data: list[str], run: Path, cfg: AdaptConfig, log) -> dict:
+def bangla_texts(data: list[str], chars: int) -> list[str]:
+    """The documents of `data` that hold Bangla, up to `chars` characters, whatever the order
+    of the sources (English first would otherwise use up the budget)."""
+    texts, total = [], 0
+    for path in (p for source in resolve_sources(data) for p in source.paths):
+        for doc in iter_documents(path):  # lazily: a large corpus is not read whole
+            if total >= chars:
+                return texts
+            if any("\u0980" <= c <= "\u09ff" for c in doc[:2000]):
+                texts.append(doc)
+                total += len(doc)
+    return texts
+
+
+def _tokenizer(base: Path, data: list[str], run: Path, cfg: AdaptConfig, weights, log) -> dict:
     if cfg.tokenizer == "extend":
         base_json = json.loads((base / "tokenizer.json").read_text(encoding="utf-8"))
-        texts = read_texts(data, cfg.tokenizer_chars)
+        texts = bangla_texts(data, cfg.tokenizer_chars)
         log(f"tokenizer: learning up to {cfg.new_tokens:,} Bangla tokens (split={cfg.split})")
         return extend(base_json, texts, cfg.new_tokens, cfg.split)
     tcfg = TokenizerConfig(
         style="spm", vocab_size=cfg.spm_vocab_size, max_chars=cfg.tokenizer_chars
     )
-    path = train_tokenizer(
-        resolve_sources(data), tcfg, run / "spm-tokenizer", progress=False, log=log
-    )
+    sources = resolve_sources(data)  # mixed by the shares of --weights, as the shards are
+    mix = parse_weights(list(weights), sources)
+    path = train_tokenizer(sources, tcfg, run / "spm-tokenizer", mix, progress=False, log=log)
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
@@ -162,7 +175,7 @@ def adapt(
         shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run / "adapt_config.json", dataclasses.asdict(cfg))
-    model, n_base = adapted_model(base, data, run, cfg, log)
+    model, n_base = adapted_model(base, data, run, cfg, weights, log)
     make_shards(model, data, run, cfg.prepare, list(weights), log=log)
     pretrained = continue_pretraining(
         cfg.pretrain, model, run / "shards", run / "pretrain", n_base, log=log,

@@ -196,10 +196,11 @@ def test_doel_train_adapt_on_smollm2_at_a_few_steps(smollm2_folder, tmp_path):
     sets = ["new_tokens=256", "tokenizer_chars=300000", "prepare.max_val_overlap=1.0",
             "pretrain.steps=2", "pretrain.seq_len=64", "pretrain.batch_size=1",
             "pretrain.warmup_steps=1", "pretrain.eval_every=0", "pretrain.checkpoint_every=0",
-            "pretrain.dtype=float32"]  # fmt: skip
+            "pretrain.dtype=float32", "chat.steps=1", "chat.seq_len=64", "chat.batch_size=1",
+            "chat.dtype=float32", "chat.eval_every=0", "chat.checkpoint_every=0"]  # fmt: skip
     cmd = [sys.executable, "-m", "doel.train", "adapt", str(smollm2_folder), "--data", *TEXT,
            "--out", str(tmp_path / "run"), "--chat", CHAT, "--skip-verify",
-           *[a for s in sets for a in ("--set", s)], "--set", "chat.steps=1"]  # fmt: skip
+           *[a for s in sets for a in ("--set", s)]]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     final = (tmp_path / "run" / "final").resolve()
