@@ -210,7 +210,8 @@ def test_doel_train_adapt_on_smollm2_at_a_few_steps(smollm2_folder, tmp_path):
     ids = tok.encode("বাংলা ভাষা").ids
     assert any(i >= 49152 for i in ids) and tok.decode(ids) == "বাংলা ভাষা"
     assert "<|im_start|>" in _json(final, "tokenizer_config.json")["chat_template"]
-    assert "pass rows" in done.stdout and "loss_mask" in done.stdout
+    assert "pass rows" in done.stdout  # the gates run under --skip-verify too
+    assert done.stdout.count("gradient flow:") == 2  # pretraining's and the chat's
 
 
 def test_a_replaced_vocabulary_is_doel_s_spm_with_every_row_transplanted(base, tmp_path):
