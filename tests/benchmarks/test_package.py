@@ -128,6 +128,7 @@ SCRATCH = {
     "export.bench_export": "the exports' figures, kept between runs in --work",
     "export.bench_real_model": "the speed rows' spec for their processes; the figures, in --work",
     "train.bench_train": "the run's metrics log and its child's stdout, in --work",
+    "train.gpu_first_hour": "each part's log and traceback, in its --work",
     "train.bench_optim": "a run's figures cached in --work",
     "train.bench_adapt": "its text, each run's figures and the runtime checks, in --work",
 }
