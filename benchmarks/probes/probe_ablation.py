@@ -47,7 +47,7 @@ from benchmarks.probes.probe_ablation_report import markdown
 from benchmarks.probes.probe_stream import bandwidth
 from benchmarks.serve.bench_serve import MODELS, THREADS, setup
 
-RESULTS_NOT_YET_RUN = ("ablation_0.4b_cpu-<class>", "ablation_smollm2-135m_cpu-<class>")
+RESULTS = ("ablation_0.4b_cpu-<class>", "ablation_smollm2-135m_cpu-<class>")
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXTS = (128, 1536)
