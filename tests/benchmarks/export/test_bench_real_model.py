@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.export import bench_real_model as bench
+from benchmarks.export import bench_real_model_report as report
 
 
 def test_departure_is_the_first_differing_token_or_where_one_reply_stops_first():
@@ -51,17 +52,17 @@ def test_bounds_blame_the_bound_where_llama_cpp_is_past_it_too_and_the_format_wh
     int8 = got["doel int8 b64"]
     assert int8["bound_nats_per_token"] == 0.02 and not int8["refused_by_export"]
     assert int8["peer"] == "llama.cpp q8_0" and int8["peer_increase_here"] == 0.003
-    assert "passes it" in bench.verdict(int8)
+    assert "passes it" in report.verdict(int8)
     int4 = got["doel int4 b64, head int8"]
     assert int4["refused_by_export"] and int4["past_bound_here"] and int4["peer_past_bound"]
     assert int4["export_check"] == {"increase_nats_per_token": 0.19, "tokens": 4095,
                                     "texts": ["bn.txt"]}  # fmt: skip
-    assert "the bound is wrong for this model." in bench.verdict(int4)
-    assert bench.verdict(int4).endswith("costs 1.14× llama.cpp q4_0's increase.")  # 0.16 / 0.14
+    assert "the bound is wrong for this model." in report.verdict(int4)
+    assert report.verdict(int4).endswith("costs 1.14× llama.cpp q4_0's increase.")  # 0.16 / 0.14
     # the same refusal where llama.cpp's format of the same bits stays within the bound
     rows[-1] = _row("llama.cpp q4_0", 0.05)
     int4 = {b["variant"]: b for b in bench.bound_rows(rows, bundles)}["doel int4 b64, head int8"]
-    assert not int4["peer_past_bound"] and "the format is wrong." in bench.verdict(int4)
+    assert not int4["peer_past_bound"] and "the format is wrong." in report.verdict(int4)
 
 
 def _loss_row(name: str, en: float, bn: float) -> dict:
