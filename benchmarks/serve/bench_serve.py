@@ -57,8 +57,7 @@ from benchmarks.serve.bench_serve_llama import (
 )
 from benchmarks.serve.bench_serve_report import figure, markdown
 
-RESULTS = ("serve_0.4b_cpu-<class>",)
-RESULTS_NOT_YET_RUN = ("serve_smollm2-135m_cpu-<class>",)
+RESULTS = ("serve_0.4b_cpu-<class>", "serve_smollm2-135m_cpu-<class>")
 
 ROOT = Path(__file__).resolve().parents[2]
 
