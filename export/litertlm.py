@@ -19,17 +19,14 @@ is one, the parts' text joined where it is a list, so the template renders doel-
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from doel.contracts.manifest import Manifest
 from doel.export import phone
-from doel.export.checkpoint import inspect_checkpoint, source_record
-from doel.export.common import ExportError, file_table, staging, write_json
+from doel.export.checkpoint import source_record
+from doel.export.common import file_table, staging, write_json
 
-QUANTS = ("int4", "int8", "fp32")  # --quant for --format litertlm (litertlm_build.SCHEMES)
-DEFAULT_MAX_SEQ = 2048
 BUILDER = Path(__file__).with_name("litertlm_build.py")
 READ = re.compile(r"""(\bmessages?(?:\[\s*-?\d+\s*\])?)\[\s*(['"])content\2\s*\]""")
 CONTENT = (
@@ -49,7 +46,7 @@ def litertlm_template(template: str | None) -> str | None:
 def export_litertlm(
     checkpoint: str | Path,
     out: str | Path,
-    quant: str = "int4",
+    quant: str = phone.DEFAULT_QUANT,
     force: bool = False,
     tokenizer: str | Path | None = None,
     max_seq_len: int | None = None,
@@ -58,15 +55,9 @@ def export_litertlm(
 ) -> dict:
     """Write OUT/model-<quant>.litertlm, its tokenizer files and manifest.json, all or nothing
     (module docstring)."""
-    if quant not in QUANTS:
-        raise ExportError(f"--quant {quant!r}: --format litertlm makes {', '.join(QUANTS)}")
-    ckpt = inspect_checkpoint(checkpoint, tokenizer, verify=verify)
-    phone.check_llama(ckpt, "litertlm")
-    python = phone.runtime_python("litertlm")
-    seq = min(max_seq_len or DEFAULT_MAX_SEQ, ckpt.context_length)
-    if seq < 2:
-        raise ExportError(f"--max-seq-len {seq}: the model needs at least 2 positions")
-    tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
+    ckpt, python, seq, tok = phone.opening(
+        checkpoint, "litertlm", "litertlm", quant, tokenizer, max_seq_len, verify
+    )
     out, name = Path(out), f"model-{quant}.litertlm"
     start = phone.bos_id(ckpt) if phone.adds_bos(tok) else None
     template = litertlm_template(ckpt.chat_template)

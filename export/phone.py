@@ -18,8 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from doel.export.checkpoint import Checkpoint
+from doel.export.checkpoint import Checkpoint, inspect_checkpoint
 from doel.export.common import ExportError, write_json
+
+QUANTS = ("int4", "int8", "fp32")  # --quant for the phone formats (each builder's SCHEMES)
+DEFAULT_QUANT = "int4"
+DEFAULT_MAX_SEQ = 2048  # positions the program's KV cache holds, at most the model's context
 
 CACHE = Path(os.environ.get("DOEL_CACHE", Path.home() / ".cache" / "doel"))
 VENVS = {  # runtime -> (venv folder, what to pip install into it)
@@ -57,6 +61,20 @@ def run_script(python: Path, script: Path, spec: dict, work: Path, timeout: int 
     out = json.loads(dst.read_text(encoding="utf-8"))
     dst.unlink()
     return out
+
+
+def opening(checkpoint, fmt: str, runtime: str, quant: str, tokenizer, max_seq_len, verify: bool):
+    """What both exports begin with, checked: (the checkpoint, the runtime venv's python, the
+    positions its cache holds, tokenizer.json as read)."""
+    if quant not in QUANTS:
+        raise ExportError(f"--quant {quant!r}: --format {fmt} makes {', '.join(QUANTS)}")
+    ckpt = inspect_checkpoint(checkpoint, tokenizer, verify=verify)
+    check_llama(ckpt, fmt)
+    python = runtime_python(runtime)
+    seq = min(max_seq_len or DEFAULT_MAX_SEQ, ckpt.context_length)
+    if seq < 2:
+        raise ExportError(f"--max-seq-len {seq}: the model needs at least 2 positions")
+    return ckpt, python, seq, json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
 
 
 def check_llama(ckpt: Checkpoint, what: str) -> None:

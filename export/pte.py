@@ -25,19 +25,15 @@ EOS and the end of turn, so a chat reply ends where doel-serve's does.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 from doel.contracts.manifest import Manifest
 from doel.export import phone
-from doel.export.checkpoint import inspect_checkpoint, source_record
-from doel.export.common import ExportError, file_table, staging, write_json
+from doel.export.checkpoint import source_record
+from doel.export.common import file_table, staging, write_json
 from doel.export.tokenform import DIGIT, GPT2_SPLIT, is_sentencepiece, splits, why_not_byte_level
 
-QUANTS = ("int4", "int8", "fp32")  # --quant for --format pte (pte_build.SCHEMES)
-DEFAULT_QUANT = "int4"
-DEFAULT_MAX_SEQ = 2048  # positions the program's KV cache holds, at most the model's context
 BUILDER = Path(__file__).with_name("pte_build.py")
 # (DIGIT, GPT2_SPLIT) as one regex: a space run before a digit stays whole, as it does when the
 # digits are cut out first (tests/export/test_pte.py; benchmarks/runtimes/executorch.py)
@@ -84,7 +80,7 @@ def _one_split(tok: dict, regex: str) -> dict:
 def export_pte(
     checkpoint: str | Path,
     out: str | Path,
-    quant: str = DEFAULT_QUANT,
+    quant: str = phone.DEFAULT_QUANT,
     force: bool = False,
     tokenizer: str | Path | None = None,
     max_seq_len: int | None = None,
@@ -93,15 +89,9 @@ def export_pte(
 ) -> dict:
     """Write OUT/model-<quant>.pte, its tokenizer files and manifest.json, all or nothing
     (module docstring)."""
-    if quant not in QUANTS:
-        raise ExportError(f"--quant {quant!r}: --format pte makes {', '.join(QUANTS)}")
-    ckpt = inspect_checkpoint(checkpoint, tokenizer, verify=verify)
-    phone.check_llama(ckpt, "pte")
-    python = phone.runtime_python("executorch")
-    seq = min(max_seq_len or DEFAULT_MAX_SEQ, ckpt.context_length)
-    if seq < 2:
-        raise ExportError(f"--max-seq-len {seq}: the program needs at least 2 positions")
-    tok = json.loads(ckpt.tokenizer.read_text(encoding="utf-8"))
+    ckpt, python, seq, tok = phone.opening(
+        checkpoint, "pte", "executorch", quant, tokenizer, max_seq_len, verify
+    )
     runtime_tok, record = runtime_tokenizer(tok)
     if not record["exact"]:
         log(f"note: {record['why']}")
