@@ -74,6 +74,16 @@ def quantization_info(quant: str, block_size: int, engine: str, model: Path) -> 
     bits = quant_row(quant, "onnx").bits
     if bits is None:
         return {"scheme": "fp32", "bits": 32, "embedding": "fp32", "lm_head": "fp32"}
+    import onnx
+
+    nbits = [
+        (n.name, next(a.i for a in n.attribute if a.name == "bits"))
+        for n in onnx.load(str(model), load_external_data=False).graph.node
+        if n.op_type == "MatMulNBits"
+    ]
+    heads = [b for name, b in nbits if "lm_head" in name]
+    # optimum's graphs keep the head at the body's bits; build_genai may write it finer
+    finer = [b for name, b in nbits if "lm_head" not in name and b > bits]
     return {
         "scheme": f"{quant} weight-only, MatMulNBits",
         "bits": bits,
@@ -81,32 +91,15 @@ def quantization_info(quant: str, block_size: int, engine: str, model: Path) -> 
         "symmetric": True,
         "accuracy_level": ACCURACY_LEVEL,
         "embedding": embedding.describe(model),
-        "lm_head": f"int{_head_bits(model, bits)} MatMulNBits",
-        "promoted": promoted_matrices(model, bits),
+        "lm_head": f"int{heads[-1] if heads else bits} MatMulNBits",
+        # the body's MatMulNBits written finer than `bits` (promoted_bits), and of how many
+        "promoted": {
+            "bits": max(finer, default=None),
+            "matrices": len(finer),
+            "of": len(nbits) - len(heads),
+        },
         "quantizer": "onnxruntime-genai builder" if engine == "genai" else "MatMulNBitsQuantizer",
     }
-
-
-def promoted_matrices(model: Path, bits: int) -> dict:
-    """The body's MatMulNBits written finer than `bits` (the head apart): {"bits": their bits
-    or None, "matrices": how many, "of": the body's MatMulNBits}."""
-    import onnx
-
-    nodes = onnx.load(str(model), load_external_data=False).graph.node
-    body = [n for n in nodes if n.op_type == "MatMulNBits" and "lm_head" not in n.name]
-    finer = [b for n in body for a in n.attribute if a.name == "bits" and (b := a.i) > bits]
-    return {"bits": max(finer, default=None), "matrices": len(finer), "of": len(body)}
-
-
-def _head_bits(model: Path, default: int) -> int:
-    """Bits of the head's MatMulNBits as written (a row's head_bits above its bits: build_genai;
-    optimum's graphs keep the head at the body's, the `default`)."""
-    import onnx
-
-    nodes = onnx.load(str(model), load_external_data=False).graph.node
-    heads = [n for n in nodes if n.op_type == "MatMulNBits" and "lm_head" in n.name]
-    attrs = {a.name: a.i for a in heads[-1].attribute} if heads else {}
-    return attrs.get("bits", default)
 
 
 @contextlib.contextmanager

@@ -210,13 +210,14 @@ def rows(work: Path) -> list[dict]:
     said = "; ".join(built["refused"]) or "fp32, int8, int4 and int4 --web written at defaults"
     check = "doel-export at its defaults stays within its own parity bounds"
     out = [_row("doel-export", doel.__version__, check, said, not built["refused"])]
+    lines = genai.validation_lines()
     if genai.GENAI_VENV.exists():
         bundles = {"int4": built["int4"], "int8": built["int8"]}
-        found = genai.genai_rows(genai.GENAI_VENV, bundles, genai.validation_lines(), work)
+        found = genai.genai_rows(genai.GENAI_VENV, bundles, lines, work)
         out += [
             r | {"check": f"{MODEL}: {r['check']}"} for r in found if "random" not in r["check"]
         ]
-    out.append(genai.transformers_row(built["int4"], genai.validation_lines()))
+    out.append(genai.transformers_row(built["int4"], lines))
     out[-1]["check"] = f"{MODEL}: {out[-1]['check']}"
     return out + serve_rows(built) + template_rows(built, work) + page_rows(built)
 
