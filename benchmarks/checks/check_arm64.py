@@ -49,6 +49,7 @@ SUITE, PYTHON = "bookworm", "python3.11"  # the arm64 userland: Debian 12's Pyth
 QEMU_SUITE = "trixie"  # qemu-user 10.0 (see _qemu)
 CPUS = ("cortex-a53", "cortex-a76", "max")  # plain NEON; + dotprod, fp16; + i8mm, bf16, SVE
 FILES = ("model.onnx", "model.ort")
+LIBATOMIC = "usr/lib/aarch64-linux-gnu/libatomic.so.1"
 NEW_TOKENS, WINDOW = 32, 256
 PROMPTS = (
     "বাংলা ভাষা",
@@ -78,13 +79,15 @@ def _run(cmd: list[str], what: str, **kw) -> None:
         raise ArmError(f"{what} failed (exit {proc.returncode}):\n{tail}")
 
 
-def _wheels(dest: Path, platforms: tuple[str, ...], pins: list[str]) -> Path:
-    """Unpacked wheels in `dest` (a folder to put on PYTHONPATH), downloaded once."""
+def _wheels(dest: Path, platforms: tuple[str, ...], pins: list[str], deps: bool = False) -> Path:
+    """Unpacked wheels in `dest` (a folder to put on PYTHONPATH), downloaded once; with `deps`,
+    their dependencies too (pip reads their markers as on this x86_64 machine)."""
     if dest.is_dir():
         return dest
     part = dest.with_name(dest.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q"]
+    cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "-q"]
+    cmd += [] if deps else ["--no-deps"]
     cmd += [f"--platform={p}" for p in platforms]
     cmd += ["--python-version", "311", "--implementation", "cp", "-d", str(part / "whl"), *pins]
     _run(cmd, "pip download " + " ".join(pins))
@@ -98,14 +101,19 @@ def _wheels(dest: Path, platforms: tuple[str, ...], pins: list[str]) -> Path:
 def _userland(dest: Path) -> Path:
     """A Debian arm64 root with Python, unpacked without running anything in it (debootstrap's
     second stage would need binfmt_misc, which this machine does not mount)."""
-    if (dest / "usr/bin" / PYTHON).is_file():
+    if (dest / "usr/bin" / PYTHON).is_file() and (dest / LIBATOMIC).is_file():
         return dest
     if not shutil.which("debootstrap"):
         raise ArmError("debootstrap is missing: apt-get install debootstrap")
     part = dest.with_name(dest.name + ".partial")
     shutil.rmtree(part, ignore_errors=True)
+    shutil.rmtree(dest, ignore_errors=True)  # one from before libatomic1 was in it
     cmd = ["debootstrap", "--foreign", "--arch=arm64", "--variant=minbase"]
-    _run([*cmd, f"--include={PYTHON},libstdc++6,libgomp1", SUITE, str(part)], "debootstrap")
+    # libatomic1: pytorch-tokenizers' aarch64 wheel (ExecuTorch's tokenizer) links it
+    _run(
+        [*cmd, f"--include={PYTHON},libstdc++6,libgomp1,libatomic1", SUITE, str(part)],
+        "debootstrap",
+    )
     for deb in sorted((part / "var/cache/apt/archives").glob("*.deb")):
         _run(["dpkg-deb", "-x", str(deb), str(part)], f"unpacking {deb.name}")
     part.rename(dest)
@@ -142,22 +150,51 @@ def ensure_env(cache: Path = CACHE) -> dict:
     aarch64 under qemu once per CPU model with the same onnxruntime, numpy and tokenizers. Built
     on first use (about 2 minutes, under 200 MB of downloads, 420 MB on disk), then reused
     offline."""
+    pins = [f"{n}=={_version(n)}" for n in ("onnxruntime", "numpy", "tokenizers")]
+    arm = ("manylinux_2_28_aarch64", "manylinux2014_aarch64")
+    sides = {cpu: aarch64_python(pins, arm, cpu, cache) for cpu in CPUS}
+    return {
+        "x86_64": {"cmd": [sys.executable, *WORKER], "env": {}},
+        **{
+            f"aarch64 {cpu}": {"cmd": [*side["cmd"], *WORKER], "env": side["env"]}
+            for cpu, side in sides.items()
+        },
+    }
+
+
+def aarch64_python(
+    pins: list[str], platforms: tuple[str, ...], cpu: str, cache=CACHE, with_deps=()
+) -> dict:
+    """{"cmd": [qemu, -L, root, python3.11], "env": {...}}: the cached Debian arm64 root's Python
+    under qemu-user as CPU model `cpu`, with the wheels of `pins` (no dependencies) and of
+    `with_deps` (and theirs), each for `platforms`, on its path. The phone runtimes' ARM64 rows
+    run their probes on it (benchmarks/runtimes/executorch_arm64.py, litertlm_arm64.py)."""
     if platform.machine() != "x86_64":
         raise ArmError(f"this check emulates ARM64 on x86_64; this machine is {platform.machine()}")
     cache.mkdir(parents=True, exist_ok=True)
     qemu = _qemu(cache / f"qemu-{QEMU_SUITE}")
     root = _userland(cache / "root")
-    pins = [f"{n}=={_version(n)}" for n in ("onnxruntime", "numpy", "tokenizers")]
-    arm = ("manylinux_2_28_aarch64", "manylinux2014_aarch64")
-    site = _wheels(cache / ("site-" + "-".join(pins).replace("==", "")), arm, pins)
-    arm_py = [str(qemu), "-L", str(root), str(root / "usr/bin" / PYTHON), *WORKER]
-    return {
-        "x86_64": {"cmd": [sys.executable, *WORKER], "env": {}},
-        **{
-            f"aarch64 {cpu}": {"cmd": arm_py, "env": {"PYTHONPATH": str(site), "QEMU_CPU": cpu}}
-            for cpu in CPUS
-        },
-    }
+    sites = [_wheels(cache / _site(pins), platforms, pins)]
+    if with_deps:
+        sites.append(_wheels(cache / (_site(with_deps) + "-deps"), platforms, [*with_deps], True))
+    cmd = [str(qemu), "-L", str(root), str(root / "usr/bin" / PYTHON)]
+    return {"cmd": cmd, "env": {"PYTHONPATH": os.pathsep.join(map(str, sites)), "QEMU_CPU": cpu}}
+
+
+def _site(pins) -> str:
+    """A site folder's name: its pins ("site-litert-lm-api0.18.1"), hashed past a few."""
+    import hashlib
+
+    name = "site-" + "-".join(pins).replace("==", "")
+    if len(name) <= 80:
+        return name
+    return f"site-{pins[0].replace('==', '')}-{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+
+
+def qemu_version(side: dict) -> str:
+    """qemu-user's version ("10.0.7") of a side `aarch64_python` made."""
+    done = subprocess.run([side["cmd"][0], "--version"], capture_output=True, text=True)
+    return done.stdout.split()[2] if done.stdout.count(" ") >= 2 else "?"
 
 
 def _version(name: str) -> str:

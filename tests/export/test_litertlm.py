@@ -102,3 +102,28 @@ def test_litertlms_own_tokenizer_stops_and_chat_prompt(litertlm_bundle, tmp_path
     template = ChatTemplate.load(litertlm_bundle)
     assert ["<|bos|>" + r for r in got["chat"]] == [template.render(m) for m in CHATS]
     assert got["gen"][0]["text"] and got["gen"][0]["decode_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_litertlm_on_aarch64_under_qemu_reads_the_bundle_as_on_x86(litertlm_bundle, tmp_path):
+    """PyPI's aarch64 wheel of litert-lm-api under qemu-user (check_arm64's cached root; skipped
+    in one line where it cannot be built): the same tokenizer ids and greedy text as on x86."""
+    from benchmarks.checks.check_arm64 import ArmError, aarch64_python
+    from benchmarks.runtimes.litertlm_arm64 import WHEEL
+    from benchmarks.runtimes.litertlm_bundle import model, run_probe
+
+    try:
+        side = aarch64_python([WHEEL[0]], WHEEL[1], "cortex-a76")
+    except ArmError as e:
+        pytest.skip(str(e).splitlines()[0])
+    texts = [ln for ln in (SAMPLE / "bn.txt").read_text(encoding="utf-8").splitlines() if ln][:20]
+    texts += CORNERS + [unicodedata.normalize("NFD", t) for t in CORNERS]
+    spec = {"bundle": str(model(litertlm_bundle)), "seq": 96, "texts": texts}
+    spec |= {"prompts": [texts[0][:40]], "new": 8}
+    (tmp_path / "x86").mkdir()
+    (tmp_path / "arm").mkdir()
+    x86 = run_probe(spec | {"cache_dir": str(tmp_path / "x86")}, tmp_path)
+    arm = run_probe(spec | {"cache_dir": str(tmp_path / "arm")}, tmp_path, side)
+    assert (x86["machine"], arm["machine"]) == ("x86_64", "aarch64")
+    assert arm["ids"] == x86["ids"] and arm["stops"] == x86["stops"]
+    assert arm["gen"][0]["text"] == x86["gen"][0]["text"]
