@@ -5,20 +5,35 @@ they check or measure is what training runs, and a run resumes one way whatever 
 
 Order: device and dtype → the shards' vocabulary against the model's → loader at this rank
 (first: a loader that refuses its data does so before a model is built) → seed → model on the
-device → DDP/FSDP wrapper (and activation checkpointing) → optimizer (after FSDP: on the
-sharded parameters) → resume from a checkpoint → torch.compile.
+device → activation checkpointing → each transformer block compiled → DDP/FSDP wrapper →
+optimizer (after FSDP: on the sharded parameters) → resume from a checkpoint → the compiled
+blocks warmed up.
 
-torch.compile is static (`dynamic=False`): a call at another shape (the parity check's small
-batch, the checks' smaller micro-batches) compiles a graph of its own instead of turning the
-training shape's entry into a dynamic-shape graph that would then serve every step (its speed
-is not the one measured). Before it, `compile_preflight` refuses in one line a machine that
-lacks what inductor builds with (a C compiler, Python.h, Triton on CUDA): without them the
-compile fails and an eager run is about a third slower and takes far more memory. Any other
-compile failure falls back to eager with a warning.
+torch.compile is regional, as torchtitan does it: each block's forward is compiled before
+fully_shard (`compile_blocks`), not the wrapped model. FSDP's hooks (gathering a block's
+parameters, resharding them) run around the block's module call, outside the compiled graph, so
+dynamo never traces or breaks on them; the blocks are alike, so one graph serves every layer
+(compile time is one block's, not 24 layers'); activation checkpointing, applied first, is
+traced into it. DDP and one process take the same path for the same reasons (DDP's bucket hooks
+are on the gradients, which compiled blocks produce as eager ones do) and so that a run's
+compiled code does not depend on its strategy. The embedding, final norm, head and loss run
+eager (the head's fp32 logits for the loss are not fused). Each block keeps its eager forward:
+the compiled one runs only when called through `BlocksCompiled` (what the step calls), so the
+eager module stays eager for evaluation, generation and the checks' references.
+
+The compile is static (`dynamic=False`) and whole (`fullgraph=True`: a graph break inside a
+block fails the warm-up loudly instead of splitting it silently): a call at another shape (the
+parity check's small batch, the checks' smaller micro-batches) compiles a graph of its own
+instead of turning the training shape's entry into a dynamic-shape graph that would then serve
+every step (its speed is not the one measured). Before it, `compile_preflight` refuses in one
+line a machine that lacks what inductor builds with (a C compiler, Python.h, Triton on CUDA):
+without them the compile fails and an eager run is about a third slower and takes far more
+memory. Any other compile failure falls back to eager with a warning.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import os
 import shutil
@@ -47,8 +62,9 @@ Loader = TokenLoader | ChatLoader
 class Parts:
     """What a run trains with. `model` is the eager module (what checkpoints, evaluation and
     the checks read), `wrapped` the DDP/FSDP module around it (or `model`), `compiled` what the
-    step calls (torch.compile of `wrapped`, or `wrapped`). The factories make fresh copies built
-    the same way, for checks that must step or train without touching the run."""
+    step calls (BlocksCompiled: `wrapped` with its blocks' compiled forwards on; or `wrapped`).
+    The factories make fresh copies built the same way, for checks that must step or train
+    without touching the run."""
 
     cfg: TrainConfig
     model: nn.Module
@@ -84,8 +100,54 @@ def check_vocab(meta: dict, cfg: TrainConfig) -> None:
         )
 
 
-# torch.compile's options for every compiled model of a run (see the module docstring).
+# torch.compile's options for every compiled block of a run (see the module docstring).
 COMPILE_OPTIONS = {"dynamic": False}
+_COMPILED_ON = contextvars.ContextVar("doel_compiled_blocks", default=False)
+
+
+class _EagerOrCompiled:
+    """A block's forward: its compiled graph inside a BlocksCompiled call, else the eager one."""
+
+    def __init__(self, eager: Callable, fast: Callable):
+        self.eager, self.fast = eager, fast
+
+    def __call__(self, *args, **kwargs):
+        return (self.fast if _COMPILED_ON.get() else self.eager)(*args, **kwargs)
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Give each transformer block a compiled forward beside its eager one (traced at its first
+    compiled call), before DDP/FSDP wrap the blocks: see the module docstring."""
+    for block in model.model.layers:
+        eager = block.forward  # the class's, or activation checkpointing's around it
+        fast = torch.compile(eager, fullgraph=True, **COMPILE_OPTIONS)
+        block.forward = _EagerOrCompiled(eager, fast)
+
+
+class BlocksCompiled(nn.Module):
+    """What the step calls under compile: the wrapped model (`_orig_mod`, as torch.compile's
+    wrapper names it, so `unwrap` and parameter names treat both alike), its blocks' compiled
+    forwards on for the call. Other attributes (DDP's no_sync, FSDP's gradient sync) are the
+    wrapped model's."""
+
+    def __init__(self, wrapped: nn.Module):
+        super().__init__()
+        self._orig_mod = wrapped
+
+    def forward(self, *args, **kwargs):
+        token = _COMPILED_ON.set(True)
+        try:
+            return self._orig_mod(*args, **kwargs)
+        finally:
+            _COMPILED_ON.reset(token)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_orig_mod":
+                raise
+            return getattr(self._orig_mod, name)
 
 
 def compile_preflight(device: torch.device, which=None, include=None) -> str | None:
@@ -114,23 +176,20 @@ def compile_preflight(device: torch.device, which=None, include=None) -> str | N
     return None
 
 
-def compiled(model: nn.Module, batch, ctx, log) -> nn.Module:
-    """torch.compile the model (static shapes), or say loudly why the run falls back to eager.
-    `batch` (inputs, targets on the device) warms it up; the gradients of that pass are
-    cleared. A machine without inductor's toolchain is refused before (compile_preflight)."""
-    problem = compile_preflight(next(model.parameters()).device)
-    if problem:
-        raise DoelError(problem)
-    log("compiling the model (the first step takes longer)")
-    fast = torch.compile(model, **COMPILE_OPTIONS)
+def compiled(wrapped: nn.Module, batch, ctx, log) -> nn.Module:
+    """`wrapped` with its compiled blocks on (BlocksCompiled; `compile_blocks` gave them before
+    sharding), or, if compiling fails, `wrapped` eager with a loud warning. `batch` (inputs,
+    targets on the device) warms it up; the gradients of that pass are cleared."""
+    log("compiling the transformer block (one graph for every layer; the first step is slower)")
+    fast = BlocksCompiled(wrapped)
     x, y = batch
     try:
         with ctx():
             fast(x, y, reduction="sum").backward()
     except Exception as e:  # noqa: BLE001 (inductor raises many kinds)
         log(f"WARNING: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eager")
-        fast = model
-    model.zero_grad(set_to_none=True)
+        fast = wrapped
+    wrapped.zero_grad(set_to_none=True)
     return fast
 
 
@@ -221,9 +280,16 @@ def build_parts(
 
     has_loader = data is not None or loader_factory is not None
     loader = make_loader() if has_loader else None  # data it refuses: before a model is built
+    use_compile = cfg.compile if compile is None else compile
+    problem = compile_preflight(device) if use_compile else None
+    if problem:
+        raise DoelError(problem)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = make_model()
-    wrapped = wrap_model(model, cfg.strategy, info, device, dtype, cfg.activation_checkpointing)
+    blocks = compile_blocks if use_compile else None
+    wrapped = wrap_model(
+        model, cfg.strategy, info, device, dtype, cfg.activation_checkpointing, blocks
+    )
     optimizer = make_optimizer(wrapped)
     if describe_to is not None:  # the resolved groups, once at the start of a run
         for line in describe_groups(optimizer, model):
@@ -250,7 +316,7 @@ def build_parts(
         log(f"resuming from {resume_from} (step {parts.step})")
     if describe_to is not None:
         parts.desc = describe(model, cfg, device, dtype, info, describe_to)
-    if cfg.compile if compile is None else compile:
+    if use_compile:
         batch = example_batch if loader is None else loader.peek(1)[0]
         parts.compiled = compiled(wrapped, _tensors(batch, device), parts.ctx, log)
     return parts

@@ -28,6 +28,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -215,11 +216,15 @@ def wrap_model(
     device: torch.device,
     dtype: torch.dtype,
     activation_checkpointing: bool = False,
+    before_sharding: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """DDP, or FSDP2 per transformer block plus the root (embedding, norm and head, which keeps
-    a tied head and embedding one tensor). Returns the module to train."""
+    a tied head and embedding one tensor). Returns the module to train. `before_sharding(model)`
+    runs after activation checkpointing and before any wrapper (build.py's compile_blocks)."""
     if activation_checkpointing:
         _checkpoint_blocks(model)
+    if before_sharding is not None:
+        before_sharding(model)
     if not info.enabled:
         return model
     if strategy == "ddp":
