@@ -10,24 +10,30 @@ checkpoints (state_dict, torch.distributed.checkpoint), the verification suite a
 loop handle it as they handle AdamW. Each group has an `lr_scale`: the schedule's lr times it
 is the group's lr (muon_lr / lr for Muon), so one schedule drives both.
 
-Under FSDP2 a hidden matrix is a DTensor sharded by rows. torch's Muon runs on it through
-DTensor's operators, but those sum bfloat16 partial products across ranks, which moves the
-update by 1-2 % of its size against one process (measured on 64x64 and 176x64 with the same
-gradients). So a sharded matrix takes `_sharded_muon_step`: the momentum stays sharded (its
-ops are elementwise), the momentum-corrected gradient is all-gathered, every rank runs torch's
-own Newton-Schulz on the whole matrix and keeps its rows: the same numbers as one process, for
-one all-gather of the matrix a step (as much as FSDP's own gather of those weights) and the
-orthogonalization done on every rank (tests/train/test_dist.py compares it with one process).
-
-Unsharded matrices (one process, DDP) take `_batched_muon_step`: torch.optim.Muon's update with
-its per-matrix loop replaced by foreach momentum ops and one Newton-Schulz a shape over the
+Unsharded matrices (one process, DDP) are updated by `_muon_step`: torch.optim.Muon's update
+with its per-matrix loop replaced by foreach momentum ops and one Newton-Schulz a shape over the
 stacked matrices of that shape (`newton_schulz_batched`, as modded-nanogpt and nanochat batch
-it): 5 shapes instead of 168 matrices at 0.4B, so a few dozen kernel launches an update instead
+it): 4 shapes instead of 168 matrices at 0.4B, so a few dozen kernel launches an update instead
 of thousands. The same arithmetic in the same order: on the CPU it equals torch's per-matrix
 update bit for bit (tests/train/test_muon_batched.py). Under DDP every rank holds the same
 averaged gradients, so instead of each rank orthogonalizing all of them, rank r takes every
 world-th matrix of each shape and an all-gather shares the results (`_orthogonalized`): each
 matrix is computed once, by one rank, and every rank applies the same numbers.
+
+Under FSDP2 a hidden matrix is a DTensor sharded by rows. torch's Muon would run on it through
+DTensor's operators, which sum bfloat16 partial products across ranks and move the update by
+1-2 % of its size against one process; gathering each matrix whole instead costs one blocking
+collective a matrix (168 at 0.4B) and every rank orthogonalizing every matrix. So `_muon_step`
+runs the elementwise parts (momentum, Nesterov, decay, the step) on each rank's own rows, and
+`_orthogonalized_sharded` distributes the orthogonalization as nanochat's DistMuon and
+modded-nanogpt do: the matrices of one shape are numbered, rank r owns the r-th block of
+ceil(N / world) of them, one all_to_all gives each owner the rows every rank holds of its
+matrices (in bfloat16, which Newton-Schulz casts to first: the same numbers for half the bytes),
+the owner runs the batched Newton-Schulz on its whole matrices, and a second all_to_all sends
+each rank its rows of every result. Two collectives a shape (8 at 0.4B) instead of one a
+matrix, each matrix orthogonalized once, and the numbers of one process: every matrix is
+orthogonalized whole, by the same kernels (tests/train/test_dist.py compares the sharded
+update with torch.optim.Muon's at world sizes 2 and 3 and counts the collectives).
 """
 
 from __future__ import annotations
@@ -37,14 +43,14 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from doel.train.torchcheck import require_torch
 
-# torch's own Newton-Schulz and shape-based lr adjustment (private names: a torch release that
-# renames them fails here, at import, not silently in a run; one older than the floor is named).
+# torch's Muon's shape-based lr adjustment (a private name: a torch release that renames it fails
+# here, at import, not silently in a run; one older than the floor is named).
 try:
-    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+    from torch.optim._muon import _adjust_lr
 except ImportError:
     require_torch()
     raise
@@ -120,20 +126,12 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         muon = self._subs.get("muon")
-        if muon is not None:
-            sharded = [
-                (g, p)
-                for g in muon.param_groups
-                for p in g["params"]
-                if p.grad is not None and isinstance(p, DTensor)
-            ]
-            for g in muon.param_groups:  # the whole (unsharded) matrices, batched by shape
-                whole = [
-                    p for p in g["params"] if p.grad is not None and not isinstance(p, DTensor)
-                ]
-                _batched_muon_step(whole, self.state, g)
-            for g, p in sharded:
-                _sharded_muon_step(p, self.state[p], g)
+        for g in muon.param_groups if muon is not None else []:
+            live = [p for p in g["params"] if p.grad is not None]
+            whole = [p for p in live if not isinstance(p, DTensor)]
+            _muon_step(whole, self.state, g, _orthogonalized)
+            sharded = [p for p in live if isinstance(p, DTensor)]
+            _muon_step(sharded, self.state, g, _orthogonalized_sharded)
         if "adamw" in self._subs:
             self._subs["adamw"].step()
         return loss
@@ -161,17 +159,24 @@ def newton_schulz_batched(
     return x.mT if tall else x
 
 
-def _batched_muon_step(params: list[torch.Tensor], state: dict, group: dict) -> None:
-    """torch.optim.Muon's step for one group of whole matrices: momentum (lerp), Nesterov,
-    Newton-Schulz on each shape's stack, decoupled weight decay, the shape-adjusted lr. The
-    momentum lives in state[p]["momentum_buffer"], as torch's Muon keeps it (checkpoints)."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (a view: in-place ops on it change the DTensor), or `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _muon_step(params: list[torch.Tensor], state: dict, group: dict, orthogonalize) -> None:
+    """torch.optim.Muon's step for one group's matrices, all whole or all sharded: momentum
+    (lerp), Nesterov, decoupled weight decay, the shape-adjusted lr, elementwise on each rank's
+    own part; `orthogonalize(updates, params, group)` turns each shape's updates into the
+    Newton-Schulz results (the same parts). The momentum lives in state[p]["momentum_buffer"]
+    (a DTensor under FSDP), as torch's Muon keeps it (checkpoints)."""
     if not params:
         return
     for p in params:
         if "momentum_buffer" not in state[p]:
             state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-    grads = [p.grad for p in params]
-    bufs = [state[p]["momentum_buffer"] for p in params]
+    grads = [_local(p.grad) for p in params]
+    bufs = [_local(state[p]["momentum_buffer"]) for p in params]
     momentum, lr = group["momentum"], float(group["lr"])
     torch._foreach_lerp_(bufs, grads, 1 - momentum)
     updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
@@ -179,49 +184,63 @@ def _batched_muon_step(params: list[torch.Tensor], state: dict, group: dict) -> 
     for i, p in enumerate(params):
         same[(tuple(p.shape), p.device, p.dtype)].append(i)
     for (shape, _, _), idx in same.items():
-        ortho = _orthogonalized(torch.stack([updates[i] for i in idx]), group)
-        mine = [params[i] for i in idx]
+        ortho = orthogonalize([updates[i] for i in idx], [params[i] for i in idx], group)
+        mine = [_local(params[i]) for i in idx]
         torch._foreach_mul_(mine, 1 - lr * group["weight_decay"])
         step = -_adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape))
-        for p, o in zip(mine, ortho.unbind(0)):
+        for p, o in zip(mine, ortho):
             p.add_(o, alpha=step)
 
 
-def _orthogonalized(stack: torch.Tensor, group: dict) -> torch.Tensor:
-    """Newton-Schulz of a stack of same-shape matrices; under a process group (DDP: every rank
-    holds the same stack) each rank computes every world-th matrix and an all-gather shares
+def _ns_args(group: dict) -> tuple:
+    return tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"]
+
+
+def _orthogonalized(updates: list, params: list, group: dict) -> list[torch.Tensor]:
+    """Newton-Schulz of same-shape whole matrices; under a process group (DDP: every rank
+    holds the same updates) each rank computes every world-th matrix and an all-gather shares
     them, so the work is split, not repeated."""
-    ns = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"])
+    stack = torch.stack(updates)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1 or stack.size(0) == 1:
-        return newton_schulz_batched(stack, *ns)
+        return list(newton_schulz_batched(stack, *_ns_args(group)).unbind(0))
     n = stack.size(0)
     per = -(-n // world)  # matrices a rank (the last ranks may pad with zeros)
     padded = torch.cat([stack, stack.new_zeros(per * world - n, *stack.shape[1:])])
-    mine = newton_schulz_batched(padded[dist.get_rank() * per : (dist.get_rank() + 1) * per], *ns)
+    rank = dist.get_rank()
+    mine = newton_schulz_batched(padded[rank * per : (rank + 1) * per], *_ns_args(group))
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine.contiguous())
-    return torch.cat(parts)[:n]
+    return list(torch.cat(parts)[:n].unbind(0))
 
 
-def _sharded_muon_step(p: DTensor, state: dict, group: dict) -> None:
-    """torch.optim.Muon's update for one row-sharded matrix (the same ops in the same order,
-    see the module docstring): elementwise parts on the shards, Newton-Schulz on the whole."""
-    grad = p.grad
-    if "momentum_buffer" not in state:
-        state["momentum_buffer"] = torch.zeros_like(grad)
-    buf = state["momentum_buffer"]
-    momentum = group["momentum"]
-    buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-    full = _zeropower_via_newtonschulz(
-        update.full_tensor(), tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"]
-    )
-    # Every rank holds the same whole matrix: keep this rank's part, without communication.
-    mine = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-    lr = float(group["lr"])
-    p.mul_(1 - lr * group["weight_decay"])
-    p.add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+def _orthogonalized_sharded(updates: list, params: list, group: dict) -> list[torch.Tensor]:
+    """Newton-Schulz of same-shape matrices sharded by rows (FSDP2): `updates` are this rank's
+    rows of each; returns this rank's rows of each result. See the module docstring: owners by
+    block of matrices, one all_to_all to the owners, one back."""
+    p = params[0]
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise ValueError(f"Muon shards matrices by rows on one mesh axis, not {p.placements}")
+    pg, world = p.device_mesh.get_group(), p.device_mesh.size()
+    rank = dist.get_rank(pg)
+    (rows, cols), n, have = p.shape, len(updates), updates[0].size(0)
+    per, span = -(-n // world), -(-rows // world)  # matrices an owner, rows a full shard
+    if have != max(0, min(span, rows - rank * span)):  # FSDP2 shards as torch.chunk does
+        raise ValueError(f"rank {rank} holds {have} rows of a {rows}-row matrix")
+    send = updates[0].new_zeros(world * per, span, cols, dtype=torch.bfloat16)
+    send[:n, :have] = torch.stack(updates)
+    got = torch.empty_like(send)  # [j * per + k]: rank j's rows of this rank's k-th matrix
+    dist.all_to_all_single(got, send, group=pg)
+    whole = got.view(world, per, span, cols).transpose(0, 1).reshape(per, world * span, cols)
+    owned = max(0, min(per, n - rank * per))
+    result = torch.zeros_like(whole)
+    if owned:
+        mats = whole[:owned, :rows].contiguous()
+        result[:owned, :rows] = newton_schulz_batched(mats, *_ns_args(group))
+    send = result.view(per, world, span, cols).transpose(0, 1).contiguous()
+    back = torch.empty_like(send)  # [j, k]: this rank's rows of rank j's k-th result
+    dist.all_to_all_single(back, send, group=pg)
+    return list(back.view(world * per, span, cols)[:n, :have].unbind(0))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

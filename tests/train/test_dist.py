@@ -161,6 +161,54 @@ def test_muon_under_ddp_and_fsdp_matches_one_process(shards, tmp_path):
         assert float((accum1[k] - one[k]).norm() / one[k].norm()) < 2e-2, k
 
 
+def torchrun_workers(nproc: int, job: str, out: Path, *args) -> list[dict]:
+    """tests/train/dist_workers.py JOB OUT ARGS under torchrun; each rank's report."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", str(ROOT / "tests" / "train" / "dist_workers.py")]
+    run([*cmd, job, str(out), *args])
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_muon_equals_one_process_with_two_collectives_a_shape(tmp_path, world):
+    """FSDP2's row shards of 17 matrices in 6 shapes (counts of 1 to 5: at world 2 and 3 some
+    are not multiples of the world; 65 rows split unevenly; at world 3 the 2-row matrices leave
+    rank 2 without rows) against torch.optim.Muon on the whole matrices: the same weights and
+    momentum bit for bit after each of 3 steps, with one all_to_all to the owners and one back
+    per shape an update, nothing else (a per-matrix gather would count 17 or more)."""
+    reports = torchrun_workers(world, "muon", tmp_path)
+    for rep in reports:
+        assert rep["world"] == world and rep["shapes"] == 6
+        for step in rep["steps"]:
+            assert step["sharded"] and step["all_moved"]
+            assert all(step["weights_equal"]), (rep["rank"], step["max_error"])
+            assert all(step["momentum_equal"]), rep["rank"]
+            assert step["collectives"] == {"c10d.alltoall_base_": 2 * 6}
+    if world == 3:
+        assert 0 in reports[2]["steps"][0]["rows_here"]  # a rank without rows of a matrix
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_blocks_are_compiled_before_sharding_and_train_as_eager(tmp_path, strategy):
+    """build_parts with compile under 2 ranks: each block had its compiled forward when
+    fully_shard (or DDP) took it, one block graph served both layers with FSDP's hooks outside
+    it (its inputs are the whole, gathered weights), and 2 steps give eager's losses and
+    weights (aot_eager backend: see tests/train/dist_workers.py)."""
+    reports = torchrun_workers(2, "compile", tmp_path, strategy)
+    hidden, layers = 64, 2  # configs/tiny.toml
+    for rep in reports:
+        assert rep["step_calls"] == "BlocksCompiled"
+        wrappers = [w["wrapper"] for w in rep["wrapping"]]
+        assert wrappers == (["block"] * layers + ["root"] if strategy == "fsdp" else ["root"])
+        assert all(all(w["blocks_compiled"]) for w in rep["wrapping"])
+        assert rep["graphs_after_warmup"] == 1 and len(rep["graphs"]) == 1
+        assert rep["graphs"][0][0] == [2, 64, hidden] and [hidden, hidden] in rep["graphs"][0]
+        compiled, eager = rep["losses"]["True"], rep["losses"]["False"]
+        assert compiled[1] < compiled[0]  # it trained
+        assert compiled == pytest.approx(eager, rel=1e-6)
+        assert rep["max_weight_error"] < 1e-6
+
+
 @pytest.fixture(scope="module")
 def sharded_run(shards, tmp_path_factory) -> Path:
     """2 FSDP processes, 12 of STEPS steps: the checkpoint at step 12 is sharded."""
