@@ -11,8 +11,9 @@ a turn), unlike doel's own spm, so each check of the default model's rows is run
   the fp32 bundle; the int8 / int4 bundles' replies are counted, a departure being expected;
 - Ollama's TEMPLATE in Go and llama-server's `--jinja` render the conversations of the default
   model's rows (tools, tool calls, Bangla) as doel-serve renders them with the model's template;
-- the browser page (`doel-export --web`, int4, its default path) completes prompts greedily to
-  doel-serve's text on the same bundle.
+- the browser page (`doel-export --web`, int4, its default path): its greedy texts against
+  doel-serve's on the same bundle, and its kernel's held-out loss and logits against ONNX
+  Runtime's beside ONNX Runtime's own rounding noise (page_numerics: why not bit-exact here).
 Rows from `rows(work)`; `python -m benchmarks.runtimes.real_model [WORK]` prints them as JSON.
 """
 
@@ -184,22 +185,27 @@ def template_rows(built: dict, work: Path) -> list[dict]:
     return out
 
 
-def page_rows(built: dict) -> list[dict]:
+def page_rows(built: dict, lines: dict[str, list[str]]) -> list[dict]:
+    """The page's greedy texts (Chromium), and its kernel's loss and logits (Node.js) against
+    ONNX Runtime's on the same int4 bundle (page_numerics: why not bit-exact on real weights)."""
+    import subprocess
+
     from benchmarks.runtimes import end_of_document as eod
+    from benchmarks.runtimes import page_numerics
 
     chromium = eod.chromium_version()
     name = "the browser page (doel-export --web, int4, its default path)"
     if not chromium:
-        return [_row(name, "-", "greedy completions == doel-serve's", "not run: no Chromium", 0)]
-    page = eod.browser_page(built["int4-web"], PAGE_PROMPTS)
-    serve = [eod.doel_serve(built["int4-web"], p)["text"] for p in PAGE_PROMPTS]
-    got = [page[p]["text"] for p in PAGE_PROMPTS]
-    bad = sum(g != s for g, s in zip(got, serve))
-    result = (
-        f"{len(got) - bad} of {len(got)} identical, e.g. page {got[1]!r}, doel-serve {serve[1]!r}"
-    )
-    check = f"greedy completions (max {eod.MAX_NEW}) == doel-serve's on the same int4 bundle"
-    return [_row(name, f"Chromium {chromium}", check, result, bad == 0)]
+        out = [{"runtime": name, "version": "-", "check": "greedy completions == doel-serve's",
+                "result": "not run: no Chromium", "ok": False}]  # fmt: skip
+    else:
+        page = eod.browser_page(built["int4-web"], PAGE_PROMPTS)
+        serve = {p: eod.doel_serve(built["int4-web"], p)["text"] for p in PAGE_PROMPTS}
+        texts = {p: page[p]["text"] for p in PAGE_PROMPTS}
+        out = page_numerics.greedy_rows(built["int4-web"], texts, serve, chromium)
+    node = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
+    found = page_numerics.rows(built["int4-web"], lines, f"Node.js {node}")
+    return [r | {"check": f"{MODEL}: {r['check']}"} for r in out + found]
 
 
 def rows(work: Path) -> list[dict]:
@@ -219,7 +225,7 @@ def rows(work: Path) -> list[dict]:
         ]
     out.append(genai.transformers_row(built["int4"], lines))
     out[-1]["check"] = f"{MODEL}: {out[-1]['check']}"
-    return out + serve_rows(built) + template_rows(built, work) + page_rows(built)
+    return out + serve_rows(built) + template_rows(built, work) + page_rows(built, lines)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ SCRATCH = {
     "serve.bench_serve": "the engine runs' spec, for their child processes",
     "checks.check_arm64": "apt's sources list, the worker's job and its result (scratch)",
     "checks.check_seed_isolation": "the server's API keys file",
+    "runtimes.page_numerics": "a bundle copied with its embedding's scales nudged (scratch)",
     "probes.probe_web_matmul": "the probe's weights, Node.js script, worker and page (scratch)",
     "export.bench_gguf": "held-out text copied for llama.cpp",
     "probes.probe_ablation": "the ablated copies of a bundle's graph, beside its weights",
