@@ -47,6 +47,8 @@ DEFAULT = "extend-qwen35"  # adapt's default (docs/adapt.md): the adapted arm's 
 EVAL_EVERY = 10  # steps between validations: the learning curves
 RUNTIME_CHARS = 100_000  # held-out characters a language the runtimes tokenize
 LR_ADAPT, LR_SCRATCH = 1e-4, 1e-3  # a trained model moves gently; a random one needs more
+WEIGHTS = ("bn=2", "en=1")  # the languages' shares of characters in every text mix here
+SPM_VOCAB = 32768  # the from-scratch arm's doel spm vocabulary (doel's default size)
 
 
 def corpus(work: Path) -> tuple[Path, Path]:
@@ -166,7 +168,7 @@ def run_variant(name: str, steps: int, base: Path, work: Path) -> dict:
     base = base_model(base)
     vdir = work / name
     cfg = AdaptConfig(tokenizer=kind, split=split, tokenizer_chars=BN_CHARS + EN_CHARS)
-    model, n_base = adapted_model(base, [str(bn), str(en)], vdir, cfg, ["bn=2", "en=1"])
+    model, n_base = adapted_model(base, [str(bn), str(en)], vdir, cfg, list(WEIGHTS))
     base_json = json.loads((base / "tokenizer.json").read_text(encoding="utf-8"))
     tok_json = json.loads((model / "tokenizer.json").read_text(encoding="utf-8"))
     row = {
@@ -177,11 +179,12 @@ def run_variant(name: str, steps: int, base: Path, work: Path) -> dict:
         "chars_per_token": chars_per_token(tok_json, texts),
         "english_ids_unchanged": english_unchanged(base_json, tok_json, texts["en"]),
     }
+    if kind == "spm":  # its text: the training text mixed at these shares
+        row["tokenizer_weights"] = list(WEIGHTS)
     t0 = time.time()
     row["bits_per_char_before"] = heldout_bits(model, texts)
     row["score_seconds"] = time.time() - t0
-    weights = ["bn=2", "en=1"]  # shares of characters, as the spm tokenizer's text
-    make_shards(model, [str(bn), str(en)], vdir, _shards_config(), weights)
+    make_shards(model, [str(bn), str(en)], vdir, _shards_config(), list(WEIGHTS))
     t0 = time.time()
     final = continue_pretraining(
         pretrain_config(steps, LR_ADAPT), model, vdir / "shards", vdir / "run", n_base,
@@ -206,6 +209,32 @@ def scratch_config(vocab: int):
     )  # fmt: skip
 
 
+def scratch_shards(work: Path) -> tuple[Path, dict]:
+    """The from-scratch arm's shards: doel's spm tokenizer trained on the same Bangla and English
+    training text as the adapted arm's, mixed at the same shares (WEIGHTS), and that text in it
+    (work/scratch). Made once; returns the shards and the tokenizer's held-out chars/token."""
+    from tokenizers import Tokenizer
+
+    from doel.train.data.prepare import parse_weights, prepare
+    from doel.train.data.textio import resolve_sources
+    from doel.train.data.tokenizer import TokenizerConfig, train_tokenizer
+
+    out = work / "scratch"
+    data = [str(p) for p in corpus(work)]
+    tok_path = out / "tokenizer" / "tokenizer.json"
+    if not tok_path.is_file():
+        sources = resolve_sources(data)
+        tcfg = TokenizerConfig(style="spm", vocab_size=SPM_VOCAB, max_chars=BN_CHARS + EN_CHARS)
+        mix = parse_weights(list(WEIGHTS), sources)
+        train_tokenizer(sources, tcfg, out / "tokenizer", mix, progress=False)
+    if not (out / "shards" / "meta.json").is_file():
+        prepare(tok_path, data, out / "shards", _shards_config(), list(WEIGHTS), progress=False)
+    tok_json = json.loads(tok_path.read_text(encoding="utf-8"))
+    info = {"vocab": Tokenizer.from_file(str(tok_path)).get_vocab_size(), "weights": list(WEIGHTS)}
+    info["chars_per_token"] = chars_per_token(tok_json, held_out())
+    return out / "shards", info
+
+
 def run_arm(arm: str, minutes: float, default: str, work: Path, device: str) -> dict:
     """One arm of the comparison, trained for `minutes` of wall-clock (time_limit), validated
     every EVAL_EVERY steps; its held-out figures at the start and the end."""
@@ -222,7 +251,7 @@ def run_arm(arm: str, minutes: float, default: str, work: Path, device: str) -> 
     if arm == "adapted":
         vdir = work / default
         bn, en = corpus(work)
-        make_shards(vdir / "adapted", [str(bn), str(en)], vdir, _shards_config(), ["bn=2", "en=1"])
+        make_shards(vdir / "adapted", [str(bn), str(en)], vdir, _shards_config(), list(WEIGHTS))
         before = heldout_bits(vdir / "adapted", texts)
         t0 = time.time()
         final = continue_pretraining(
@@ -230,23 +259,33 @@ def run_arm(arm: str, minutes: float, default: str, work: Path, device: str) -> 
             fresh=True, skip_verify=True,
         )  # fmt: skip
     else:
-        shards = work / "spm" / "shards"
+        shards, tokenizer = scratch_shards(work)
         meta = json.loads((shards / "meta.json").read_text(encoding="utf-8"))
         cfg = dataclasses.replace(cfg, model=scratch_config(meta["tokenizer"]["vocab_size"]))
         t0 = time.time()
         final = fit(cfg, shards, work / "arm-scratch", fresh=True, skip_verify=True)
-    row = {"arm": arm, "minutes": minutes, "wall_seconds": time.time() - t0}
+    row = {"arm": arm, "minutes": minutes, "wall_seconds": time.time() - t0, "started": t0}
+    row["load_end"] = os.getloadavg()[0]  # when its training ended (2: the two arms alone)
+    if arm == "scratch":
+        row["tokenizer"] = tokenizer
     row |= {"bits_per_char_before": before, "bits_per_char_after": heldout_bits(final, texts)}
     (work / f"arm-{arm}.json").write_text(json.dumps(row), encoding="utf-8")
     print(json.dumps(row, indent=2))
     return row
 
 
-NOTES = (  # what a reader of the committed tables must know (the run of 2026-12-06)
+SPM_BANGLA_ONLY = (  # the spm row of the first run (2026-12-06), until it is run again
     "The spm row's tokenizer was trained on the first 2,000,000 characters of the training "
     "text, read in file order, which were all Bangla: its English figures are those of a "
     "tokenizer that never saw English, not of doel's spm (run_variant now gives the spm "
-    "tokenizer the whole text at the shards' shares). Its Bangla figures stand.",
+    "tokenizer the whole text at the shards' shares). Its Bangla figures stand."
+)
+SPM_MIXED = (
+    "The spm row's tokenizer was trained on the training text mixed at the shares 2:1 "
+    "(Bangla and English, as the shards); in the table's first run (earlier on 2026-12-06) it "
+    "saw only the Bangla (English 1.07 characters a token, 4.463 bits/char after the 10 steps)."
+)
+NOTES = (  # what a reader of the committed tables must know
     "Runtimes: each runtime's own tokenizer (llama.cpp through doel-export's GGUF of a tiny "
     "random model on the vocabulary, onnxruntime-genai through doel-export's int8 bundle, "
     "transformers' AutoTokenizer on the model folder) against the tokenizers library's ids "
@@ -254,12 +293,10 @@ NOTES = (  # what a reader of the committed tables must know (the run of 2026-12
     "split; doel-export refuses a GGUF whose split no llama.cpp pre-type runs.",
 )
 NOTES_COMPARE = (
-    "The from-scratch model's tokenizer is the spm row's of adapt_tokenizers.md, trained on "
-    "Bangla text only: its English is spelled nearly a character a token, so its English "
-    "figure is higher than with a fair doel tokenizer; its Bangla figure (4.5 characters a "
-    "token) is fair.",
-    "The adapted arm scored the model before training, so its 30 minutes started about 3 "
-    "minutes after the scratch arm's; the two overlapped for the rest.",
+    "In this comparison's first run (earlier on 2026-12-06) the from-scratch arm took the spm "
+    "row's tokenizer of adapt_tokenizers.md, trained on Bangla text only (English then spelled "
+    "about a character a token: 5.575 English bits/char, not a fair figure); it now trains its "
+    "own on the same Bangla and English text as the adapted arm, at the same shares.",
 )
 # docs/adapt.md includes each report's table (pymdownx.snippets' named section)
 START, END = "<!-- --8<-- [start:table] -->", "<!-- --8<-- [end:table] -->"
@@ -317,7 +354,8 @@ def compare_md(r: dict) -> str:
         f"core (taskset, 1 torch thread), for {a['minutes']:.0f} minutes of training each, under "
         "the machine lock, on the same text (bench_adapt's training text, shares 2:1). Adapted: "
         f"the default path ({r['default']}: 57,344 tokens), lr {LR_ADAPT}. From scratch: "
-        f"SmolLM2-135M's shape (30 layers, width 576) on doel's spm tokenizer (32,768 tokens), "
+        f"SmolLM2-135M's shape (30 layers, width 576) on doel's spm tokenizer "
+        f"({_scratch_tok(s)}), "
         f"lr {LR_SCRATCH}, random initialisation. Both 512 tokens a step, AdamW, constant lr "
         "after warm-up (the time limit ends the run).",
         "",
@@ -333,17 +371,75 @@ def compare_md(r: dict) -> str:
         END,
         "",
         f"Median speed: adapted {a.get('tokens_per_s', 0):.0f} tokens/s, from scratch "
-        f"{s.get('tokens_per_s', 0):.0f} (the machine is shared: processes of other sessions ran "
-        "beside these, outside the lock, on both cores; the two arms shared those conditions).",
+        f"{s.get('tokens_per_s', 0):.0f} (the machine is shared: other sessions' processes run "
+        "outside the lock, and the two arms shared whatever ran beside them).",
+        "",
+        _english_rise(a),
+        "",
+        _arm_load(a, s),
         "",
         f"Held-out: the first {HELD_CHARS:,} characters a language of splits.json's validation "
         "split. The curves (PNG): each run's validation split of its shards (the same held-out "
         "documents: prepare holds out by a hash of the text), bits per character ≈ nats per "
         "token × tokens per character of that split / ln 2.",
         "",
+        _offset(a, s),
+        "",
         "\n\n".join(r.get("notes", [])),
     ]
     return "\n".join(out) + "\n"
+
+
+def _arm_load(a: dict, s: dict) -> str:
+    if "load_end" not in a or "load_end" not in s:
+        # the run of 2026-12-06 15:42-16:17 UTC, before the arms recorded it: its script's log
+        return (
+            "The load average above is the machine's when the report was written; the run's own "
+            "script logged 2.77 when the arms started and 1.56 when they ended (2 is the two "
+            "arms alone)."
+        )
+    return (
+        f"Load average when each arm's training ended: adapted {a['load_end']:.2f}, scratch "
+        f"{s['load_end']:.2f} (2 is the two arms alone)."
+    )
+
+
+def _english_rise(a: dict) -> str:
+    """By how much the adapted model's English got worse (the base's English must not be lost)."""
+    b0, b1 = a["bits_per_char_before"]["en"], a["bits_per_char_after"]["en"]
+    return (
+        f"The base's English after adaptation: {b0:.3f} → {b1:.3f} bits/char "
+        f"({b1 - b0:+.3f}, {(b1 - b0) / b0:+.1%}); its Bangla "
+        f"{a['bits_per_char_before']['bn']:.3f} → {a['bits_per_char_after']['bn']:.3f}."
+    )
+
+
+def _scratch_tok(s: dict) -> str:
+    t = s.get("tokenizer")
+    if not t:
+        return "the spm variant's, Bangla text only"
+    cpt = t["chars_per_token"]
+    return (
+        f"{t['vocab']:,} tokens, trained on the same training text at the same shares "
+        f"{':'.join(w.split('=')[1] for w in t['weights'])}: {cpt['bn']:.2f} Bangla and "
+        f"{cpt['en']:.2f} English held-out characters a token"
+    )
+
+
+def _offset(a: dict, s: dict) -> str:
+    """When each arm's clock started: the adapted arm scores its model first, the scratch arm
+    trains its tokenizer and shards first."""
+    if "started" not in a or "started" not in s:
+        return ""
+    d = a["started"] - s["started"]
+    first, lag = ("scratch", d) if d >= 0 else ("adapted", -d)
+    other = "adapted" if first == "scratch" else "scratch"
+    return (
+        f"Each arm's {a['minutes']:.0f} minutes started after its own preparation (adapted: "
+        "scoring the model before training; scratch: training its tokenizer and shards): the "
+        f"{other} arm's {lag / 60:.1f} minutes after the {first} arm's; the two overlapped for "
+        "the rest."
+    )
 
 
 def report(work: Path, out: Path) -> None:
@@ -356,6 +452,9 @@ def report(work: Path, out: Path) -> None:
         order = list(VARIANTS)
         rows.sort(key=lambda v: order.index(v["variant"]))
         r = result | {"steps": rows[0]["steps"], "variants": rows, "notes": list(NOTES)}
+        spm = next((v for v in rows if v["variant"] == "spm"), None)
+        if spm:
+            r["notes"].insert(0, SPM_MIXED if spm.get("tokenizer_weights") else SPM_BANGLA_ONLY)
         if not any(v["variant"] == "base" for v in rows):  # not trained: its tokenizer alone
             base = json.loads((work.parent / "smol" / "tokenizer.json").read_text("utf-8"))
             cpt = chars_per_token(base, held_out())
@@ -380,7 +479,7 @@ def report(work: Path, out: Path) -> None:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
         for arm, label in (
             ("adapted", f"SmolLM2 adapted ({DEFAULT})"),
-            ("scratch", "from scratch (spm)"),
+            ("scratch", "from scratch (doel's spm on the same text)"),
         ):
             pts = curves(work, arm)
             r["arms"][arm]["curve"] = pts
