@@ -53,3 +53,11 @@ def test_an_aarch64_site_folder_is_named_by_its_pins_and_hashed_past_a_few():
     many = [f"package{i}==1.{i}" for i in range(20)]
     assert _site(many).startswith("site-package01.0-") and len(_site(many)) < 40
     assert _site(many) == _site(list(many)) != _site(many[:-1])
+
+
+def test_a_probe_stopped_by_qemu_is_said_in_qemus_words():
+    from benchmarks.runtimes.executorch_arm64 import failure
+
+    e = RuntimeError("LiteRT-LM's probe failed: ['\x00qemu: uncaught target signal 4 (Illegal x)']")
+    assert failure(e) == "qemu: uncaught target signal 4 (Illegal x)"
+    assert failure(RuntimeError("no such file")) == "no such file"
