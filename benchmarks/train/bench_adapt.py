@@ -9,9 +9,11 @@ validation split), each run as its own command so that two can run at once, one 
    `spm`; its held-out Bangla and English characters per token, whether English ids stay the
    base's, and the held-out bits per character of the adapted model after the same number of
    steps of continued pretraining (the same tokens a step) on the same text.
-2. `compare`: the same wall-clock budget for the default path (`doel-train adapt`'s pretraining)
-   and for a from-scratch doel model of SmolLM2-135M's shape with doel's spm tokenizer, on the
-   same text; held-out bits per character at the end and the validation curves.
+2. `arm adapted|scratch`: the same wall-clock budget for the default path (`doel-train adapt`'s
+   pretraining) and for a from-scratch doel model of SmolLM2-135M's shape with doel's spm
+   tokenizer trained on the same text; held-out bits per character at the end and the validation
+   curves. `compare` runs the adapted start, both arms (on the CPU at once, one core each; on a
+   GPU, `--device cuda`, one after the other) and the report: the comparison in one command.
 
 `report` gathers what the runs wrote into benchmarks/results/adapt_tokenizers.{json,md} and
 adapt_vs_scratch.{json,md,png}. Run: `python -m benchmarks.train.bench_adapt --help`.
@@ -23,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +36,7 @@ RESULTS = ("adapt_tokenizers", "adapt_vs_scratch")
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 WORK = Path("/tmp/doel-bench-adapt")
+VARIANT_STEPS = 25  # `compare`'s adapted start: the variant's steps before the arm
 # name -> (tokenizer, split): what adapt's config says for each choice
 VARIANTS = {
     "base": ("keep", "base"),
@@ -606,6 +610,31 @@ def llama_cpp_check(tok_path: Path, work: Path) -> str:
     return f"exact: {same:,}/{len(texts):,} lines identical"
 
 
+def run_compare(minutes: float, default: str, work: Path, device: str, out: Path) -> None:
+    """The whole comparison in one command: the adapted start (its variant, VARIANT_STEPS steps)
+    where `work` has none, both arms, the report. On the CPU the arms run at once, one core each
+    (as the committed run did); on a GPU one after the other."""
+    import subprocess
+
+    if not (work / default / "adapted").is_dir():
+        run_variant(default, VARIANT_STEPS, work / "smollm2", work)
+    cmd = [sys.executable, "-m", "benchmarks.train.bench_adapt", "--work", str(work), "arm"]
+    opts = ["--minutes", str(minutes), "--default", default, "--device", device]
+    cores = sorted(os.sched_getaffinity(0))
+    if device == "cpu" and len(cores) >= 2:
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        procs = [
+            subprocess.Popen(["taskset", "-c", str(core), *cmd, arm, *opts], env=env)
+            for core, arm in zip(cores, ("adapted", "scratch"))
+        ]
+        if any(p.wait() for p in procs):
+            raise SystemExit("an arm failed: its output is above")
+    else:
+        for arm in ("adapted", "scratch"):
+            subprocess.run([*cmd, arm, *opts], check=True)
+    report(work, out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=WORK)
@@ -616,6 +645,11 @@ def main(argv=None) -> None:
     arm.add_argument("--minutes", type=float, default=30.0)
     arm.add_argument("--default", default=DEFAULT, help="the variant the adapted arm takes")
     arm.add_argument("--device", default="cpu", help="cuda: the same comparison on a GPU")
+    both = sub.add_parser("compare", help="the adapted start, both arms and the report")
+    both.add_argument("--minutes", type=float, default=30.0)
+    both.add_argument("--default", default=DEFAULT, help="the variant the adapted arm takes")
+    both.add_argument("--device", default="cpu", help="cuda: one arm after the other on a GPU")
+    both.add_argument("--out", type=Path, default=RESULTS_DIR)
     rep = sub.add_parser("report", help="the results files from what the runs wrote")
     rep.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
@@ -627,6 +661,8 @@ def main(argv=None) -> None:
         run_variant(args.name, args.steps, args.base, args.work)
     elif args.cmd == "arm":
         run_arm(args.arm, args.minutes, args.default, args.work, args.device)
+    elif args.cmd == "compare":
+        run_compare(args.minutes, args.default, args.work, args.device, args.out)
     else:
         report(args.work, args.out)
     _ = math
