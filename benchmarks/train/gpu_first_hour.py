@@ -8,9 +8,8 @@ on one H100, what a first GPU hour must confirm before anyone pays for a real ru
 apart so that one failure does not hide the others:
 
 1. `bench`: benchmarks/train/bench_gpu.py with TORCH_LOGS=recompiles,graph_breaks (step time,
-   MFU, allocated and reserved memory; the recompiles and graph breaks counted from its log).
-   bench_gpu compiles the whole model, where a run compiles each block before wrapping it
-   (train/build.py): `verify` below (and `ddp`, `fsdp` on 2 GPUs) compile the run's way.
+   MFU, allocated and reserved memory; the recompiles and graph breaks counted from its log),
+   each block compiled as a run compiles it (train/build.py).
 2. `verify`: `doel-train verify --full` at the preset's batch, on shards of the built-in sample.
 3. `flash_step`: one forward and backward of the eager model at the preset's micro-batch with
    SDPA forced to the flash kernel (grouped KV heads), or the error that says why not.
