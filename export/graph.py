@@ -96,9 +96,11 @@ def quantization_info(quant: str, block_size: int, engine: str, model: Path) -> 
         "promoted": {
             "bits": max(finer, default=None),
             "matrices": len(finer),
-            "of": len(nbits) - len(heads),
+            "of": sum(1 + ("gate_up_proj" in name) for name, _ in nbits) - len(heads),  # gate|up: 2
         },
         "quantizer": "onnxruntime-genai builder" if engine == "genai" else "MatMulNBitsQuantizer",
+        # each layer's gate and up as one MatMulNBits of 2N rows and a Split (export/gate_up.py)
+        "gate_up_fused": sum("gate_up_proj" in name for name, _ in nbits),
     }
 
 
@@ -265,6 +267,10 @@ def build_graph(
         model = build_optimum(ckpt, out, quant, block_size)
     add_logits_to_keep(model)
     if row.quantized:
+        from doel.export import gate_up
+
+        if engine == "genai" and gate_up.enabled():  # DOEL_EXPORT_GATE_UP=0 turns it off
+            gate_up.fuse_model_file(model)
         if engine == "genai" and half_kv:
             kvcache.half_kv_cache(model)
         embedding.quantize_embedding(model, block_size)  # last: it rewrites the weights file

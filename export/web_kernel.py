@@ -24,6 +24,8 @@ from pathlib import Path
 
 import onnx
 
+from doel.export import gate_up
+
 KERNEL = Path(__file__).with_name("web") / "kernel.c"
 WASM = {"simd": "doel-kernel.wasm", "relaxed": "doel-kernel-relaxed.wasm"}
 FLAGS = {"simd": [], "relaxed": ["-mrelaxed-simd", "-DRELAXED"]}
@@ -40,7 +42,7 @@ LINEAR |= {"down_proj": "down"}
 # finer in some layers), as kernel.c's E_* flags of a layer's number after the config's.
 EIGHT = {"qkv": 1, "o": 2, "down": 4}
 CARRIED = {"Sigmoid", "Mul", "Constant", "Cast", "ReduceSum", "Sub", "Shape", "Gather"}
-CARRIED |= {"Neg", "Slice"}
+CARRIED |= {"Neg", "Slice", "Split"}  # Split: gate|up's halves, read by offset (gate_up.py)
 
 
 class NotKernelShape(ValueError):
@@ -105,7 +107,18 @@ def kernel_layout(model_path: Path) -> dict:
             _need(a["block_size"] == shape.get("block"), f"{node.name}: another block size")
             w, s = node.input[1], node.input[2]
             hit = re.search(r"layers\.(\d+)\.(?:attn|mlp)\.(\w+)\.MatMul", w)
-            if hit:
+            if hit and hit.group(2) == gate_up.NAME:  # one B: the gate's N rows, then the up's
+                i, half = int(hit.group(1)), gate_up.halves(m.graph)[node.name]
+                _need(a["bits"] == 4 and i <= len(layers), f"{node.name} is {a['bits']}-bit")
+                if i == len(layers):
+                    layers.append({})
+                where[f"{w} (up half)"] = at(w) + half["B"]
+                where[f"{s} (up half)"] = at(s) + half["scales"]
+                layers[i]["gate_w"], layers[i]["gate_s"] = at(w), at(s)
+                layers[i]["up_w"] = where[f"{w} (up half)"]
+                layers[i]["up_s"] = where[f"{s} (up half)"]
+                shape["ffn"] = half["N"]
+            elif hit:
                 i, part = int(hit.group(1)), LINEAR.get(hit.group(2))
                 finer = a["bits"] == 8 and part in EIGHT
                 _need(a["bits"] == 4 or finer, f"{node.name} is {a['bits']}-bit")

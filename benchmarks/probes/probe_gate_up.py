@@ -8,6 +8,8 @@ along N: its first N outputs are the gate's, the next N the up's) and a Split of
 into the two tensors the SiLU-multiply reads, under their old names. The bytes streamed are
 the same; what changes is one call, one quantization of the row and one Split a layer.
 
+The rewrite is the export's own (export/gate_up.py, on by default since this probe's first
+result); a bundle exported before it, or with DOEL_EXPORT_GATE_UP=0, is what it compares against.
 For each bundle given (int4, int8): the fused copy written beside a copy of the bundle's side
 files (work folder), both loaded by the engine (serve/core/engine.py) with THREADS threads, and
 - their logits compared: a prompt's every position, then greedy steps (the fused graph's
@@ -36,8 +38,10 @@ import numpy as np
 
 from benchmarks.common.report import heading, load_line, parser, publish, stamp
 from benchmarks.export.bench_export import foreign_cpu
+from doel.export.gate_up import fuse_gate_up, node_attrs
 
-RESULTS_NOT_YET_RUN = ("gate_up_0.4b_cpu-<class>", "gate_up_smollm2-135m_cpu-<class>")
+RESULTS = ("gate_up_smollm2-135m_cpu-<class>",)
+RESULTS_NOT_YET_RUN = ("gate_up_0.4b_cpu-<class>",)
 
 THREADS = 2
 CONTEXTS = (128, 1536)
@@ -48,96 +52,6 @@ MODELS = {
     "0.4b": "the 0.4B preset (bangla-0.4b), random weights",
     "smollm2-135m": "SmolLM2-135M-Instruct, imported weights",
 }
-ATTRS = ("K", "bits", "block_size", "accuracy_level")
-# MatMulNBits inputs: A, B, scales, zero_points, g_idx, bias (the last three optional)
-ROW_INPUTS = (1, 2, 3, 5)  # concatenated along N; g_idx (4) is along K and must be absent
-
-
-def _attrs(node) -> dict:
-    from onnx import helper
-
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def pairs(graph) -> list[tuple[int, int]]:
-    """(gate, up) node indices of each layer: two MatMulNBits of one input whose names hold
-    gate_proj and up_proj, with equal K, bits, block, accuracy level and optional inputs."""
-    by_input: dict[str, dict[str, int]] = {}
-    for i, n in enumerate(graph.node):
-        if n.op_type != "MatMulNBits":
-            continue
-        role = "gate" if "gate_proj" in n.name else "up" if "up_proj" in n.name else None
-        if role:
-            by_input.setdefault(n.input[0], {})[role] = i
-    out = []
-    for roles in by_input.values():
-        if set(roles) != {"gate", "up"}:
-            continue
-        g, u = graph.node[roles["gate"]], graph.node[roles["up"]]
-        ga, ua = _attrs(g), _attrs(u)
-        present = [[bool(x) for x in n.input[3:]] + [False] * (6 - len(n.input)) for n in (g, u)]
-        if any(ga.get(k) != ua.get(k) for k in ATTRS) or present[0] != present[1]:
-            continue
-        if len(g.input) > 4 and g.input[4]:  # g_idx: a permutation of K, not concatenable
-            continue
-        out.append((roles["gate"], roles["up"]))
-    return sorted(out)
-
-
-def fuse_gate_up(model) -> int:
-    """Replace each layer's gate and up MatMulNBits of `model` (an onnx.ModelProto with its
-    weights loaded) by one of 2N rows and a Split; the number of layers fused."""
-    from onnx import helper, numpy_helper
-
-    g = model.graph
-    found = pairs(g)
-    if not found:
-        return 0
-    inits = {t.name: t for t in g.initializer}
-    drop_nodes, drop_inits, new_inits = set(), set(), []
-    replace: dict[int, list] = {}
-    for gi, ui in found:
-        gate, up = g.node[gi], g.node[ui]
-        a = _attrs(gate)
-        n = int(a["N"])
-        if int(_attrs(up)["N"]) != n:
-            continue
-        name = gate.name.replace("gate_proj", "gate_up_proj")
-        ins = [gate.input[0]]
-        for k in range(1, len(gate.input)):
-            if k not in ROW_INPUTS or not gate.input[k]:
-                ins.append(gate.input[k])
-                continue
-            parts = [numpy_helper.to_array(inits[x.input[k]]) for x in (gate, up)]
-            joined = numpy_helper.from_array(
-                np.concatenate(parts, axis=0), gate.input[k].replace("gate_proj", "gate_up_proj")
-            )
-            new_inits.append(joined)
-            drop_inits.update((gate.input[k], up.input[k]))
-            ins.append(joined.name)
-        split = f"{name}/split"
-        new_inits.append(numpy_helper.from_array(np.array([n, n], np.int64), split))
-        fused = f"{name}/output_0"
-        attrs = {k: v for k, v in a.items()} | {"N": 2 * n}
-        mm = helper.make_node(
-            "MatMulNBits", ins, [fused], name=name, domain="com.microsoft", **attrs
-        )
-        sp = helper.make_node(
-            "Split", [fused, split], [gate.output[0], up.output[0]], name=f"{name}/Split", axis=-1
-        )
-        replace[gi] = [mm, sp]
-        drop_nodes.add(ui)
-    nodes = []
-    for i, node in enumerate(g.node):
-        if i in drop_nodes:
-            continue
-        nodes.extend(replace.get(i, [node]))
-    del g.node[:]
-    g.node.extend(nodes)
-    kept = [t for t in g.initializer if t.name not in drop_inits] + new_inits
-    del g.initializer[:]
-    g.initializer.extend(kept)
-    return len(replace)
 
 
 def fused_bundle(bundle: Path, out: Path) -> dict:
@@ -151,7 +65,10 @@ def fused_bundle(bundle: Path, out: Path) -> dict:
     for f in bundle.iterdir():
         if f.is_file() and not f.name.startswith("model.onnx"):
             shutil.copy2(f, out / f.name)
-    m = onnx.load(str(bundle / "model.onnx"))
+    from doel.export.web_graph import load_weights
+
+    m = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
+    load_weights(m, bundle)  # as onnx.load, but whatever the weights file's link count
     before = len(m.graph.node)
     layers = fuse_gate_up(m)
     onnx.save_model(
@@ -268,7 +185,7 @@ def describe(bundle: Path) -> dict:
 
     q = json.loads((bundle / "manifest.json").read_text())["quantization"]
     m = onnx.load(str(bundle / "model.onnx"), load_external_data=False)
-    bits = Counter(int(_attrs(n)["bits"]) for n in m.graph.node if n.op_type == "MatMulNBits")
+    bits = Counter(int(node_attrs(n)["bits"]) for n in m.graph.node if n.op_type == "MatMulNBits")
     return {"bits": q.get("bits"), "block_size": q.get("block_size"), "matrices_by_bits": bits}
 
 

@@ -58,8 +58,15 @@ def test_the_layout_points_at_each_tensor_of_the_graph(web_graph_dir, tiny_model
     m = onnx.load(str(web_graph_dir / "model.onnx"))
     inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
     for name, at in zip(layout["tensors"], layout["offsets"]):
-        raw = inits[name].tobytes()
+        if name.endswith(" (up half)"):  # gate|up fused (export/gate_up.py): its second N rows
+            whole = inits[name.removesuffix(" (up half)")].tobytes()
+            raw = whole[len(whole) // 2 :]
+        else:
+            raw = inits[name].tobytes()
         assert data[at : at + len(raw)] == raw, name
+    # gate|up are one matrix a layer (the default export): the kernel reads its two halves
+    assert layout["tensors"][7 + 6].endswith("layers.0.mlp.gate_up_proj.MatMul.weight_Q4")
+    assert layout["tensors"][7 + 8].endswith("gate_up_proj.MatMul.weight_Q4 (up half)")
     # each layer's number after the config's 11 says which of its matrices are 8-bit: those the
     # export's mixed placement keeps finer (doel.contracts.quant's promoted_bits)
     eight = layout["config"][11:]

@@ -110,10 +110,12 @@ def test_the_fused_mlp_gives_the_original_outputs_bit_for_bit(bits, zero_points,
 
 
 def test_pairs_it_cannot_join_are_left_alone():
+    from doel.export.gate_up import pairs
+
     probe = _probe()
     m = _mlp(bits=(4, 8))  # gate 4-bit, up 8-bit: one B cannot hold both
     before = [n.op_type for n in m.graph.node]
-    assert probe.pairs(m.graph) == [] and probe.fuse_gate_up(m) == 0
+    assert pairs(m.graph) == [] and probe.fuse_gate_up(m) == 0
     assert [n.op_type for n in m.graph.node] == before
 
 
@@ -171,10 +173,12 @@ def test_the_report_reads_the_ratio_and_calls_a_loss_at_one_length_not_faster():
 
 
 @pytest.mark.slow  # exports the tiny model at int4
-def test_the_fused_bundle_serves_the_same_logits_and_is_timed(tiny_bundle, tmp_path):
+def test_the_fused_bundle_serves_the_same_logits_and_is_timed(tiny_bundle, tmp_path, monkeypatch):
     from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.export.gate_up import ENV
 
     probe = _probe()
+    monkeypatch.setenv(ENV, "0")  # the builder's two matrices, as before the export fused them
     folder = tmp_path / "int4"
     opts = ExportOptions(quant="int4", eval_tokens=64, log=lambda _m: None)
     export_checkpoint(tiny_bundle.parent / "serve-ckpt", folder, opts)

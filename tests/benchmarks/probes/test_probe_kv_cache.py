@@ -89,3 +89,4 @@ def test_the_report_gives_each_type_against_fp32_and_a_token_over_the_layers():
     )
     assert "| fp16 | not run: refused |" in text
     assert "heads 9/3, head 64, 30 layers" in text
+    assert "| error at 1536 | other entries of the cache kept |" in text
