@@ -40,8 +40,7 @@ from benchmarks.common.report import heading, load_line, parser, publish, stamp
 from benchmarks.export.bench_export import foreign_cpu
 from doel.export.gate_up import fuse_gate_up, node_attrs
 
-RESULTS = ("gate_up_smollm2-135m_cpu-<class>",)
-RESULTS_NOT_YET_RUN = ("gate_up_0.4b_cpu-<class>",)
+RESULTS = ("gate_up_0.4b_cpu-<class>", "gate_up_smollm2-135m_cpu-<class>")
 
 THREADS = 2
 CONTEXTS = (128, 1536)
