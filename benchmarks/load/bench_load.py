@@ -50,8 +50,7 @@ from benchmarks.load.load_servers import (
     tree_mb,
 )
 
-RESULTS = ("serve_load_0.4b_cpu-<class>",)
-RESULTS_NOT_YET_RUN = ("serve_load_smollm2-135m_cpu-<class>",)
+RESULTS = ("serve_load_0.4b_cpu-<class>", "serve_load_smollm2-135m_cpu-<class>")
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = {"doel": "doel-serve", "llama": "llama-server"}

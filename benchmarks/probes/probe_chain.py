@@ -26,7 +26,8 @@ import numpy as np
 THREADS = 2
 LLC_BYTES = 32 * 2**20  # the largest last-level cache of the hosts measured (Zen 4: 32 MiB)
 MAX_COPIES = 4096  # a tiny model's matrices stay in cache: its graph would grow without end
-ROLES = ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+# gate_up_proj: gate and up as one matrix (export/gate_up.py), before up_proj, its substring
+ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 def llc_bytes() -> int:
