@@ -44,6 +44,13 @@ NOT_EXACT = (
     "`doel-train tokenizer --style spm` (the default)"
 )
 
+# The runner and a byte-level tokenizer's text (benchmarks/runtimes/executorch_smollm2.py)
+BYTE_STREAM = (
+    "ExecuTorch's runner streams each token's text alone: a character that byte-level tokens "
+    "split (every Bengali one) reaches the app as U+FFFD; keep the pieces' bytes and show them "
+    "once whole (docs/phones.md), or use the default spm tokenizer"
+)
+
 
 def runtime_tokenizer(tok: dict) -> tuple[dict, dict]:
     """(the tokenizer.json ExecuTorch's runner is given, the manifest's record of it)."""
@@ -59,12 +66,13 @@ def runtime_tokenizer(tok: dict) -> tuple[dict, dict]:
     if why is None:
         found = splits(tok)
         if len(found) == 1:
-            return tok, {"exact": True, "form": "byte-level"}
+            return tok, {"exact": True, "form": "byte-level", "stream": BYTE_STREAM}
         if found == (DIGIT, GPT2_SPLIT):
             return _one_split(tok, DIGIT_GPT2), {
                 "exact": True,
                 "form": "byte-level",
                 "rewritten": "the digit split and GPT-2's as one regex",
+                "stream": BYTE_STREAM,
             }
         why = "several Split steps, of which pytorch-tokenizers keeps the first's pieces only"
     return tok, {"exact": False, "form": "other", "why": NOT_EXACT.format(why=why)}
@@ -95,6 +103,8 @@ def export_pte(
     runtime_tok, record = runtime_tokenizer(tok)
     if not record["exact"]:
         log(f"note: {record['why']}")
+    if "stream" in record:
+        log(f"note: {record['stream']}")
     out, name = Path(out), f"model-{quant}.pte"
     with staging(out, force) as stage:
         spec = {

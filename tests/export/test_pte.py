@@ -78,7 +78,8 @@ def runtime_tokenizer_with(tok: dict, regex: str) -> dict:
 
 
 def test_forms_the_runtime_reads_and_the_one_it_cannot(byte_level_json, tokenizer_path):
-    assert runtime_tokenizer(byte_level_json)[1] == {"exact": True, "form": "byte-level"}
+    record = runtime_tokenizer(byte_level_json)[1]
+    assert record["exact"] and record["form"] == "byte-level" and "U+FFFD" in record["stream"]
     doel_style = json.loads(Path(tokenizer_path).read_text(encoding="utf-8"))
     tok, record = runtime_tokenizer(doel_style)
     assert tok is doel_style and not record["exact"]
