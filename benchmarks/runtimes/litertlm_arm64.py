@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.runtimes.litertlm_bundle import NEW, model, row, run_probe
+from benchmarks.runtimes.litertlm_bundle import NEW, model, not_installed, row, run_probe
 
 RESULTS = ()  # bench_runtimes writes runtimes.{json,md}
 CPUS = ("cortex-a53", "cortex-a76", "max")  # check_arm64's: NEON; + dot product; + i8mm, SVE
@@ -71,14 +71,9 @@ def rows(work: Path) -> list[dict]:
     from benchmarks.runtimes.executorch_arm64 import failure
     from benchmarks.runtimes.executorch_pte import texts_of
     from benchmarks.runtimes.genai import validation_lines
-    from doel.export.common import ExportError
-    from doel.export.phone import runtime_python
 
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        runtime_python("litertlm")
-    except ExportError as e:
-        return [row("?", "the runtime is installed", str(e).split(";")[0], False)]
+    if missing := not_installed(work):
+        return missing
     try:
         sides = {cpu: aarch64_python([WHEEL[0]], WHEEL[1], cpu) for cpu in CPUS}
     except ArmError as e:

@@ -171,7 +171,8 @@ def default_rows(work: Path) -> list[dict]:
     return rows
 
 
-def rows(work: Path) -> list[dict]:
+def not_installed(work: Path) -> list[dict]:
+    """[] where LiteRT-LM's venv is there (and `work` made), else the one row saying what to do."""
     from doel.export.common import ExportError
     from doel.export.phone import runtime_python
 
@@ -180,7 +181,11 @@ def rows(work: Path) -> list[dict]:
         runtime_python("litertlm")
     except ExportError as e:
         return [row("?", "the runtime is installed", str(e).split(";")[0], False)]
-    return default_rows(work)
+    return []
+
+
+def rows(work: Path) -> list[dict]:
+    return not_installed(work) or default_rows(work)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from benchmarks.runtimes.executorch_smollm2 import (
     onnx_int4,
     transformers_replies,
 )
-from benchmarks.runtimes.litertlm_bundle import model, row, run_probe, tokenizer_rows
+from benchmarks.runtimes.litertlm_bundle import model, not_installed, row, run_probe, tokenizer_rows
 
 RESULTS = ()  # bench_runtimes writes runtimes.{json,md}
 LABEL = "SmolLM2's (byte-level, digits split first)"
@@ -38,15 +38,10 @@ def rows(work: Path) -> list[dict]:
     from benchmarks.export.bench_real_model import CHATS, NEW_TOKENS, imported
     from benchmarks.runtimes.executorch_pte import once
     from benchmarks.runtimes.genai import validation_lines
-    from doel.export.common import ExportError
     from doel.export.litertlm import export_litertlm
-    from doel.export.phone import runtime_python
 
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        runtime_python("litertlm")
-    except ExportError as e:
-        return [row("?", "the runtime is installed", str(e).split(";")[0], False)]
+    if missing := not_installed(work):
+        return missing
     folder = imported(work.parent / "phone-smollm2")
     lt = {}
     for q in QUANTS:
