@@ -108,6 +108,24 @@ def tiny_bundle(tmp_path_factory, tokenizer_path, tiny_model_config) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def web_bundle(tiny_bundle, tmp_path_factory) -> Path:
+    """tiny_bundle's checkpoint at int4 with --web, once per session (skips where the npm
+    packages cannot come)."""
+    from doel.export import web
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.export.common import ExportError
+
+    try:
+        web.runtime_modules(log=lambda _m: None)
+    except ExportError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("web") / "bundle-int4"
+    opts = ExportOptions(quant="int4", web=True, eval_tokens=64, log=lambda _m: None)
+    export_checkpoint(tiny_bundle.parent / "serve-ckpt", out, opts)
+    return out
+
+
 # Fixtures that build an export bundle (here and in test modules): a test using one is slow.
 BUNDLE_FIXTURES = {"tiny_bundle", "bundle", "fp32_bundle", "ckpt", "dry_run", "serve_spec"}
 

@@ -40,23 +40,6 @@ def _script(driver, body: str, *args):
     return out
 
 
-@pytest.fixture(scope="module")
-def web_bundle(tiny_bundle, tmp_path_factory):
-    """tiny_bundle's checkpoint at int4 with --web (skips where the npm packages cannot come)."""
-    from doel.export import web
-    from doel.export.bundle import ExportOptions, export_checkpoint
-    from doel.export.common import ExportError
-
-    try:
-        web.runtime_modules(log=lambda _m: None)
-    except ExportError as e:
-        pytest.skip(str(e))
-    out = tmp_path_factory.mktemp("web") / "bundle-int4"
-    opts = ExportOptions(quant="int4", web=True, eval_tokens=64, log=lambda _m: None)
-    export_checkpoint(tiny_bundle.parent / "serve-ckpt", out, opts)
-    return out
-
-
 def _joined(page, spec: dict, graph: str, into):
     """The page's `graph` with its pieces joined back into its weights file, loaded."""
     import onnx

@@ -16,22 +16,10 @@ TEXT = {
 SIZES = {"n": 3, "size": 24}
 
 
-@pytest.fixture(scope="module")
-def web_bundle(tiny_bundle, tmp_path_factory):
-    from doel.export import web
-    from doel.export.bundle import ExportOptions, export_checkpoint
-    from doel.export.common import ExportError
-
+@pytest.fixture(autouse=True)
+def node():
     if shutil.which("node") is None:
         pytest.skip("Node.js is not installed")
-    try:
-        web.runtime_modules(log=lambda _m: None)
-    except ExportError as e:
-        pytest.skip(str(e))
-    out = tmp_path_factory.mktemp("web") / "bundle-int4"
-    opts = ExportOptions(quant="int4", web=True, eval_tokens=64, log=lambda _m: None)
-    export_checkpoint(tiny_bundle.parent / "serve-ckpt", out, opts)
-    return out
 
 
 def test_nats_is_the_cross_entropy_of_the_next_ids():
