@@ -107,32 +107,17 @@ def texts() -> dict[str, list[str]]:
 def page_run(bundle: Path, cases: dict[str, list[str]]) -> dict:
     """The page loaded in headless Chromium: its facts, doel.encode() of every case, and its
     greedy text for PROMPTS."""
-    import threading
+    from benchmarks.runtimes.end_of_document import MAX_NEW, opened_page
+    from benchmarks.web.bench_web import settled
 
-    from benchmarks.runtimes.end_of_document import MAX_NEW
-    from benchmarks.web.bench_web import browser, settled
-    from doel.export.web import static_server
-
-    server = static_server(bundle / "web")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    driver = browser()
-    try:
-        driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
-        out = {"facts": settled(driver, "doel.ready", fail=False)}
-        if "error" in out["facts"]:
-            raise RuntimeError(f"the page did not load: {out['facts']['error']}")
-        out["ids"] = {}
+    with opened_page(bundle) as (driver, facts):
+        out = {"facts": facts, "ids": {}, "text": {}}
         for kind, lines in cases.items():
             got = settled(driver, "doel.encode(arguments[0]).then((ids) => ({ids}))", lines)
             out["ids"][kind] = got["ids"]
-        out["text"] = {}
         for prompt in PROMPTS:
             req = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0}
             out["text"][prompt] = settled(driver, "doel.generate(arguments[0])", req)["text"]
-    finally:
-        driver.quit()
-        server.shutdown()
-        server.server_close()
     return out
 
 

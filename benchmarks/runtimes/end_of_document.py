@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.load.load_servers import BINARY
@@ -252,11 +253,10 @@ def chromium_version() -> str | None:
     return out.stdout.split()[1]  # "Chromium 156.0.7456.0 built on Debian ..."
 
 
-def browser_page(bundle: Path, prompts, stop_ids: list[int] | None = None) -> dict:
-    """BUNDLE/web on a loopback static server in headless Chromium, loaded as a visitor gets it
-    (its default path), each prompt completed greedily there by the page's own doel.generate()
-    (its stop ids: web.json's, or `stop_ids`): {"facts": the page's, prompt: {"text", "finish",
-    "tokens", "ids"}}; "tokens" leaves out the id it stopped at, as doel-serve's usage does."""
+@contextmanager
+def opened_page(bundle: Path):
+    """BUNDLE/web on a loopback static server, loaded in headless Chromium as a visitor gets it
+    (its default path): (the driver, the page's facts); both closed at the end."""
     import threading
 
     from benchmarks.web.bench_web import browser, settled
@@ -267,9 +267,24 @@ def browser_page(bundle: Path, prompts, stop_ids: list[int] | None = None) -> di
     driver = browser()
     try:
         driver.get(f"http://127.0.0.1:{server.server_address[1]}/")
-        out = {"facts": settled(driver, "doel.ready", fail=False)}
-        if "error" in out["facts"]:
-            raise RuntimeError(f"the page did not load: {out['facts']['error']}")
+        facts = settled(driver, "doel.ready", fail=False)
+        if "error" in facts:
+            raise RuntimeError(f"the page did not load: {facts['error']}")
+        yield driver, facts
+    finally:
+        driver.quit()
+        server.shutdown()
+        server.server_close()
+
+
+def browser_page(bundle: Path, prompts, stop_ids: list[int] | None = None) -> dict:
+    """Each prompt completed greedily in the opened page by its own doel.generate() (its stop
+    ids: web.json's, or `stop_ids`): {"facts": the page's, prompt: {"text", "finish", "tokens",
+    "ids"}}; "tokens" leaves out the id it stopped at, as doel-serve's usage does."""
+    from benchmarks.web.bench_web import settled
+
+    with opened_page(bundle) as (driver, facts):
+        out = {"facts": facts}
         for prompt in prompts:
             req = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0}
             if stop_ids is not None:
@@ -279,10 +294,6 @@ def browser_page(bundle: Path, prompts, stop_ids: list[int] | None = None) -> di
                 raise RuntimeError(f"the page failed on {prompt!r}: {r['error']}")
             out[prompt] = {"text": r["text"], "finish": r["reason"], "ids": r["ids"],
                            "tokens": len(r["ids"])}  # fmt: skip
-    finally:
-        driver.quit()
-        server.shutdown()
-        server.server_close()
     return out
 
 
