@@ -121,6 +121,16 @@ def flatten(got: dict) -> dict:
     return dict(zip(("fp32", "int4", "int8", "smol"), [got, *got["also"]]))
 
 
+def same_ids(arm: dict, x86: dict, who: str, n: int, row, version: str) -> list[dict]:
+    """A row a tokenizer (the default spm's, SmolLM2's): its ids on aarch64 == x86's."""
+    out = []
+    for key, label in (("fp32", "default (spm)"), ("smol", "SmolLM2's (byte-level)")):
+        bad = sum(a != b for a, b in zip(arm[key]["ids"], x86[key]["ids"]))
+        check = f"{who} ids == x86's, {label}, validation lines, blocks, NFD"
+        out.append(row(version, check, f"{bad} of {n} differ", not bad))
+    return out
+
+
 def rows(work: Path) -> list[dict]:
     from tokenizers import Tokenizer
 
@@ -169,10 +179,7 @@ def rows(work: Path) -> list[dict]:
         version = arm["fp32"]["version"]
         if tokens:
             tokens = False
-            for key, label in (("fp32", "default (spm)"), ("smol", "SmolLM2's (byte-level)")):
-                bad = sum(a != b for a, b in zip(arm[key]["ids"], x86[key]["ids"]))
-                check = f"{where}: HFTokenizer ids == x86's, {label}, validation lines, blocks, NFD"
-                out.append(row(version, check, f"{bad} of {len(texts)} differ", not bad))
+            out += same_ids(arm, x86, f"{where}: HFTokenizer", len(texts), row, version)
         for keys, what in (
             (("fp32", "int4", "int8"), f"default model .pte fp32, int4, int8, {NEW} tokens"),
             (("smol",), f"SmolLM2 .pte int4, {SMOL_NEW} tokens"),

@@ -68,7 +68,7 @@ def probes(lt: dict, smol: Path, prompts: list, chats: list, texts, work: Path, 
 def rows(work: Path) -> list[dict]:
     from benchmarks.checks.check_arm64 import ArmError, aarch64_python, qemu_version
     from benchmarks.export.bench_real_model import CHATS
-    from benchmarks.runtimes.executorch_arm64 import failure
+    from benchmarks.runtimes.executorch_arm64 import failure, same_ids
     from benchmarks.runtimes.executorch_pte import texts_of
     from benchmarks.runtimes.genai import validation_lines
 
@@ -96,12 +96,7 @@ def rows(work: Path) -> list[dict]:
         version = arm["fp32"]["version"]
         if tokens:
             tokens = False
-            for key, label in (("fp32", "default (spm)"), ("smol", "SmolLM2's (byte-level)")):
-                bad = sum(a != b for a, b in zip(arm[key]["ids"], x86[key]["ids"]))
-                check = (
-                    f"{where}: Engine.tokenize ids == x86's, {label}, validation lines, blocks, NFD"
-                )
-                out.append(row(version, check, f"{bad} of {len(texts)} differ", not bad))
+            out += same_ids(arm, x86, f"{where}: Engine.tokenize", len(texts), row, version)
         made = [(k, j, g["text"]) for k in ("fp32", "int4") for j, g in enumerate(arm[k]["gen"])]
         bad = [(k, j) for k, j, t in made if t != x86[k]["gen"][j]["text"]]
         first = f"; first: {bad[0][0]} prompt {bad[0][1]}" if bad else ""
