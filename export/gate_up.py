@@ -65,16 +65,16 @@ def pairs(graph) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def fuse_gate_up(model, base_dir: str | Path | None = None) -> int:
-    """Replace each layer's gate and up MatMulNBits of `model` (an onnx.ModelProto; its
-    weights read from `base_dir` where they are external) by one of 2N rows and a Split; the
-    number of layers fused."""
+def fuse_gate_up(model, found: list[tuple[int, int]] | None = None) -> int:
+    """Replace each layer's gate and up MatMulNBits of `model` (an onnx.ModelProto, its weights
+    in memory) by one of 2N rows and a Split; the number of layers fused. `found`: pairs(), where
+    the caller has it."""
     g = model.graph
-    found = pairs(g)
+    found = pairs(g) if found is None else found
     inits = {t.name: t for t in g.initializer}
 
     def read(name: str) -> np.ndarray:
-        return numpy_helper.to_array(inits[name], str(base_dir) if base_dir else "")
+        return numpy_helper.to_array(inits[name])
 
     drop_inits: set[str] = set()
     new_inits, replace, drop_nodes = [], {}, set()
@@ -122,12 +122,13 @@ def fuse_model_file(model: Path) -> int:
     """Rewrite `model` (and its external weights file) with gate|up fused; the number of layers
     fused (0: left alone, no pair found)."""
     m = onnx.load(str(model), load_external_data=False)
-    if not pairs(m.graph):
+    found = pairs(m.graph)
+    if not found:
         return 0
     external = [t for t in m.graph.initializer if external_data_helper.uses_external_data(t)]
     location = {e.key: e.value for e in external[0].external_data}["location"] if external else None
     onnx.load_external_data_for_model(m, str(model.parent))
-    fused = fuse_gate_up(m)
+    fused = fuse_gate_up(m, found)
     if location:
         # onnx appends to an existing weights file: write it anew (all tensors are in memory).
         (model.parent / location).unlink()

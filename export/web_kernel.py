@@ -82,7 +82,7 @@ def kernel_layout(model_path: Path) -> dict:
     def dims(name: str) -> list[int]:
         return list(inits[name].dims)
 
-    norms = []
+    norms, fused = [], gate_up.halves(m.graph)  # gate|up's halves, once for the graph
     for node in m.graph.node:
         op, a = node.op_type, _attrs(node)
         if op == "GatherBlockQuantized":
@@ -108,7 +108,7 @@ def kernel_layout(model_path: Path) -> dict:
             w, s = node.input[1], node.input[2]
             hit = re.search(r"layers\.(\d+)\.(?:attn|mlp)\.(\w+)\.MatMul", w)
             if hit and hit.group(2) == gate_up.NAME:  # one B: the gate's N rows, then the up's
-                i, half = int(hit.group(1)), gate_up.halves(m.graph)[node.name]
+                i, half = int(hit.group(1)), fused[node.name]
                 _need(a["bits"] == 4 and i <= len(layers), f"{node.name} is {a['bits']}-bit")
                 if i == len(layers):
                     layers.append({})
