@@ -112,22 +112,25 @@ def measure(bundle: Path, lines: dict[str, list[str]], n: int = WINDOWS, size: i
     from benchmarks.web.web_kernel_node import kernel_logits
 
     tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
-    out = {}
+    by_lang = windows(tok, lines, n, size)
+    wins = [w for ws in by_lang.values() for w in ws]  # every language's, one run each side
     with tempfile.TemporaryDirectory() as tmp:
         other = nudged(bundle, Path(tmp) / "nudged")
-        for lang, wins in windows(tok, lines, n, size).items():
-            logits = {"onnxruntime": ort_logits(bundle, wins), "nudged": ort_logits(other, wins),
-                      "page": kernel_logits(bundle / "web", wins)}  # fmt: skip
-            n = sum(len(w) - 1 for w in wins)
-            per = {k: np.array([nats(z, w) for z, w in zip(v, wins)]) for k, v in logits.items()}
-            out[lang] = {"tokens": n, "windows": len(wins)}
-            out[lang] |= {k: float(v.sum()) / n for k, v in per.items()}
-            for k in ("nudged", "page"):
-                diffs = zip(logits[k], logits["onnxruntime"])
-                most = max(float(np.abs(x - y).max()) for x, y in diffs)
-                out[lang][f"{k}_max_logit_diff"] = most
-                d = (per[k] - per["onnxruntime"]) / (n / len(wins))
-                out[lang][f"{k}_se"] = float(d.std(ddof=1) / np.sqrt(len(d)))
+        runs = {"onnxruntime": ort_logits(bundle, wins), "nudged": ort_logits(other, wins),
+                "page": kernel_logits(bundle / "web", wins)}  # fmt: skip
+    out, at = {}, 0
+    for lang, ws in by_lang.items():
+        logits = {k: v[at : at + len(ws)] for k, v in runs.items()}
+        at += len(ws)
+        tokens = sum(len(w) - 1 for w in ws)
+        per = {k: np.array([nats(z, w) for z, w in zip(v, ws)]) for k, v in logits.items()}
+        out[lang] = {"tokens": tokens, "windows": len(ws)}
+        out[lang] |= {k: float(v.sum()) / tokens for k, v in per.items()}
+        for k in ("nudged", "page"):
+            diffs = zip(logits[k], logits["onnxruntime"])
+            out[lang][f"{k}_max_logit_diff"] = max(float(np.abs(x - y).max()) for x, y in diffs)
+            d = (per[k] - per["onnxruntime"]) / (tokens / len(ws))
+            out[lang][f"{k}_se"] = float(d.std(ddof=1) / np.sqrt(len(d)))
     return out
 
 
