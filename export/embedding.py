@@ -58,7 +58,9 @@ def quantize_embedding(model: Path, block_size: int) -> bool:
     largest power of two up to `block_size` that divides the hidden size (a tiny model's 64
     under int4's 128)."""
     import onnx
-    from onnx import external_data_helper, helper, numpy_helper
+    from onnx import helper, numpy_helper
+
+    from doel.export.onnxfile import load_weights, save_rewritten
 
     m = onnx.load(str(model), load_external_data=False)
     node, init = _embedding_gather(m.graph)
@@ -69,9 +71,7 @@ def quantize_embedding(model: Path, block_size: int) -> bool:
     )
     if not block_size:
         return False
-    external = [t for t in m.graph.initializer if external_data_helper.uses_external_data(t)]
-    location = {e.key: e.value for e in external[0].external_data}["location"] if external else None
-    onnx.load_external_data_for_model(m, str(model.parent))
+    location = load_weights(m, model)
     data, scales = quantize_rows(numpy_helper.to_array(init), block_size)
     name = init.name
     m.graph.initializer.remove(init)
@@ -97,12 +97,7 @@ def quantize_embedding(model: Path, block_size: int) -> bool:
     m.graph.node.insert(at, gbq)
     if not any(o.domain == "com.microsoft" for o in m.opset_import):
         m.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    if location:
-        # onnx appends to an existing weights file: write it anew (all tensors are in memory).
-        (model.parent / location).unlink()
-        onnx.save(m, str(model), save_as_external_data=True, location=location)
-    else:
-        onnx.save(m, str(model))
+    save_rewritten(m, model, location)
     return True
 
 

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, helper, numpy_helper
+from onnx import helper, numpy_helper
+
+from doel.export.onnxfile import load_weights, save_rewritten
 
 ENV = "DOEL_EXPORT_GATE_UP"  # "0": leave gate and up as the builder wrote them
 NAME = "gate_up_proj"
@@ -125,16 +127,9 @@ def fuse_model_file(model: Path) -> int:
     found = pairs(m.graph)
     if not found:
         return 0
-    external = [t for t in m.graph.initializer if external_data_helper.uses_external_data(t)]
-    location = {e.key: e.value for e in external[0].external_data}["location"] if external else None
-    onnx.load_external_data_for_model(m, str(model.parent))
+    location = load_weights(m, model)
     fused = fuse_gate_up(m, found)
-    if location:
-        # onnx appends to an existing weights file: write it anew (all tensors are in memory).
-        (model.parent / location).unlink()
-        onnx.save(m, str(model), save_as_external_data=True, location=location)
-    else:
-        onnx.save(m, str(model))
+    save_rewritten(m, model, location)
     return fused
 
 
