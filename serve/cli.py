@@ -138,6 +138,13 @@ def _serving_flags(p: argparse.ArgumentParser) -> None:
         "seconds a finished request's cache is kept for its next turn (default %(default)s)",
         metavar="SECONDS",
     )
+    setting(
+        p,
+        "--draft-tokens",
+        "ids a lone stream drafts from its prompt and output and verifies in one run "
+        "(prompt lookup); 0: none (default %(default)s)",
+        metavar="N",
+    )
     setting(p, "--max-queue", "waiting requests before 429 (default %(default)s)")
 
 
@@ -365,7 +372,8 @@ def check_numbers(args: argparse.Namespace) -> None:
     """Exits with one line for a count, rate or timeout out of its range."""
     rates = ("client_body_rate", "client_request_rate")
     waits = ("prefix_keep", "load_retry")
-    for name in ("threads", "max_queue", "max_body_bytes", "kv_positions", *waits, *rates):
+    counts0 = ("threads", "max_queue", "max_body_bytes", "kv_positions", "draft_tokens")
+    for name in (*counts0, *waits, *rates):
         if getattr(args, name) < 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be 0 or more")
     bounds = ("max_tools", "max_tool_schema_bytes", "max_input_items", "max_input_bytes")

@@ -57,6 +57,10 @@ class Settings:
     # Seconds a finished sequence's cache stays in its slot for a next turn to reuse; then its
     # memory goes back, so an idle server holds almost none.
     prefix_keep: float = 300.0
+    # Ids a lone decoding sequence drafts by prompt lookup and verifies in one run (llama-server's
+    # --spec-draft-n-max with --spec-type ngram-simple); 0: no drafting. Chosen, and drafting
+    # kept to one decoding sequence, by benchmarks/results/spec_* (serve/core/step.py says why).
+    draft_tokens: int = 4
     max_body_bytes: int = 1 << 20  # a request body; more is 413
     cors_origins: tuple[str, ...] = ()  # none: CORS off
     max_headers: int = 256  # as vLLM; more is refused with 431

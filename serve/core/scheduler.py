@@ -112,6 +112,7 @@ class Scheduler(Steps):
         kv_positions: int = Settings.kv_positions,
         step_tokens: int = Settings.step_tokens,
         prefix_keep: float = Settings.prefix_keep,
+        draft_tokens: int = Settings.draft_tokens,
     ):
         self.engine, self.max_queue = engine, max_queue
         # The pool: 0 is every slot's whole context (Service.load bounds it by memory); a
@@ -119,6 +120,8 @@ class Scheduler(Steps):
         whole = engine.slots * engine.context_length
         self.kv_positions = min(kv_positions or whole, whole)
         self.step_tokens, self.prefix_keep = step_tokens, prefix_keep
+        self.draft_tokens = draft_tokens  # a lone sequence's prompt-lookup draft (step.py)
+        self.drafted = self.accepted = 0  # draft ids verified, and of those kept
         self.ended: set[int] = set()  # slots whose sequence ended: pages to give back
         self.idle_since: dict[int, float] = {}  # slot → when what it holds was last used
         self.park = park and engine.bundle.share_buffer  # held prefixes out of a step's span

@@ -104,7 +104,7 @@ class Service:
         tokenizer,
         name: str,
         max_queue: int = Settings.max_queue,
-        **pool,  # kv_positions, step_tokens, prefix_keep: the Scheduler's
+        **pool,  # kv_positions, step_tokens, prefix_keep, draft_tokens: the Scheduler's
     ):
         self.engine, self.tokenizer, self.name = engine, tokenizer, name
         self.scheduler = Scheduler(engine, max_queue, **pool)
@@ -125,7 +125,7 @@ class Service:
         max_queue: int = Settings.max_queue,
         slots: int = Settings.slots,
         models: int = 1,  # models that may be loaded beside it: they share the memory
-        **pool,  # kv_positions, step_tokens, prefix_keep: the Scheduler's
+        **pool,  # kv_positions, step_tokens, prefix_keep, draft_tokens: the Scheduler's
     ):
         b = read_bundle(bundle)
         tok = Tokenizer.from_file(str(b.tokenizer))

@@ -18,6 +18,7 @@ import logging
 import numpy as np
 
 from doel.serve.core.logprobs import Scored, score_rows
+from doel.serve.core.lookup import draft
 from doel.serve.core.sampling import sample
 from doel.serve.core.structured import Constraint, DeadEnd, fill_all
 
@@ -65,7 +66,12 @@ class Steps:
         return events
 
     def _decode(self, stepping: list, decoding: list) -> list[tuple]:
-        """The batched run of the decoding rows, and their picks."""
+        """The batched run of the decoding rows, and their picks (or a lone row's draft
+        verified: `_speculate`)."""
+        if len(decoding) == 1 and self.draft_tokens and decoding[0].constraint is None:
+            events = self._speculate(decoding[0])
+            if events is not None:
+                return events
         # One run covers the slots from the lowest decoding one to the highest: a lone
         # stream in slot 2 is one row, not three (each row costs its share of attention,
         # over a held prefix too: benchmarks/results/profile_serve_0.4b_cpu-*.md).
@@ -93,6 +99,38 @@ class Steps:
         for s in decoding:
             self.prefixes.wrote(s.slot, s.n - 1, [int(s.context[s.n - 1])])
         return [self._pick(s, logits[s.slot - lo]) for s in decoding]
+
+    def _speculate(self, s) -> list[tuple] | None:
+        """A lone decoding sequence's prompt-lookup draft (serve/core/lookup.py) verified in
+        one run over its slot, or None where it has none: the run feeds its last id and the
+        draft, and each position's logits are picked in turn as a step would pick them (the
+        same sampling, the same draws of its generator), until a pick differs from the draft.
+        So greedy output is the one a step at a time would make, and a sampled one has the
+        distribution it would have: an id is kept only where the model itself picked it. The
+        entries of the ids not kept lie past what the slot holds, and are never read. Only a
+        lone row drafts: ONNX Runtime's GroupQueryAttention takes several ids after a cache
+        for one sequence a run, so verifying several rows would give up the batched step
+        (benchmarks/results/spec_*)."""
+        room = self.kv_positions - self._used() - self._idle_held()  # the pool's free positions
+        left = s.params.max_tokens - s.made - 1  # the last position's pick is one more
+        k = min(self.draft_tokens, self.engine.context_length - s.n, room, left)
+        proposed = draft(s.context, s.n, k)
+        if not proposed:
+            return None
+        fed = s.n - 1
+        last = int(s.context[fed])
+        logits = self.engine.forward([last, *proposed], fed, slot=s.slot, every=True)
+        self.drafted += len(proposed)
+        events, kept = [], 0
+        for j, row in enumerate(logits):
+            event = self._pick(s, row)
+            events.append(event)
+            if event[2] or j == len(proposed) or event[1] != proposed[j]:
+                break
+            kept += 1
+        self.accepted += kept
+        self.prefixes.wrote(s.slot, fed, [last, *proposed[:kept]])
+        return events
 
     def _fill(self, s, size: int, events: list) -> int:
         """The next `size` ids of `s` that its slot lacks (`Seq.target`), and once they are in,

@@ -186,6 +186,7 @@ def default_loader(settings: Settings) -> Service:
         kv_positions=settings.kv_positions,
         step_tokens=settings.step_tokens,
         prefix_keep=settings.prefix_keep,
+        draft_tokens=settings.draft_tokens,
     )
     if settings.verify is not None:  # hashing since doel-serve started, beside the load
         seconds = settings.verify.wait()
@@ -222,7 +223,8 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
         scheds = [svc.scheduler for svc in models.loaded()]
         waiting, running = sum(len(s.waiting) for s in scheds), sum(len(s.running) for s in scheds)
         states = [(m.name, m.state, m.loads) for m in models.all.values()]
-        text = request.app.state.metrics.render(waiting, running, states)
+        drafts = sum(s.drafted for s in scheds), sum(s.accepted for s in scheds)
+        text = request.app.state.metrics.render(waiting, running, states, drafts)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=Cards)

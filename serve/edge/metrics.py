@@ -69,9 +69,14 @@ class Metrics:
             self.last_tokens_per_second = (generated - 1) / (total - ttft)
 
     def render(
-        self, waiting: int, running: int, models: Iterable[tuple[str, str, int]] = ()
+        self,
+        waiting: int,
+        running: int,
+        models: Iterable[tuple[str, str, int]] = (),
+        drafts: tuple[int, int] = (0, 0),
     ) -> str:
-        """The exposition; `models`: (name, state, loads) of each model."""
+        """The exposition; `models`: (name, state, loads) of each model; `drafts`: the draft ids
+        the loaded models verified, and of those kept (serve/core/lookup.py)."""
 
         def block(name: str, kind: str, help_: str, lines: list[str]) -> list[str]:
             return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *lines]
@@ -139,6 +144,18 @@ class Metrics:
                     f'doel_connections_refused_total{{reason="{k}"}} {n}'
                     for k, n in sorted(self.refused.items())
                 ],
+            ),
+            *block(
+                "doel_draft_tokens_total",
+                "counter",
+                "prompt-lookup draft ids verified by the loaded models",
+                [f"doel_draft_tokens_total {drafts[0]}"],
+            ),
+            *block(
+                "doel_draft_tokens_accepted_total",
+                "counter",
+                "of those, ids the model picked too (kept)",
+                [f"doel_draft_tokens_accepted_total {drafts[1]}"],
             ),
             *model_lines(list(models)),
         ]

@@ -28,6 +28,8 @@ def test_a_folder_that_is_not_a_bundle_is_one_line_error(tmp_path):
         main([str(tmp_path), "--threads", "-1"])
     with pytest.raises(SystemExit, match="--slots must be 1 or more"):
         main([str(tmp_path), "--slots", "0"])
+    with pytest.raises(SystemExit, match="--draft-tokens must be 0 or more"):
+        main([str(tmp_path), "--draft-tokens", "-2"])
 
 
 def test_bundles_may_come_between_flags(tiny_bundle, tmp_path):

@@ -358,6 +358,18 @@ def test_metrics_count_requests_tokens_and_first_token_times(client):
     assert 'le="+Inf"' in r.text
 
 
+def test_metrics_count_the_draft_ids_verified_and_kept(client):
+    names = ("doel_draft_tokens_total", "doel_draft_tokens_accepted_total")
+    before = [_metric(client, k) for k in names]
+    # A prompt that repeats itself: its last ids occurred before, so the first step drafts.
+    body = {"prompt": "নদী বয়ে যায় " * 8, "max_tokens": 12, "temperature": 0}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    drafted, kept = (_metric(client, k) - b for k, b in zip(names, before))
+    assert drafted > 0 and 0 <= kept <= drafted
+    text = client.get("/metrics").text
+    assert "# TYPE doel_draft_tokens_total counter" in text
+
+
 def test_the_playground_page_streams_from_the_completions_route(client):
     r = client.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
