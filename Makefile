@@ -8,7 +8,7 @@ DEMO_ARGS ?=
 RECIPE ?= bangla-0.4b
 ARGS ?=
 
-.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-core bench-load bench-quant-quality bench-runtimes check-arm64 check-avx2 clean
+.PHONY: demo test test-fast lint format recipe recipe-dry-run bench-tokenizer bench-train bench-export bench-serve bench-core bench-load bench-spec bench-quant-quality bench-runtimes check-arm64 check-avx2 clean
 
 # The demo needs only the three stages' extras; the tests add [dev] (pytest, lm-eval, openai,
 # selenium, transformers for the parity tests).
@@ -77,6 +77,11 @@ bench-core: $(BIN)/.installed
 # llama-server and the onnxruntime-genai venv once (cached in ~/.cache/doel), holds the bench lock
 bench-load: $(BIN)/.installed
 	flock /tmp/doel-bench.lock $(BIN)/python -m benchmarks.load.bench_load --install-llama-server --install-ortgenai --chat --inproc
+
+# Prompt-lookup drafting on SmolLM2-135M: the draft length, doel-serve against llama-server's
+# ngram drafting at 1 and 8 clients (builds llama-server once, as bench-load does)
+bench-spec: $(BIN)/.installed
+	flock /tmp/doel-bench.lock $(BIN)/python -m benchmarks.serve.bench_spec
 
 # Each runtime people install (onnxruntime-genai, Ollama's Go templates, llama-server,
 # transformers) on doel's default model, each row printed by that tool itself

@@ -44,6 +44,8 @@ class Outcome:
     start: float = 0.0
     end: float = 0.0
     bounded: str | None = None  # "cut" or "wall": the client closed the stream before its end
+    drafted: int = 0  # draft ids the server verified, where it says (llama-server's timings)
+    accepted: int = 0  # of those, ids it kept
 
 
 def bangla_chars(text: str) -> int:
@@ -109,6 +111,8 @@ def _event(payload: dict, out: Outcome, now: float) -> None:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", timings.get("cache_n"))
     if cached is not None:
         out.cached = int(cached)
+    if "draft_n" in timings:  # llama-server, drafting (--spec-type)
+        out.drafted, out.accepted = int(timings["draft_n"]), int(timings["draft_n_accepted"])
     if "error" in payload:
         out.error = json.dumps(payload["error"])[:200]
 

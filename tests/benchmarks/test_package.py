@@ -87,6 +87,7 @@ NOT_RESULTS = {
     "serve.bench_serve_engines": "one engine's figures, a file for bench_serve's own process",
     "serve.bench_serve_llama": "builds llama-cpp-python and GGUF files",
     "serve.bench_serve_report": "bench_serve's Markdown and PNG",
+    "serve.bench_spec_report": "bench_spec's Markdown and PNG",
     "load.bench_load_inproc": "one in-process engine's levels, a file for bench_load's process",
     "load.bench_load_report": "bench_load's targets, Markdown and PNG",
     "export.bench_real_model_report": "bench_real_model's Markdown",
