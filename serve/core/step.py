@@ -43,6 +43,7 @@ class Steps:
         for each sequence that moved."""
         events = []
         decoding = [s for s in stepping if not s.filling]
+        self.step_ids = len(decoding)  # ids the decoding rows feed (a verified draft's more)
         if decoding:
             try:
                 events += self._decode(stepping, decoding)
@@ -51,7 +52,7 @@ class Steps:
                 events += [(s, StepFailed(f"the engine failed: {e}"), True) for s in decoding]
         # Prompt chunks, oldest prompt first, within what the decoding rows left of the step's
         # budget: a lone prompt gets a whole chunk; prompts that wait together share a step.
-        budget = self.step_tokens - len(decoding)
+        budget = self.step_tokens - self.step_ids
         for i, s in enumerate(x for x in stepping if x.filling):
             if i and budget < MIN_CHUNK:
                 break
@@ -113,12 +114,14 @@ class Steps:
         (benchmarks/results/spec_*)."""
         room = self.kv_positions - self._used() - self._idle_held()  # the pool's free positions
         left = s.params.max_tokens - s.made - 1  # the last position's pick is one more
-        k = min(self.draft_tokens, self.engine.context_length - s.n, room, left)
+        budget = self.step_tokens - 1  # the step's ids (step_tokens): the last one and a draft
+        k = min(self.draft_tokens, self.engine.context_length - s.n, room, left, budget)
         proposed = draft(s.context, s.n, k)
         if not proposed:
             return None
         fed = s.n - 1
         last = int(s.context[fed])
+        self.step_ids = 1 + len(proposed)
         logits = self.engine.forward([last, *proposed], fed, slot=s.slot, every=True)
         self.drafted += len(proposed)
         events, kept = [], 0

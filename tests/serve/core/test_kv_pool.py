@@ -154,13 +154,17 @@ def test_a_request_past_a_smaller_pool_is_a_400_naming_the_flag(bundle):
 
 
 def steps_of(engine: Engine, scheduler: Scheduler, asks: list[list[int]]) -> list[tuple]:
-    """(decoding rows, prompt chunk lengths) of each step that runs `asks` together."""
+    """(decoding ids, prompt chunk lengths) of each step that runs `asks` together: a row's,
+    or a verified draft's."""
     steps, now = [], {"rows": 0, "chunks": []}
     forward, decode, step = engine.forward, engine.decode, scheduler._step
     engine.decode = lambda t, n, lo=0: now.__setitem__("rows", len(t)) or decode(t, n, lo)
 
     def watched(ids, past_len, slot=0, every=False):
-        now["chunks"].append(len(ids))
+        if every:  # a lone row's draft verified (step.py's _speculate): decoding ids
+            now["rows"] = len(ids)
+        else:
+            now["chunks"].append(len(ids))
         return forward(ids, past_len, slot=slot, every=every)
 
     def stepped(stepping):

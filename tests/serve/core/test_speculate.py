@@ -132,7 +132,11 @@ def test_two_sequences_that_decode_together_never_draft(engine):
         async def one(p):
             return [t async for t in s.generate(p, params, cache=None)]
 
-        return await asyncio.gather(*map(one, prompts))
+        with s._cond:  # the engine thread waits for both: they are admitted at one step
+            tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+            while len(s._inbox) < len(prompts):
+                await asyncio.sleep(0)
+        return await asyncio.gather(*tasks)
 
     got = asyncio.run(two())
     # ONNX Runtime's attention verifies several ids after a cache for one row a run: two rows
