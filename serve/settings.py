@@ -60,7 +60,7 @@ class Settings:
     # Ids a lone decoding sequence drafts by prompt lookup and verifies in one run (llama-server's
     # --spec-draft-n-max with --spec-type ngram-simple); 0: no drafting. Chosen, and drafting
     # kept to one decoding sequence, by benchmarks/results/spec_* (serve/core/step.py says why).
-    draft_tokens: int = 4
+    draft_tokens: int = 6
     max_body_bytes: int = 1 << 20  # a request body; more is 413
     cors_origins: tuple[str, ...] = ()  # none: CORS off
     max_headers: int = 256  # as vLLM; more is refused with 431

@@ -6,17 +6,18 @@ up to NEW ids on five kinds of request, PER_TASK of each, made from the shared v
 copying a Bangla passage, copying an English one, summarizing an English one, rewriting a JSON
 object's keys, and free chat with no passage (where a reply repeats little). Two parts:
 - **the draft length**, in one process on doel's engine and scheduler (one client, no HTTP):
-  each of DRAFTS as `draft_tokens` over the same requests, ids per second, drafts kept, and
-  whether each reply's ids equal those of no drafting (serve/core/step.py says why they can
-  differ on 4- and 8-bit kernels);
+  each of DRAFTS as `draft_tokens` over the same requests, taking turns on each request, each
+  request's best of SWEEP_ROUNDS: ids per second, drafts kept, and whether each reply's ids
+  equal those of no drafting (docs/serving.md says why they can differ on 4- and 8-bit kernels);
 - **the servers**, over HTTP with 1 and 8 clients (benchmarks/load/load_servers.py's settings):
   doel-serve with drafting off and at its default, llama-server without drafting, with
-  `--spec-type ngram-simple` at its defaults, and at doel's shape (lookup of 3, drafts of 4);
+  `--spec-type ngram-simple` at its defaults, and at doel's shape (lookup of 3, drafts of 6);
   aggregate output ids per second, drafts kept (doel-serve's /metrics, llama-server's timings),
   replies equal to the same server's undrafted ones. `--processes N` runs each server N times,
-  interleaved, the order turned every round; the best process counts. With eight clients the
-  batch a reply's ids are computed in depends on timing, so its ids may differ between two runs
-  of the same server (4- and 8-bit kernels round each batch size differently).
+  interleaved, the order turned every round; the best process counts. `--part sweep` or
+  `--part servers` measures one part and keeps the other from the class's result. With eight
+  clients the batch a reply's ids are computed in depends on timing, so its ids may differ
+  between two runs of the same server (4- and 8-bit kernels round each batch size differently).
 
 Writes benchmarks/results/spec_smollm2-135m_cpu-<class>.{json,md,png}
 (benchmarks/serve/bench_spec_report.py). Run: `make bench-spec` (about 9 minutes a process;
@@ -47,13 +48,14 @@ PER_TASK = 8  # requests of each kind: 8 clients send EACH each (`eights`), one 
 ONE_CLIENT = 4
 EACH = 3  # requests each of eight clients sends in turn
 NEW = 128
-DRAFTS = (0, 2, 3, 4, 6, 8)
+DRAFTS = (0, 2, 3, 4, 5, 6, 8)
+SWEEP_ROUNDS = 3
 SERVERS = {  # name: (kind, extra flags)
     "doel-serve, no drafts": ("doel", ("--draft-tokens", "0")),
     "doel-serve, default": ("doel", ()),
     "llama-server, no drafts": ("llama", ()),
     "llama-server, ngram-simple": ("llama", ("--spec-type", "ngram-simple")),
-    "llama-server, ngram-simple 3/4": (
+    "llama-server, ngram-simple 3/6": (
         "llama",
         (
             "--spec-type",
@@ -61,9 +63,9 @@ SERVERS = {  # name: (kind, extra flags)
             "--spec-ngram-simple-size-n",
             "3",
             "--spec-ngram-simple-size-m",
-            "4",
+            "6",
             "--spec-draft-n-max",
-            "4",
+            "6",
         ),
     ),  # fmt: skip
 }
@@ -112,39 +114,49 @@ def requests() -> dict[str, list[str]]:
 
 
 def sweep(bundle: Path, asks: dict[str, list[str]]) -> list[dict]:
-    """One client on doel's scheduler: each draft length over the same requests."""
+    """One client on doel's scheduler: each draft length over the same requests, the lengths
+    taking turns on each request (the order turned every time), each request's best of
+    SWEEP_ROUNDS."""
     from doel.serve.core.engine import Engine, read_bundle
     from doel.serve.core.sampling import SamplingParams
     from doel.serve.core.scheduler import Scheduler
     from doel.serve.core.template import ChatTemplate, generation_stops
 
-    b = read_bundle(bundle)
-    chat, stops = ChatTemplate.load(bundle), generation_stops(bundle)
-    engine = Engine(b, threads=2, slots=1)
+    engine = Engine(read_bundle(bundle), threads=2, slots=1)
     engine.warm_up()
+    chat, stops = ChatTemplate.load(bundle), generation_stops(bundle)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, stop_token_ids=stops)
-    rows, base = [], {}
-    for draft in DRAFTS:
-        s = Scheduler(engine, draft_tokens=draft, prefix_keep=0.0)
+    scheds = {d: Scheduler(engine, draft_tokens=d, prefix_keep=0.0) for d in DRAFTS}
+    got: dict[tuple, dict] = {}  # (draft, task, request) -> ids, best seconds, drafted, kept
+    turn = 0
+    for _ in range(SWEEP_ROUNDS):
         for task, msgs in asks.items():
-            ids, seconds, made = [], 0.0, 0
-            d0, a0 = s.drafted, s.accepted
-            for m in msgs[:ONE_CLIENT]:
+            for i, m in enumerate(msgs[:ONE_CLIENT]):
                 prompt = chat.ids([{"role": "user", "content": m}])
-
-                t0 = time.perf_counter()
-                out = asyncio.run(_ids(s, prompt, params))
-                seconds += time.perf_counter() - t0
-                made += len(out)
-                ids.append(out)
-            base.setdefault(task, ids)
-            same = sum(x == y for x, y in zip(ids, base[task]))
-            rows.append({"draft_tokens": draft, "task": task, "tok_s": made / seconds,
-                         "tokens": made, "drafted": s.drafted - d0,
-                         "accepted": s.accepted - a0, "same": same, "of": len(ids)})  # fmt: skip
-            kept = f"{s.accepted - a0}/{s.drafted - d0} kept"
-            print(f"  draft {draft} {task}: {made / seconds:.1f} ids/s, {kept}, "
-                  f"{same}/{len(ids)} same", flush=True)  # fmt: skip
+                turn += 1
+                for d in DRAFTS[turn % len(DRAFTS) :] + DRAFTS[: turn % len(DRAFTS)]:
+                    s = scheds[d]
+                    d0, a0, t0 = s.drafted, s.accepted, time.perf_counter()
+                    out = asyncio.run(_ids(s, prompt, params))
+                    took = time.perf_counter() - t0
+                    was = got.get((d, task, i))
+                    if was is None:
+                        got[(d, task, i)] = {"ids": out, "s": took, "drafted": s.drafted - d0,
+                                             "kept": s.accepted - a0}  # fmt: skip
+                    else:
+                        was["s"] = min(was["s"], took)
+    rows = []
+    for d in DRAFTS:
+        for task in asks:
+            runs = [got[(d, task, i)] for i in range(ONE_CLIENT)]
+            base = [got[(0, task, i)]["ids"] for i in range(ONE_CLIENT)]
+            made = sum(len(r["ids"]) for r in runs)
+            rows.append({"draft_tokens": d, "task": task, "tok_s": made / sum(r["s"] for r in runs),
+                         "tokens": made, "drafted": sum(r["drafted"] for r in runs),
+                         "accepted": sum(r["kept"] for r in runs),
+                         "same": sum(r["ids"] == b for r, b in zip(runs, base)),
+                         "of": ONE_CLIENT})  # fmt: skip
+            print(f"  draft {d} {task}: {rows[-1]['tok_s']:.1f} ids/s", flush=True)
     return rows
 
 
@@ -214,36 +226,64 @@ def main(argv: list[str] | None = None) -> None:
     p = report.parser(__doc__)
     p.add_argument("--processes", type=int, default=1, help="processes of each server")
     p.add_argument("--work", default=str(CACHE / "bench-load-smollm2-135m"))
+    parts = ("all", "sweep", "servers")
+    help_ = "measure one part, kept beside the other in the class's result"
+    p.add_argument("--part", choices=parts, default="all", help=help_)
+    p.add_argument("--render", help="a result JSON to write as Markdown and PNG again")
     args = p.parse_args(argv)
-    install_llama_server()  # cached: built once (about 10 minutes on 2 cores)
+    if args.render:
+        path = Path(args.render)
+        result = json.loads(path.read_text(encoding="utf-8"))
+        report.publish(path.parent, path.stem, result, markdown(result), figure(result))
+        return
     work = Path(args.work)
     made = prepare(work, [("int4", "q4_0")], "smollm2-135m")
     asks = requests()
-    t0 = time.perf_counter()
-
-    def measure():
-        print("draft lengths, one client, in process:", flush=True)
-        drafts = sweep(made["int4"], asks)
-        served = []
-        for round_ in range(args.processes):
-            names = list(SERVERS)[:: -1 if round_ % 2 else 1]  # the order turned every round
-            for name in names:
-                kind = SERVERS[name][0]
-                served += serve_process(name, made["int4" if kind == "doel" else "q4_0"], asks,
-                                        work)  # fmt: skip
-        return drafts, served
-
-    (drafts, served), foreign = foreign_cpu(measure)
     result = report.stamp() | {
         "model": "SmolLM2-135M-Instruct: doel int4 (defaults) / llama.cpp q4_0",
-        "new_tokens": NEW, "per_task": PER_TASK, "one_client": ONE_CLIENT,
-        "requests": asks, "sweep": drafts, "servers": best(served), "each": EACH,
-        "server_runs": [{k: v for k, v in r.items() if k != "texts"} for r in served],
-        "processes": args.processes, "foreign_cpu_s": foreign,
-        "wall_s": time.perf_counter() - t0, "machine_load": report.load_line(),
+        "new_tokens": NEW, "per_task": PER_TASK, "one_client": ONE_CLIENT, "each": EACH,
+        "sweep_rounds": SWEEP_ROUNDS, "requests": asks,
     }  # fmt: skip
     name = f"spec_smollm2-135m_cpu-{result['cpu']['class']}"
+    earlier = Path(args.out) / f"{name}.json"
+    if args.part != "all" and earlier.is_file():
+        kept = json.loads(earlier.read_text(encoding="utf-8"))
+        if "servers" in kept and "servers_run" not in kept:  # measured before the two parts
+            whole = ("foreign_cpu_s", "wall_s", "machine_load", "date")
+            kept["servers_run"] = {k: kept[k] for k in whole}
+        other = ("servers", "server_runs", "servers_run", "processes")
+        other = ("sweep", "sweep_run") if args.part == "servers" else other
+        result |= {k: kept[k] for k in other if k in kept}
+    if args.part in ("all", "sweep"):
+        print("draft lengths, one client, in process:", flush=True)
+        t0 = time.perf_counter()
+        result["sweep"], foreign = foreign_cpu(sweep, made["int4"], asks)
+        result["sweep_run"] = run_stamp(foreign, time.perf_counter() - t0)
+    if args.part in ("all", "servers"):
+        install_llama_server()  # cached: built once (about 10 minutes on 2 cores)
+        t0 = time.perf_counter()
+        served, foreign = foreign_cpu(serve_all, made, asks, work, args.processes)
+        result |= {"servers": best(served), "processes": args.processes,
+                   "server_runs": [{k: v for k, v in r.items() if k != "texts"} for r in served],
+                   "servers_run": run_stamp(foreign, time.perf_counter() - t0)}  # fmt: skip
+    if "sweep" not in result or "servers" not in result:
+        raise SystemExit(f"{earlier} lacks the other part: run --part all, or the other part")
     report.publish(args.out, name, result, markdown(result), figure(result))
+
+
+def run_stamp(foreign: float, wall: float) -> dict:
+    return {"date": report.stamp()["date"], "foreign_cpu_s": foreign, "wall_s": wall,
+            "machine_load": report.load_line()}  # fmt: skip
+
+
+def serve_all(made: dict, asks: dict, work: Path, processes: int) -> list[dict]:
+    """Every server of SERVERS, `processes` times, the order turned every round."""
+    served = []
+    for round_ in range(processes):
+        for name in list(SERVERS)[:: -1 if round_ % 2 else 1]:
+            model = made["int4" if SERVERS[name][0] == "doel" else "q4_0"]
+            served += serve_process(name, model, asks, work)
+    return served
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 from benchmarks.common import report
 
 OFF = {"doel-serve": "doel-serve, no drafts", "llama-server": "llama-server, no drafts"}
 DRAFTING = {
     "doel-serve, default": "doel-serve",
     "llama-server, ngram-simple": "llama-server",
-    "llama-server, ngram-simple 3/4": "llama-server",
+    "llama-server, ngram-simple 3/6": "llama-server",
 }
 
 
@@ -39,6 +41,19 @@ def sweep_table(result: dict) -> list[str]:
             cells.append(cell)
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     return lines
+
+
+def best_length(result: dict) -> tuple[int, float]:
+    """The draft length with the highest geometric mean of its speed-ups over the kinds of
+    request, and that mean."""
+    rows = result["sweep"]
+    means = {}
+    for d in sorted({r["draft_tokens"] for r in rows} - {0}):
+        ups = [_row(rows, task=t, draft_tokens=d)["tok_s"] / _row(rows, task=t, draft_tokens=0)
+               ["tok_s"] for t in result["requests"]]  # fmt: skip
+        means[d] = math.prod(ups) ** (1 / len(ups))
+    d = max(means, key=means.get)
+    return d, means[d]
 
 
 def _same(a: dict, b: dict) -> str:
@@ -82,6 +97,11 @@ def against_llama(result: dict, clients: int) -> str:
     return ", ".join(parts)
 
 
+def _run(what: str, run: dict) -> str:
+    return (f"{what} on {run['date']} ({run['machine_load']}, foreign CPU "
+            f"{run['foreign_cpu_s']:.1f} s of {run['wall_s']:.0f} s)")  # fmt: skip
+
+
 def markdown(result: dict) -> str:
     title = "Prompt-lookup drafting, SmolLM2-135M-Instruct"
     lines = [
@@ -89,16 +109,23 @@ def markdown(result: dict) -> str:
         f"{report.cpu_line(result['cpu'])} {result['model']}; greedy chat completions of up "
         f"to {result['new_tokens']} ids, {result['one_client']} requests of each kind in turn "
         f"with one client; with eight, each client sends {result['each']} of the "
-        f"{result['per_task']} in turn (the requests are in the JSON). Machine load: "
-        f"{result['machine_load']}; foreign CPU "
-        f"{result['foreign_cpu_s']:.1f} s of {result['wall_s']:.0f} s.",
+        f"{result['per_task']} in turn (the requests are in the JSON).",
+        "",
+        f"Measured in two parts: {_run('the draft lengths', result['sweep_run'])}; "
+        f"{_run('the servers', result['servers_run'])}.",
         "",
         "## Draft length: doel's scheduler, one client, in process",
         "",
         "Output ids per second (prompt included), the speed-up over no drafting, the draft ids "
-        "kept of those verified, and the replies whose ids equal those of no drafting.",
+        "kept of those verified, and the replies whose ids equal those of no drafting. The "
+        "lengths take turns on each request, each request's best of "
+        f"{result['sweep_rounds']}.",
         "",
         *sweep_table(result),
+        "",
+        "The length with the highest geometric mean of the speed-ups: **{}** ({:.2f}×).".format(
+            *best_length(result)
+        ),
         "",
     ]
     for clients in (1, 8):
