@@ -4,12 +4,11 @@ admissions.
 A step advances every sequence whose ids are in its slot's cache by one token in one batched run
 (the weights are read once for all of them; a lone one by a verified draft instead, `_speculate`),
 then feeds prompt chunks of the filling ones, oldest first, within the step's token budget
-(`step_tokens`), and samples. A failure is the failing
-part's: a batched run that fails ends the rows it ran, a chunk that fails ends its own sequence,
-and a grammar in error ends its row; the other sequences of the step carry on, since their
-entries and ids are intact (issue 53, item 3). A sequence that was preempted refills its slot
-with the ids it had (`Seq.target`) and then decodes on where it stopped, sampling nothing in
-between: its stream goes on as if nothing happened.
+(`step_tokens`), and samples. A failure is the failing part's: a batched run that fails ends the
+rows it ran, a chunk that fails ends its own sequence, and a grammar in error ends its row; the
+other sequences of the step carry on, since their entries and ids are intact (issue 53, item 3).
+A sequence that was preempted refills its slot with the ids it had (`Seq.target`) and then decodes
+on where it stopped, sampling nothing in between: its stream goes on as if nothing happened.
 """
 
 from __future__ import annotations
