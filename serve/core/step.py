@@ -111,7 +111,7 @@ class Steps:
         entries of the ids not kept lie past what the slot holds, and are never read. Only a
         lone row drafts: ONNX Runtime's GroupQueryAttention takes several ids after a cache
         for one sequence a run, so verifying several rows would give up the batched step
-        (benchmarks/results/spec_*)."""
+        (benchmarks/results/verify_*, spec_*)."""
         room = self.kv_positions - self._used() - self._idle_held()  # the pool's free positions
         left = s.params.max_tokens - s.made - 1  # the last position's pick is one more
         budget = self.step_tokens - 1  # the step's ids (step_tokens): the last one and a draft
