@@ -83,6 +83,15 @@ def load_line(at: str = "at the end") -> str:
     return f"load average {os.getloadavg()[0]:.1f} {at}"
 
 
+def render_again(path: str | Path, markdown, figure=None) -> Path:
+    """A result's JSON at `path` written again, whole, beside its Markdown (`markdown(result)`)
+    and, given `figure(result)`, its PNG: a report changed, nothing measured again."""
+    path = Path(path)
+    result = json.loads(path.read_text(encoding="utf-8"))
+    fig = figure(result) if figure is not None else None
+    return publish(path.parent, path.stem, result, markdown(result), fig, echo=False)
+
+
 def publish(
     out: str | Path,
     name: str,

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common.report import command, load_line, parser, publish, stamp
+from benchmarks.common.report import command, load_line, parser, publish, render_again, stamp
 from benchmarks.export.bench_export import foreign_cpu
 from benchmarks.probes import probe_chain
 from benchmarks.probes.probe_ablation_report import markdown
@@ -274,9 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render", help="a result JSON to write as Markdown again (no measuring)")
     args = ap.parse_args(argv)
     if args.render:
-        path = Path(args.render)
-        result = json.loads(path.read_text())
-        publish(path.parent, path.stem, result, markdown(result), echo=False)
+        render_again(args.render, markdown)
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="probe_ablation_"))
     result = run(work, args.model)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common.report import heading, load_line, parser, publish, stamp
+from benchmarks.common.report import heading, load_line, parser, publish, render_again, stamp
 from benchmarks.export.bench_export import foreign_cpu
 from doel.export.gate_up import fuse_gate_up, node_attrs
 
@@ -310,8 +310,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--render"]:  # a result's JSON written as Markdown again
-        path = Path(sys.argv[2])
-        res = json.loads(path.read_text())
-        publish(path.parent, path.stem, res, markdown(res), echo=False)
+        render_again(sys.argv[2], markdown)
     else:
         main()

@@ -32,7 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common.report import command, heading, load_line, parser, publish, stamp
+from benchmarks.common.report import (
+    command,
+    heading,
+    load_line,
+    parser,
+    publish,
+    render_again,
+    stamp,
+)
 from benchmarks.export.bench_export import foreign_cpu
 
 RESULTS = ("kv_cache_cpu-<class>",)
@@ -295,9 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render", help="a result JSON to write as Markdown again (no measuring)")
     args = ap.parse_args(argv)
     if args.render:
-        path = Path(args.render)
-        res = json.loads(path.read_text())
-        publish(path.parent, path.stem, res, markdown(res), echo=False)
+        render_again(args.render, markdown)
         return
     result = run()
     publish(args.out, f"kv_cache_cpu-{result['cpu']['class']}", result, markdown(result))

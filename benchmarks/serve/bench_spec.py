@@ -43,7 +43,6 @@ from benchmarks.serve.bench_spec_report import figure, markdown
 
 RESULTS = ("spec_smollm2-135m_cpu-<class>",)
 
-TASKS = ("copy-bn", "copy-en", "summarize-en", "json", "chat")
 PER_TASK = 8  # requests of each kind: 8 clients send EACH each (`eights`), one ONE_CLIENT
 ONE_CLIENT = 4
 EACH = 3  # requests each of eight clients sends in turn
@@ -232,9 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--render", help="a result JSON to write as Markdown and PNG again")
     args = p.parse_args(argv)
     if args.render:
-        path = Path(args.render)
-        result = json.loads(path.read_text(encoding="utf-8"))
-        report.publish(path.parent, path.stem, result, markdown(result), figure(result))
+        report.render_again(args.render, markdown, figure)
         return
     work = Path(args.work)
     made = prepare(work, [("int4", "q4_0")], "smollm2-135m")
@@ -248,9 +245,6 @@ def main(argv: list[str] | None = None) -> None:
     earlier = Path(args.out) / f"{name}.json"
     if args.part != "all" and earlier.is_file():
         kept = json.loads(earlier.read_text(encoding="utf-8"))
-        if "servers" in kept and "servers_run" not in kept:  # measured before the two parts
-            whole = ("foreign_cpu_s", "wall_s", "machine_load", "date")
-            kept["servers_run"] = {k: kept[k] for k in whole}
         other = ("servers", "server_runs", "servers_run", "processes")
         other = ("sweep", "sweep_run") if args.part == "servers" else other
         result |= {k: kept[k] for k in other if k in kept}

@@ -36,7 +36,14 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from benchmarks.common.cpu_class import this_cpu
-from benchmarks.common.report import SERVE_WORK_HELP, cpu_name, load_line, parser, publish
+from benchmarks.common.report import (
+    SERVE_WORK_HELP,
+    cpu_name,
+    load_line,
+    parser,
+    publish,
+    render_again,
+)
 from benchmarks.export.bench_export import foreign_cpu
 from benchmarks.serve.bench_serve import FULL, bandwidth, setup
 from doel.serve.core.engine import Engine, read_bundle
@@ -644,10 +651,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = parser(__doc__, work=SERVE_WORK_HELP)
     ap.add_argument("--render", help="a result JSON to write as Markdown again (no measuring)")
     args = ap.parse_args(argv)
-    if args.render:  # the JSON is written again as it was, whole, beside its new Markdown
-        path = Path(args.render)
-        result = json.loads(path.read_text())
-        publish(path.parent, path.stem, result, markdown(result), echo=False)
+    if args.render:
+        render_again(args.render, markdown)
         return
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     work = Path(args.work or tempfile.mkdtemp(prefix="profile_serve_"))
