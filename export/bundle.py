@@ -36,14 +36,13 @@ import numpy as np
 
 from doel.contracts import read_json
 from doel.contracts.manifest import KVCache, Manifest
-from doel.contracts.quant import DEFAULT_ONNX, QUANTS, names, quant
+from doel.contracts.quant import DEFAULT_ONNX, KV_CACHES, QUANTS, names, quant
 from doel.export import card, genai, graph, parity, web
 from doel.export.checkpoint import Checkpoint, inspect_checkpoint, source_record
 from doel.export.common import ExportError, file_table, staging, write_json
 from doel.export.runner import OnnxLM
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what MatMulNBits implements
-KV_CACHE = ("fp32", "fp16")
 MAX_WINDOW = 512  # tokens per forward when measuring the loss
 
 
@@ -56,7 +55,7 @@ class ExportOptions:
     texts: tuple[str, ...] = ()
     max_loss_increase: float | None = None  # nats/token; None: the default bound per quant
     eval_tokens: int = 4096
-    kv_cache: str = "fp32"  # fp16: half the cache's memory (builder graphs only)
+    kv_cache: str = KV_CACHES[0]  # fp16 / int8: half / a quarter of the cache (builder graphs)
     head_bits: int | None = None  # the head (builder graphs); None: the table's head_bits
     promoted_bits: int | None = None  # llama.cpp's mixed matrices (builder graphs); None: the
     # table's promoted_bits, 0: none (a body all of one width)
@@ -84,8 +83,13 @@ class ExportOptions:
         if self.promoted_bits not in (None, 0, *heads):
             choices = " or ".join(map(str, (0, *heads)))
             raise ExportError(f"--promoted-bits must be {choices}, got {self.promoted_bits}")
-        if self.kv_cache not in KV_CACHE:
-            raise ExportError(f"--kv-cache must be one of {KV_CACHE}, got {self.kv_cache!r}")
+        if self.kv_cache not in KV_CACHES:
+            raise ExportError(f"--kv-cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        if self.kv_cache == "int8" and self.web:  # its attention kernel is ONNX Runtime's CPU one
+            raise ExportError(
+                "--web with --kv-cache int8: onnxruntime-web's attention was not checked with an "
+                "int8 cache; export the page with --kv-cache fp32 or fp16"
+            )
         if self.eval_tokens < 16:
             raise ExportError(f"--eval-tokens must be at least 16, got {self.eval_tokens}")
         if self.repo_id is not None:
@@ -168,7 +172,7 @@ def manifest(
         layers=len(lm.past_names) // 2,
         kv_heads=ckpt.kv_heads,
         head_dim=ckpt.head_dim,
-        dtype=np.dtype(lm.kv_dtype).name,  # float16 from --kv-cache fp16
+        dtype=np.dtype(lm.kv_dtype).name,  # float16 / int8 from --kv-cache
         position_ids_input="position_ids" in lm.input_names,
         # GroupQueryAttention writes the new entries in place, so one preallocated buffer can
         # be bound as both past and present (much faster at long context).
@@ -257,6 +261,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     texts = parity.eval_texts(ckpt, opts.texts, opts.eval_tokens)  # bad --text fails here, early
     if opts.web:
         web.runtime_modules(log)  # no npm, no page: said before the export's minutes, not after
+    window = min(ckpt.context_length, MAX_WINDOW)
     t0 = time.perf_counter()
     with staging(out, opts.force) as stage:
         log(f"building the {opts.quant} graph of {ckpt.architecture} with the {engine} engine")
@@ -266,7 +271,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
             opts.quant,
             opts.block_size,
             engine,
-            half_kv=opts.kv_cache == "fp16",
+            kv_cache=opts.kv_cache,
+            # the held-out text the loss is measured on (the scales are 2 numbers a channel)
+            calibration=[d[:window] for t in texts for d in t["docs"]],
             head_bits=opts.head_bits,
             promoted_bits=opts.promoted_bits,
         )

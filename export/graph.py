@@ -251,12 +251,14 @@ def build_graph(
     quant: str,
     block_size: int,
     engine: str,
-    half_kv: bool = False,
+    kv_cache: str = "fp32",
     head_bits: int | None = None,
     promoted_bits: int | None = None,
+    calibration=(),
 ) -> Path:
-    """The graph in `out`; `head_bits` and `promoted_bits` apply to builder graphs (optimum's
-    keep every matrix at the body's bits; the manifest reports what was written)."""
+    """The graph in `out`; `head_bits`, `promoted_bits` and `kv_cache` (fp16 or int8, whose
+    scales come from running the `calibration` docs of token ids) apply to builder graphs
+    (optimum's keep every matrix at the body's bits; the manifest reports what was written)."""
     try:
         row = quant_row(quant, "onnx")
     except ValueError as e:
@@ -271,9 +273,13 @@ def build_graph(
 
         if engine == "genai" and gate_up.enabled():  # DOEL_EXPORT_GATE_UP=0 turns it off
             gate_up.fuse_model_file(model)
-        if engine == "genai" and half_kv:
+        if engine == "genai" and kv_cache == "fp16":
             kvcache.half_kv_cache(model)
-        embedding.quantize_embedding(model, block_size)  # last: it rewrites the weights file
+        embedding.quantize_embedding(model, block_size)  # it rewrites the weights file
+        if engine == "genai" and kv_cache == "int8":  # last: the scales run the graph so far
+            peak = kvcache.calibrate(model, ckpt.kv_heads, ckpt.head_dim, calibration)
+            interleaved = kvcache.interleaved_rotary(model)
+            kvcache.int8_kv_cache(model, kvcache.kv_scales(peak, interleaved))
     return model
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
+
 
 class OnnxLM:
     """One ONNX Runtime session over a bundle's decoder graph."""
@@ -35,9 +37,9 @@ class OnnxLM:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.past_names = [n for n in self.input_names if n.startswith("past_key_values.")]
-        # fp32, or fp16 where the export halved the cache (--kv-cache fp16)
+        # fp32, or fp16 / int8 where the export made the cache so (--kv-cache)
         types = {i.name: i.type for i in self.session.get_inputs()}
-        self.kv_dtype = np.float16 if types[self.past_names[0]] == "tensor(float16)" else np.float32
+        self.kv_dtype = KV_DTYPES[types[self.past_names[0]]]
         self.kv_heads, self.head_dim = kv_heads, head_dim
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:

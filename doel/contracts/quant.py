@@ -96,6 +96,10 @@ QUANTS: dict[str, Quant] = {
 ONNX_QUANTS = tuple(n for n, q in QUANTS.items() if q.target == "onnx")
 GGUF_QUANTS = tuple(n for n, q in QUANTS.items() if q.target == "gguf")
 DEFAULT_ONNX = "int4"
+# The KV cache a quantized builder graph can keep (`doel-export --kv-cache`); the first is the
+# default. fp16 halves the cache, int8 quarters it (export/kvcache.py says how, and cites what
+# each was measured to cost).
+KV_CACHES = ("fp32", "fp16", "int8")
 DEFAULT_GGUF = "q8_0"
 
 
