@@ -129,7 +129,8 @@ def markdown(result: dict) -> str:
         "processes per engine (a process's memory reads run faster or slower for its whole "
         "life, and a one-row decode moves with them). "
         f"llama.cpp: context {p['n_ctx']}, flash attention off and on (each target takes the "
-        f"better); our engine: one slot of {p['n_ctx']} positions.",
+        f"better); our engine: one slot of {p['n_ctx']} positions, its KV cache "
+        f"{p.get('kv_cache', 'fp32')} (llama.cpp's: f16).",
         "",
         cpu_line(result.get("cpu")),
         "",
