@@ -29,6 +29,24 @@ def _gqa_nodes(graph) -> list:
     return [n for n in graph.node if n.op_type == "GroupQueryAttention"]
 
 
+def _cache_nodes(model: Path) -> tuple:
+    """(the loaded graph, its GroupQueryAttention nodes), the nodes empty unless each reads its
+    cache from a graph input (optimum's graphs: their attention is plain ops)."""
+    import onnx
+
+    m = onnx.load(str(model), load_external_data=False)
+    nodes = _gqa_nodes(m.graph)
+    inputs = {i.name for i in m.graph.input}
+    return m, nodes if all(n.input[3] in inputs for n in nodes) else []
+
+
+def _retype_cache(m, elem_type: int) -> None:
+    """The graph's past_key_values.* inputs and present.* outputs, as `elem_type`."""
+    for v in [*m.graph.input, *m.graph.output]:
+        if v.name.startswith(("past_key_values.", "present.")):
+            v.type.tensor_type.elem_type = elem_type
+
+
 def half_kv_cache(model: Path) -> bool:
     """Rewrite `model` so that its cache is fp16; False (left alone) without GroupQueryAttention
     nodes on graph inputs (optimum's graphs: their attention is plain ops)."""
@@ -36,12 +54,10 @@ def half_kv_cache(model: Path) -> bool:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    m = onnx.load(str(model), load_external_data=False)
-    g = m.graph
-    nodes = _gqa_nodes(g)
-    inputs = {i.name for i in g.input}
-    if not nodes or not all(n.input[3] in inputs for n in nodes):
+    m, nodes = _cache_nodes(model)
+    if not nodes:
         return False
+    g = m.graph
     inits = {t.name: t for t in g.initializer}
     halves: dict[str, str] = {}
     for node in nodes:
@@ -65,9 +81,7 @@ def half_kv_cache(model: Path) -> bool:
         g.node.insert(at + 2, cast_out)
     for name in halves:  # the fp32 tables have no reader left
         g.initializer.remove(inits[name])
-    for v in [*g.input, *g.output]:
-        if v.name.startswith(("past_key_values.", "present.")):
-            v.type.tensor_type.elem_type = TensorProto.FLOAT16
+    _retype_cache(m, TensorProto.FLOAT16)
     onnx.save(m, str(model))
     return True
 
@@ -128,12 +142,10 @@ def int8_kv_cache(model: Path, scales: dict) -> bool:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    m = onnx.load(str(model), load_external_data=False)
-    g = m.graph
-    nodes = _gqa_nodes(g)
-    inputs = {i.name for i in g.input}
-    if not nodes or not all(n.input[3] in inputs for n in nodes):
+    m, nodes = _cache_nodes(model)
+    if not nodes:
         return False
+    g = m.graph
     for node in nodes:
         named = []
         for i in (3, 4):  # its past key and value
@@ -150,8 +162,6 @@ def int8_kv_cache(model: Path, scales: dict) -> bool:
                 helper.make_attribute("v_quant_type", "PER_CHANNEL"),
             ]
         )
-    for v in [*g.input, *g.output]:
-        if v.name.startswith(("past_key_values.", "present.")):
-            v.type.tensor_type.elem_type = TensorProto.INT8
+    _retype_cache(m, TensorProto.INT8)
     onnx.save(m, str(model))
     return True
