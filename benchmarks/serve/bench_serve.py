@@ -397,7 +397,7 @@ def run_all(work: Path, p: dict, with_llama: bool, single_stream: bool = False) 
     spec.write_text(json.dumps(spec_for(p, cfg, tok_size)))
     bw = bandwidth()
     print(f"read bandwidth {bw['read_gb_s']:.1f} GB/s", flush=True)
-    rows = {}
+    rows, todo = {}, {}
     for key, engine, variant, bits in ROWS:
         if single_stream and engine == "torch":
             continue
@@ -405,14 +405,22 @@ def run_all(work: Path, p: dict, with_llama: bool, single_stream: bool = False) 
             engine,
             (ggufs.get(variant), 2),  # llama.cpp's cache is f16
         )
-        if engine == "doel":  # fp32, or fp16 from `doel-export --kv-cache fp16`
+        if engine == "doel":  # fp32, or fp16 / int8 from `doel-export --kv-cache`
             kv_bytes = bundle_kv_bytes(model)
-        row = {"row": key, "engine": engine, "variant": variant, "bits": bits}
+        rows[key] = {"row": key, "engine": engine, "variant": variant, "bits": bits}
         if model is None:
-            rows[key] = row | {"missing": "llama-cpp-python is not installed"}
-            continue
-        print(f"measuring {engine} {variant} ...", flush=True)
-        row |= best_row([measured(engine, model, spec, work) for _ in range(p["processes"])])
+            rows[key] |= {"missing": "llama-cpp-python is not installed"}
+        else:
+            todo[key] = (engine, model, kv_bytes)
+    # The rows take turns, one process each per round: the host's memory speed drifts over
+    # minutes, and a row's processes run back to back would carry that drift into the ratios.
+    runs: dict[str, list] = {key: [] for key in todo}
+    for r in range(p["processes"]):
+        for key, (engine, model, _) in todo.items():
+            print(f"measuring {key}, process {r + 1} of {p['processes']} ...", flush=True)
+            runs[key].append(measured(engine, model, spec, work))
+    for key, (engine, model, kv_bytes) in todo.items():
+        row = rows[key] | best_row(runs[key])
         weights = weight_bytes(engine, model)
         row |= bound_fields(row, weights, cfg, kv_bytes, bw["read_gb_s"], p)
         rows[key] = row | {"tensor_types": weights.get("types")}
@@ -434,7 +442,8 @@ def run_all(work: Path, p: dict, with_llama: bool, single_stream: bool = False) 
     return {
         **stamp(python=True),
         "settings": p
-        | {"threads": THREADS, "n_ctx": spec_n_ctx(cfg), "single_stream": single_stream},
+        | {"threads": THREADS, "n_ctx": spec_n_ctx(cfg), "single_stream": single_stream}
+        | {"interleaved": True},  # run_all's rows take turns
         "model": {k: cfg[k] for k in keys},
         "parameters_m": safetensors_bytes(ckpt / "model.safetensors")["total"] / 4 / 1e6,
         "tokenizer_size": tok_size,

@@ -127,8 +127,9 @@ def markdown(result: dict) -> str:
         f"each prompt; best of {p['repeats']['short']} ({p['short']} tokens) and "
         f"{p['repeats']['long']} ({p['long']} tokens) runs in each of {p.get('processes', 1)} "
         "processes per engine (a process's memory reads run faster or slower for its whole "
-        "life, and a one-row decode moves with them). "
-        f"llama.cpp: context {p['n_ctx']}, flash attention off and on (each target takes the "
+        "life, and a one-row decode moves with them)"
+        + ("; the engines take turns, one process each a round. " if p.get("interleaved") else ". ")
+        + f"llama.cpp: context {p['n_ctx']}, flash attention off and on (each target takes the "
         f"better); our engine: one slot of {p['n_ctx']} positions, its KV cache "
         f"{p.get('kv_cache', 'fp32')} (llama.cpp's: f16).",
         "",
