@@ -287,8 +287,9 @@ def test_the_service_warms_its_engine_up_when_it_loads(tiny_bundle, monkeypatch)
     "kv_cache, dtype", [("fp32", np.float32), ("fp16", np.float16), ("int8", np.int8)]
 )
 def test_a_quantized_bundle_decodes_as_its_plain_loop(tiny_bundle, tmp_path, kv_cache, dtype):
-    """An int4 bundle with each cache precision (fp16, int8: export/kvcache.py): the engine allocates
-    the cache so, in every slot, and gives the export stage's greedy tokens, alone and batched."""
+    """An int4 bundle with each cache precision (fp16, int8: export/kvcache.py): the engine
+    allocates the cache so, in every slot, and gives the export stage's greedy tokens, alone and
+    batched."""
     from doel.export.bundle import ExportOptions, export_checkpoint
 
     opts = ExportOptions(quant="int4", kv_cache=kv_cache, eval_tokens=64, log=lambda _m: None)
