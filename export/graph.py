@@ -30,6 +30,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from doel.contracts.quant import KV_CACHES
 from doel.contracts.quant import quant as quant_row
 from doel.export import embedding, kvcache
 from doel.export.checkpoint import Checkpoint
@@ -251,7 +252,7 @@ def build_graph(
     quant: str,
     block_size: int,
     engine: str,
-    kv_cache: str = "fp32",
+    kv_cache: str = KV_CACHES[0],
     head_bits: int | None = None,
     promoted_bits: int | None = None,
     calibration=(),
@@ -278,8 +279,7 @@ def build_graph(
         embedding.quantize_embedding(model, block_size)  # it rewrites the weights file
         if engine == "genai" and kv_cache == "int8":  # last: the scales run the graph so far
             peak = kvcache.calibrate(model, ckpt.kv_heads, ckpt.head_dim, calibration)
-            interleaved = kvcache.interleaved_rotary(model)
-            kvcache.int8_kv_cache(model, kvcache.kv_scales(peak, interleaved))
+            kvcache.int8_kv_cache(model, peak)
     return model
 
 

@@ -87,7 +87,7 @@ def half_kv_cache(model: Path) -> bool:
 
 
 SCALE_FLOOR = 1e-6  # a channel silent in the calibration text still gets a usable scale
-K_SCALE, V_SCALE = 12, 13  # GroupQueryAttention's k_scale and v_scale inputs (ONNX Runtime 1.32)
+K_SCALE = 12  # GroupQueryAttention's k_scale input, v_scale the next (ONNX Runtime 1.32)
 
 
 def calibrate(model: Path, kv_heads: int, head_dim: int, docs) -> dict:
@@ -127,18 +127,10 @@ def kv_scales(peak: dict, interleaved: bool = False) -> dict:
     return out
 
 
-def interleaved_rotary(model: Path) -> bool:
-    """Whether the graph's attention rotates interleaved channel pairs (its nodes agree)."""
-    import onnx
-
-    g = onnx.load(str(model), load_external_data=False).graph
-    flags = {a.i for n in _gqa_nodes(g) for a in n.attribute if a.name == "rotary_interleaved"}
-    return flags == {1}
-
-
-def int8_kv_cache(model: Path, scales: dict) -> bool:
-    """Rewrite `model` so that its cache is int8 with `scales` ({past name: [kv_heads, 1,
-    head_dim]}); False (left alone) without GroupQueryAttention nodes on graph inputs."""
+def int8_kv_cache(model: Path, peak: dict) -> bool:
+    """Rewrite `model` so that its cache is int8, scaled from `calibrate`'s `peak` (`kv_scales`,
+    pairing channels as the nodes' rotary does); False (left alone) without GroupQueryAttention
+    nodes on graph inputs."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -146,6 +138,8 @@ def int8_kv_cache(model: Path, scales: dict) -> bool:
     if not nodes:
         return False
     g = m.graph
+    rotary = {a.i for n in nodes for a in n.attribute if a.name == "rotary_interleaved"}
+    scales = kv_scales(peak, interleaved=rotary == {1})
     for node in nodes:
         named = []
         for i in (3, 4):  # its past key and value

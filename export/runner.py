@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
+from doel.contracts.quant import KV_DTYPES
 
 
 class OnnxLM:
@@ -39,7 +39,7 @@ class OnnxLM:
         self.past_names = [n for n in self.input_names if n.startswith("past_key_values.")]
         # fp32, or fp16 / int8 where the export made the cache so (--kv-cache)
         types = {i.name: i.type for i in self.session.get_inputs()}
-        self.kv_dtype = KV_DTYPES[types[self.past_names[0]]]
+        self.kv_dtype = np.dtype(KV_DTYPES[types[self.past_names[0]]]).type
         self.kv_heads, self.head_dim = kv_heads, head_dim
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:

@@ -82,12 +82,12 @@ def held_out(tokenizer: Path) -> list[list[int]]:
 
 
 def _nll(logits, ids) -> tuple[float, list[int]]:
+    """Summed nats of each next id (the export's own scoring) and each position's top pick."""
     import numpy as np
 
-    x = logits[:-1].astype(np.float64)
-    top = x.max(1, keepdims=True)
-    lse = np.log(np.exp(x - top).sum(1)) + top[:, 0]
-    return float((lse - x[np.arange(len(ids) - 1), ids[1:]]).sum()), x.argmax(1).tolist()
+    from doel.export.runner import nll_sum
+
+    return nll_sum(logits[:-1], np.array(ids[1:])), logits[:-1].argmax(1).tolist()
 
 
 def child(paths: dict[str, str], with_loss: bool) -> dict:

@@ -330,10 +330,11 @@ def checkpoint(work: Path, p: dict) -> Path:
 def setup(work: Path, p: dict, with_llama: bool) -> tuple[Path, dict, dict]:
     ckpt = checkpoint(work, p)
     bundles = {}
+    kv = p.get("kv_cache", KV_CACHES[0])
     for q in ("int4", "int8"):
         print(f"exporting {q} ...", flush=True)
-        flags = [*p.get("export_flags", []), "--kv-cache", p.get("kv_cache", KV_CACHES[0])]
-        folder = work / f"bundle-{q}{kv_suffix(p.get('kv_cache', KV_CACHES[0]))}"
+        flags = [*p.get("export_flags", []), "--kv-cache", kv]
+        folder = work / f"bundle-{q}{kv_suffix(kv)}"
         bundles[q] = export_bundle(ckpt, folder, q, p["eval_tokens"], flags)
     ggufs = {}
     if with_llama:

@@ -100,6 +100,9 @@ DEFAULT_ONNX = "int4"
 # default. fp16 halves the cache, int8 quarters it (export/kvcache.py says how, and cites what
 # each was measured to cost).
 KV_CACHES = ("fp32", "fp16", "int8")
+# A graph's cache input type -> the numpy dtype name the engine allocates and the manifest's
+# kv_cache.dtype records.
+KV_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int8)": "int8"}
 DEFAULT_GGUF = "q8_0"
 
 

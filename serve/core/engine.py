@@ -49,12 +49,12 @@ import onnxruntime as ort
 
 from doel.contracts import untrusted
 from doel.contracts.manifest import ManifestError, read_manifest
+from doel.contracts.quant import KV_DTYPES
 from doel.serve.core.sampling import SamplingParams, sample
 
 LAST = np.array([1], np.int64)  # logits_to_keep: the last position only
 ALL = np.array([0], np.int64)  # logits_to_keep: every position (a scored prompt, `echo`)
 PREFILL_CHUNK = 128  # prompt tokens per run (see Engine.forward)
-KV_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
 
 
 class BundleError(Exception):
@@ -154,7 +154,8 @@ def _untrusted(b: Bundle) -> None:
         untrusted.inside(b.folder, config, "the bundle's tokenizer_config.json")
         untrusted.file_bytes(config, untrusted.MAX_RECORD_BYTES)
     untrusted.check_tokenizer(b.tokenizer)
-    per = {"float16": 2, "int8": 1}.get(b.manifest["kv_cache"].get("dtype"), 4)
+    dtype = b.manifest["kv_cache"].get("dtype")
+    per = np.dtype(dtype).itemsize if dtype in KV_DTYPES.values() else 4
     cache = b.layers * 2 * b.kv_heads * b.context_length * b.head_dim * per
     memory = untrusted.memory_bytes()
     if memory is not None and cache > memory:
@@ -236,7 +237,7 @@ class Engine:
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.past_names = [n for n in inputs if n.startswith("past_key_values.")]
         # fp32, or fp16 / int8 where the export keeps the cache so (doel-export --kv-cache)
-        self.kv_dtype = KV_DTYPES[inputs[self.past_names[0]].type]
+        self.kv_dtype = np.dtype(KV_DTYPES[inputs[self.past_names[0]].type]).type
         self.present_names = [n.replace("past_key_values.", "present.", 1) for n in self.past_names]
         # Reserved here, once: every request reuses them (see the module docstring). A slot's
         # rows are contiguous (batch is the outer axis), so slots lo..lo+n-1 are a plain view.
