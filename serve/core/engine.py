@@ -50,6 +50,7 @@ import onnxruntime as ort
 from doel.contracts import untrusted
 from doel.contracts.manifest import ManifestError, read_manifest
 from doel.contracts.quant import KV_DTYPES
+from doel.serve.core import hugepages
 from doel.serve.core.sampling import SamplingParams, sample
 
 LAST = np.array([1], np.int64)  # logits_to_keep: the last position only
@@ -227,9 +228,13 @@ class Engine:
         # input is not folded as a constant, which is its point.
         opts.log_severity_level = 3
         opts.enable_profiling = profile  # per-operator times (benchmarks/serve/profile_serve.py)
+        before = hugepages.snapshot()
         self.session = ort.InferenceSession(
             str(bundle.model), opts, providers=["CPUExecutionProvider"]
         )
+        # Its weights are repacked now: what building it mapped goes onto 2 MB pages
+        # (serve/core/hugepages.py), before the KV cache is reserved in small ones.
+        self.huge_bytes = hugepages.collapse(since=before)
         optional = {i.name for i in self.session.get_overridable_initializers()}
         self.last_only = "logits_to_keep" in optional
         self._last = ort.OrtValue.ortvalue_from_numpy(LAST)

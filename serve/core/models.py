@@ -329,7 +329,12 @@ class Models:
             model.service, model.loads, model.last_used = svc, model.loads + 1, time.monotonic()
             model.failures, model.files = 0, None
             self._set(model, "loaded")
-            log.info("model %s loaded in %.2f s", model.name, time.perf_counter() - start)
+            log.info(
+                "model %s loaded in %.2f s (%d MB of it on 2 MB pages)",
+                model.name,
+                time.perf_counter() - start,
+                svc.engine.huge_bytes >> 20,
+            )
         finally:
             model.task = None
 

@@ -1,0 +1,105 @@
+"""The weights onto 2 MB pages (serve/core/hugepages.py): which mappings qualify, that the
+kernel really moves them and nothing in them changes, that the KV cache's small pages are left
+alone, and the switch."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from doel.serve.core import hugepages
+from doel.serve.core.engine import Engine, kv_buffer, read_bundle
+
+MB = 1 << 20
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _entry(lo: int, hi: int, perms="rw-p", inode=0, path="", rss=None, flags="rd wr mr mw me ac"):
+    rss_kb = (hi - lo) // 1024 if rss is None else rss // 1024
+    return (
+        f"{lo:x}-{hi:x} {perms} 00000000 00:00 {inode} {path}\n"
+        f"Size: {(hi - lo) // 1024} kB\nRss: {rss_kb} kB\nAnonHugePages: 0 kB\n"
+        f"VmFlags: {flags}\n"
+    )
+
+
+def test_only_resident_private_anonymous_mappings_qualify_cut_to_whole_2mb_pages():
+    base = 0x7F0000000000
+    text = "".join(
+        [
+            _entry(base + 4096, base + 20 * MB + 4096),  # unaligned: 18 MB inside it qualify
+            _entry(base + 32 * MB, base + 48 * MB, flags="rd wr mr mw me ac nh"),  # the cache's
+            _entry(base + 64 * MB, base + 96 * MB, rss=3 * MB),  # sparse: a reserve
+            _entry(base + 128 * MB, base + 160 * MB, inode=42, path="/x/model.onnx.data"),
+            _entry(base + 192 * MB, base + 224 * MB, perms="rw-s"),  # shared: shmem
+            _entry(base + 256 * MB, base + 260 * MB),  # under MIN_BYTES
+            _entry(base + 288 * MB, base + 320 * MB, perms="r--p"),  # read-only
+            _entry(0x55000000 * 2, 0x55000000 * 2 + 16 * MB, path="[heap]"),
+        ]
+    )
+    maps = hugepages.parse(text)
+    assert len(maps) == 8 and maps[1].flags[-1] == "nh" and maps[2].rss == 3 * MB
+    heap = 0x55000000 * 2
+    assert hugepages.candidates(maps) == [(base + 2 * MB, base + 20 * MB), (heap, heap + 16 * MB)]
+    # what a snapshot held stays: the first mapping as it was, the heap's first 6 MB before it grew
+    since = [(base + 4096, base + 20 * MB + 4096), (heap, heap + 6 * MB)]
+    assert hugepages.candidates(maps, since=since) == [(heap + 6 * MB, heap + 16 * MB)]
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(hugepages.SWITCH, "0")
+    assert not hugepages.enabled() and hugepages.collapse() == 0
+
+
+def _huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address`."""
+    hit = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = hugepages._HEAD.match(line)
+        if head:
+            lo, hi = (int(x, 16) for x in head.group(1, 2))
+            hit = lo <= address < hi
+        elif hit and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or not THP.exists() or "[never]" in THP.read_text(),
+    reason="needs Linux with transparent huge pages not set to never",
+)
+def test_the_kernel_moves_a_resident_buffer_and_leaves_its_bytes_and_the_kv_cache_alone():
+    older = mmap.mmap(-1, 24 * MB, flags=mmap.MAP_PRIVATE)  # mapped before the snapshot
+    older.write(b"\x01" * (24 * MB))
+    since = hugepages.snapshot()
+    buf = mmap.mmap(-1, 24 * MB, flags=mmap.MAP_PRIVATE)
+    weights = np.frombuffer(buf, np.uint8)
+    weights[:] = np.random.default_rng(0).integers(0, 256, weights.size, dtype=np.uint8)
+    before = weights.copy()
+    cache, cache_map = kv_buffer((1, 8, 8192, 64), np.float32)  # 16 MB, as the engine reserves
+    cache[:] = 1.5  # every page resident, as a full context leaves it
+    done = hugepages.collapse(since=since)
+    if done == 0:
+        pytest.skip("this kernel collapses nothing (MADV_COLLAPSE needs Linux 6.1)")
+    assert _huge_kb(weights.ctypes.data) >= 20 * 1024  # 22 of its 24 MB are whole 2 MB pages
+    assert np.array_equal(weights, before)
+    assert _huge_kb(cache.ctypes.data) == 0 and (cache == 1.5).all()
+    assert _huge_kb(np.frombuffer(older, np.uint8).ctypes.data) == 0
+    assert hugepages.huge_bytes() >= 20 * MB
+    del weights, cache
+    buf.close()
+    cache_map.close()
+    older.close()
+
+
+def test_an_engine_built_with_it_off_gives_the_same_logits(tiny_bundle, monkeypatch):
+    ids = [0, 398, 841, 405, 679]
+    on = Engine(read_bundle(tiny_bundle), threads=1)
+    monkeypatch.setenv(hugepages.SWITCH, "0")
+    off = Engine(read_bundle(tiny_bundle), threads=1)
+    assert off.huge_bytes == 0 and on.huge_bytes >= 0
+    assert np.array_equal(on.forward(ids, 0), off.forward(ids, 0))
