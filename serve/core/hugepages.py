@@ -8,13 +8,14 @@ small pages, each a TLB entry to walk for, against 50 large ones. So, once the s
 built, `collapse` takes the large private anonymous mappings that building it made (`snapshot`
 before, `collapse(since=)` after: another model's or the caller's memory is not this engine's
 to move) that are (nearly) all resident, and has the kernel move them onto 2 MB pages then and
-there (MADV_COLLAPSE, Linux 6.1 and later; before that, MADV_HUGEPAGE alone lets the kernel's
-khugepaged do it in the background). What it did to decode and prefill, and what llama.cpp
-does: docs/kernels.md ("Huge pages") and benchmarks/results/hugepages_*.
+there (MADV_COLLAPSE, Linux 6.1 and later). What it did to decode and prefill, and what
+llama.cpp does: docs/kernels.md ("Huge pages") and benchmarks/results/hugepages_*.
 
 The rules, and why:
 - Resident mappings only (RESIDENT of their size): a 2 MB page is taken whole, so a sparse
   mapping (an allocator's reserve) would be charged memory it never touched.
+- Collapsed, not marked MADV_HUGEPAGE: what is resident now moves, and what the C heap later
+  grows into those mappings stays in small pages, so the memory paid does not creep up.
 - Never a mapping marked MADV_NOHUGEPAGE: the engine's KV cache (engine.kv_buffer) is kept in
   small pages on purpose, so that its memory follows the positions in use.
 - Nothing changes in the memory's contents, only how it is mapped; where the kernel refuses (THP
@@ -31,9 +32,9 @@ import sys
 from dataclasses import dataclass
 
 HUGE = 2 << 20  # bytes of an x86-64 / arm64 (4 KB granule) transparent huge page
-MIN_BYTES = 8 << 20  # smaller mappings hold no weight matrix worth a page walk
+MIN_BYTES = HUGE  # a mapping with one whole 2 MB page inside (one weight matrix may be 7 MB)
 RESIDENT = 0.9  # share of a mapping's bytes that must be resident
-MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <asm-generic/mman-common.h>
+MADV_COLLAPSE = 25  # <asm-generic/mman-common.h>
 SWITCH = "DOEL_SERVE_HUGEPAGES"
 _HEAD = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ (\d+)\s*(.*)$")
 
@@ -118,10 +119,7 @@ def collapse(since: list[tuple[int, int]] = (), min_bytes: int = MIN_BYTES) -> i
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0
     for lo, hi in ranges:
-        if (
-            libc.madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
-            and libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0
-        ):
+        if libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
             done += hi - lo
     return done
 

@@ -36,7 +36,7 @@ def test_only_resident_private_anonymous_mappings_qualify_cut_to_whole_2mb_pages
             _entry(base + 64 * MB, base + 96 * MB, rss=3 * MB),  # sparse: a reserve
             _entry(base + 128 * MB, base + 160 * MB, inode=42, path="/x/model.onnx.data"),
             _entry(base + 192 * MB, base + 224 * MB, perms="rw-s"),  # shared: shmem
-            _entry(base + 256 * MB, base + 260 * MB),  # under MIN_BYTES
+            _entry(base + 256 * MB + 4096, base + 258 * MB + 4096),  # no whole 2 MB page inside
             _entry(base + 288 * MB, base + 320 * MB, perms="r--p"),  # read-only
             _entry(0x55000000 * 2, 0x55000000 * 2 + 16 * MB, path="[heap]"),
         ]
@@ -74,6 +74,7 @@ def _huge_kb(address: int) -> int:
 )
 def test_the_kernel_moves_a_resident_buffer_and_leaves_its_bytes_and_the_kv_cache_alone():
     older = mmap.mmap(-1, 24 * MB, flags=mmap.MAP_PRIVATE)  # mapped before the snapshot
+    older.madvise(mmap.MADV_DONTFORK)  # a flag of its own: the kernel cannot merge it with `buf`
     older.write(b"\x01" * (24 * MB))
     since = hugepages.snapshot()
     buf = mmap.mmap(-1, 24 * MB, flags=mmap.MAP_PRIVATE)
