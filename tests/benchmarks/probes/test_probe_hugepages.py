@@ -75,6 +75,15 @@ def test_the_report_gives_pages_and_llama_cpp_ratios():
         plain: _row(180.0, 100.0, 0.12, 400.0, 0.0),
         glibc: _row(189.0, 100.0, 0.12, 420.0, 98.0),
     }
+    # each process's pair, 2 MB / 4 KB: 1.05, 0.90, 1.20 after 128; 0.95, 1.10, 0.90 after 1,536
+    per_process = {
+        on: [_row(210.0, 95.0, 0.1, 1, 1), _row(180.0, 110.0, 0.1, 1, 1), _row(240, 90, 0.1, 1, 1)],
+        off: [
+            _row(200.0, 100.0, 0.1, 1, 0),
+            _row(200.0, 100.0, 0.1, 1, 0),
+            _row(200, 100, 0.1, 1, 0),
+        ],
+    }
     r = {
         "date": "2026-12-07",
         "machine": "x86_64, 2 cores",
@@ -84,8 +93,11 @@ def test_the_report_gives_pages_and_llama_cpp_ratios():
         "wall_s": 100.0,
         "thp": "always [madvise] never",
         "kernel": "6.18",
-        "cells": {"smollm2-135m int4": {"best": best}},
+        "cells": {"smollm2-135m int4": {"best": best, "per_process": per_process}},
     }
     md = probe.markdown(r)
-    assert "| smollm2-135m | int4 | 1.10 / 1.10 | 1.10 / 1.10 | 1.10 | 1.05 / 1.00 |" in md
+    pairs = "1.05 (2 of 3) / 0.95 (1 of 3)"
+    assert (
+        f"| smollm2-135m | int4 | 1.10 / 1.10 | {pairs} | 1.10 / 1.10 | 1.10 | 1.05 / 1.00 |" in md
+    )
     assert f"| smollm2-135m | q4_0 | {glibc} | 189.0 / 100.0 |" in md
