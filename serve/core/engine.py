@@ -24,6 +24,8 @@ free anything: Python's `mmap.mmap(-1, n)` alone is MAP_SHARED, whose pages live
 shmem, and MADV_DONTNEED on them drops the mapping but keeps the pages (and their old contents),
 so the process's resident memory fell while the machine's stayed at its high-water mark.
 doel.contracts.memory measures what the system pays (Pss), and flags such mappings.
+The weights go the other way: once the session has repacked them, what building it mapped is
+moved onto 2 MB pages (hugepages.py), since every decode step streams them all.
 
 Bundles whose graph takes `logits_to_keep` are asked for the last position's logits only, the
 prompt's included, into one preallocated buffer.
