@@ -44,6 +44,8 @@ from benchmarks.export.bench_export import foreign_cpu
 from benchmarks.load.load_model import prepare
 from benchmarks.load.load_servers import CACHE
 from benchmarks.probes.probe_kv_int8 import bundle, checkpoints, held_out
+from doel.contracts import memory
+from doel.serve.core import hugepages
 from doel.serve.core.hugepages import SWITCH
 
 RESULTS = ("hugepages_cpu-<class>",)
@@ -66,14 +68,9 @@ FOLDERS = {"smollm2-135m": "bench-load-smollm2-135m", "0.4b": "bench-load"}
 
 
 def _memory() -> dict:
-    """This process's Pss and AnonHugePages, MB."""
-    fields = {}
-    with open("/proc/self/smaps_rollup", encoding="ascii") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("Pss", "AnonHugePages"):
-                fields[key] = int(rest.split()[0]) / 1024
-    return {"pss_mb": fields.get("Pss", 0.0), "anon_huge_mb": fields.get("AnonHugePages", 0.0)}
+    """This process's Pss (doel.contracts.memory) and AnonHugePages, MB."""
+    pss = memory.measure().pss_bytes
+    return {"pss_mb": pss / 2**20, "anon_huge_mb": hugepages.huge_bytes() / 2**20}
 
 
 def _spec(ids: list[int]) -> dict:

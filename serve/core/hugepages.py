@@ -47,11 +47,12 @@ class Mapping:
     inode: int
     path: str
     rss: int = 0
+    anon_huge: int = 0  # bytes of it on huge pages now
     flags: tuple[str, ...] = ()
 
 
 def parse(smaps: str) -> list[Mapping]:
-    """/proc/<pid>/smaps as mappings with their resident bytes and VmFlags."""
+    """/proc/<pid>/smaps as mappings with their resident and huge-page bytes and VmFlags."""
     out: list[dict] = []
     for line in smaps.splitlines():
         head = _HEAD.match(line)
@@ -61,13 +62,18 @@ def parse(smaps: str) -> list[Mapping]:
             out[-1]["path"] = path.strip()
         elif out and line.startswith("Rss:"):
             out[-1]["rss"] = int(line.split()[1]) * 1024
+        elif out and line.startswith("AnonHugePages:"):
+            out[-1]["anon_huge"] = int(line.split()[1]) * 1024
         elif out and line.startswith("VmFlags:"):
             out[-1]["flags"] = tuple(line.split()[1:])
     return [Mapping(**m) for m in out]
 
 
 def snapshot() -> list[tuple[int, int]]:
-    """This process's mappings now, [lo, hi) each: what `collapse(since=)` leaves alone."""
+    """This process's mappings now, [lo, hi) each: what `collapse(since=)` leaves alone (none
+    where `enabled()` says no: nothing will be collapsed)."""
+    if not enabled():
+        return []
     try:
         with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
             return [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f]

@@ -18,11 +18,11 @@ MB = 1 << 20
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _entry(lo: int, hi: int, perms="rw-p", inode=0, path="", rss=None, flags="rd wr mr mw me ac"):
+def _entry(lo, hi, perms="rw-p", inode=0, path="", rss=None, flags="rd wr mr mw me ac", huge=0):
     rss_kb = (hi - lo) // 1024 if rss is None else rss // 1024
     return (
         f"{lo:x}-{hi:x} {perms} 00000000 00:00 {inode} {path}\n"
-        f"Size: {(hi - lo) // 1024} kB\nRss: {rss_kb} kB\nAnonHugePages: 0 kB\n"
+        f"Size: {(hi - lo) // 1024} kB\nRss: {rss_kb} kB\nAnonHugePages: {huge // 1024} kB\n"
         f"VmFlags: {flags}\n"
     )
 
@@ -38,11 +38,12 @@ def test_only_resident_private_anonymous_mappings_qualify_cut_to_whole_2mb_pages
             _entry(base + 192 * MB, base + 224 * MB, perms="rw-s"),  # shared: shmem
             _entry(base + 256 * MB + 4096, base + 258 * MB + 4096),  # no whole 2 MB page inside
             _entry(base + 288 * MB, base + 320 * MB, perms="r--p"),  # read-only
-            _entry(0x55000000 * 2, 0x55000000 * 2 + 16 * MB, path="[heap]"),
+            _entry(0x55000000 * 2, 0x55000000 * 2 + 16 * MB, path="[heap]", huge=4 * MB),
         ]
     )
     maps = hugepages.parse(text)
     assert len(maps) == 8 and maps[1].flags[-1] == "nh" and maps[2].rss == 3 * MB
+    assert maps[0].anon_huge == 0 and maps[7].anon_huge == 4 * MB
     heap = 0x55000000 * 2
     assert hugepages.candidates(maps) == [(base + 2 * MB, base + 20 * MB), (heap, heap + 16 * MB)]
     # what a snapshot held stays: the first mapping as it was, the heap's first 6 MB before it grew
@@ -53,19 +54,14 @@ def test_only_resident_private_anonymous_mappings_qualify_cut_to_whole_2mb_pages
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(hugepages.SWITCH, "0")
     assert not hugepages.enabled() and hugepages.collapse() == 0
+    assert hugepages.snapshot() == []  # nothing read at start-up for a collapse that will not run
 
 
 def _huge_kb(address: int) -> int:
     """AnonHugePages of the mapping of this process that holds `address`."""
-    hit = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = hugepages._HEAD.match(line)
-        if head:
-            lo, hi = (int(x, 16) for x in head.group(1, 2))
-            hit = lo <= address < hi
-        elif hit and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    maps = hugepages.parse(Path("/proc/self/smaps").read_text())
+    (held,) = [m for m in maps if m.lo <= address < m.hi]
+    return held.anon_huge // 1024
 
 
 @pytest.mark.skipif(
