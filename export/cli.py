@@ -15,6 +15,7 @@ from pathlib import Path
 from doel.contracts.checksums import add_flag
 from doel.contracts.quant import DEFAULT_GGUF, DEFAULT_ONNX, KV_CACHES, QUANTS, names, quant
 from doel.export.common import ExportError  # standard library only, so it imports without the extra
+from doel.export.gptq import ROUNDINGS  # torch only when it rounds
 
 EXTRA_HINT = "pip install 'doel[export]'"
 
@@ -122,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the body all of one width)",
     )
     p.add_argument(
+        "--rounding",
+        choices=ROUNDINGS,
+        help=f"how the body's low-bit matrices are rounded (default {_per_quant('rounding')} on "
+        "builder graphs, else rtn): rtn each weight to its nearest; gptq against --text past "
+        "what the loss check reads (or the built-in sample), the same format (docs/export.md)",
+    )
+    p.add_argument(
         "--max-seq-len",
         type=int,
         help="pte, litertlm: positions the phone program's KV cache holds (default 2048, at most "
@@ -190,6 +198,7 @@ def _onnx(args) -> None:
         kv_cache=args.kv_cache,
         head_bits=args.head_bits,
         promoted_bits=args.promoted_bits,
+        rounding=args.rounding,
         force=args.force,
         tokenizer=args.tokenizer,
         repo_id=args.repo_id,

@@ -132,11 +132,12 @@ def build_genai(
     block_size: int,
     head_bits: int | None = None,
     promoted_bits: int | None = None,
+    source: Path | None = None,
 ) -> Path:
-    """Run onnxruntime-genai's builder (its precision names are the table's ONNX names); keep
-    model.onnx, its weights and genai_config.json. `head_bits` / `promoted_bits` (None: the
-    table's; 0: none) above the body's bits keep the head / llama.cpp's mixed matrices finer; at
-    or below them they are the body's."""
+    """Run onnxruntime-genai's builder (its precision names are the table's ONNX names) on
+    `source` (None: the checkpoint's folder); keep model.onnx, its weights and genai_config.json.
+    `head_bits` / `promoted_bits` (None: the table's; 0: none) above the body's bits keep the
+    head / llama.cpp's mixed matrices finer; at or below them they are the body's."""
     from onnxruntime_genai.models import builder
 
     row = quant_row(quant, "onnx")
@@ -160,7 +161,7 @@ def build_genai(
     if finer:
         options.append(f"matmul_mixed_precision={','.join(finer)}")
     with _quiet("onnxruntime-genai's model builder"):
-        args = (None, str(ckpt.folder), str(work), quant, "cpu", str(cache))
+        args = (None, str(source or ckpt.folder), str(work), quant, "cpu", str(cache))
         extra = builder.parse_extra_options(*args, options if row.quantized else [])
         builder.create_model(*args, **extra)
     for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
@@ -189,13 +190,17 @@ def quantize_nbits(src: Path, dst: Path, bits: int, block_size: int) -> None:
     q.model.save_model_to_file(str(dst), use_external_data_format=big)
 
 
-def build_optimum(ckpt: Checkpoint, out: Path, quant: str, block_size: int) -> Path:
-    """optimum's export (one merged decoder: empty past = prefill), then MatMulNBits."""
+def build_optimum(
+    ckpt: Checkpoint, out: Path, quant: str, block_size: int, source: Path | None = None
+) -> Path:
+    """optimum's export of `source` (None: the checkpoint's folder; one merged decoder: empty
+    past = prefill), then MatMulNBits."""
     from optimum.exporters.onnx import main_export
 
     work = out / ".optimum"
     with _quiet("optimum's ONNX export"):
-        main_export(str(ckpt.folder), str(work), task=TASK, do_validation=False, device="cpu")
+        folder = str(source or ckpt.folder)
+        main_export(folder, str(work), task=TASK, do_validation=False, device="cpu")
         bits = quant_row(quant, "onnx").bits
         if bits:
             quantize_nbits(work / "model.onnx", out / "model.onnx", bits, block_size)
@@ -256,6 +261,7 @@ def build_graph(
     head_bits: int | None = None,
     promoted_bits: int | None = None,
     calibration=(),
+    source: Path | None = None,
 ) -> Path:
     """The graph in `out`; `head_bits`, `promoted_bits` and `kv_cache` (fp16 or int8, whose
     scales come from running the `calibration` docs of token ids) apply to builder graphs
@@ -265,9 +271,9 @@ def build_graph(
     except ValueError as e:
         raise ExportError(f"--quant: {e}") from None
     if engine == "genai":
-        model = build_genai(ckpt, out, quant, block_size, head_bits, promoted_bits)
+        model = build_genai(ckpt, out, quant, block_size, head_bits, promoted_bits, source)
     else:
-        model = build_optimum(ckpt, out, quant, block_size)
+        model = build_optimum(ckpt, out, quant, block_size, source)
     add_logits_to_keep(model)
     if row.quantized:
         from doel.export import gate_up

@@ -108,8 +108,10 @@ def read_documents(path: Path) -> list[str]:
     return [d.strip() for d in docs if d.strip()]
 
 
-def eval_texts(ckpt: Checkpoint, paths, max_tokens: int) -> list[dict]:
-    """Token ids and NFC character counts per file, at most max_tokens / files tokens each.
+def eval_texts(ckpt: Checkpoint, paths, max_tokens: int, rest_tokens: int = 0) -> list[dict]:
+    """Token ids and NFC character counts per file, at most max_tokens / files tokens each;
+    with `rest_tokens`, also each file's next documents past those (up to rest_tokens / files
+    tokens, in "rest"): text the loss is not measured on, for calibration.
 
     The last document may be cut at a token; its characters are then counted up to that token's
     end (tokenizer offsets), so bits/character stay exact.
@@ -123,20 +125,29 @@ def eval_texts(ckpt: Checkpoint, paths, max_tokens: int) -> list[dict]:
     budget = max(2, max_tokens // len(paths))
     out = []
     for path in paths:
-        docs, chars, tokens = [], 0, 0
+        docs, chars, tokens, rest, spare = [], 0, 0, [], rest_tokens // len(paths)
         for text in read_documents(path):
             enc = tok.encode(unicodedata.normalize("NFC", text))
+            if tokens >= budget:  # the loss check's text is read: the rest is calibration's
+                rest.append(enc.ids[:spare])
+                spare -= len(rest[-1])
+                if spare <= 0:
+                    break
+                continue
             ids = enc.ids[: budget - tokens + 1]
             if len(ids) < 2:
                 continue
             docs.append(ids)
             chars += max(end for _, end in enc.offsets[: len(ids)])
             tokens += len(ids) - 1
-            if tokens >= budget:
+            if tokens >= budget and not rest_tokens:
                 break
         if not docs:
             raise ExportError(f"--text {path}: no document of two tokens or more")
-        out.append({"name": path.name, "sha256": sha256_file(path), "docs": docs, "chars": chars})
+        entry = {"name": path.name, "sha256": sha256_file(path), "docs": docs, "chars": chars}
+        if rest_tokens:
+            entry["rest"] = [r for r in rest if len(r) > 1]
+        out.append(entry)
     return out
 
 
