@@ -58,7 +58,11 @@ from benchmarks.serve.bench_serve_llama import (
 from benchmarks.serve.bench_serve_report import figure, markdown
 from doel.contracts.quant import KV_CACHES
 
-RESULTS = ("serve_0.4b_cpu-<class>", "serve_smollm2-135m_cpu-<class>")
+RESULTS = (
+    "serve_0.4b_cpu-<class>",
+    "serve_smollm2-135m_cpu-<class>",
+    "serve_smollm2-135m-gptq_cpu-<class>",
+)
 # --kv-cache int8's run: not committed. Its rows, measured one after another, are only as
 # comparable as the host's memory speed is steady between them; against the int8 cache's cost
 # to the first token, measured in one process (kv_int8_cpu-<class>), it would decide nothing.
@@ -334,7 +338,11 @@ def setup(work: Path, p: dict, with_llama: bool) -> tuple[Path, dict, dict]:
     for q in ("int4", "int8"):
         print(f"exporting {q} ...", flush=True)
         flags = [*p.get("export_flags", []), "--kv-cache", kv]
-        folder = work / f"bundle-{q}{kv_suffix(kv)}"
+        tag = kv_suffix(kv)
+        if q == "int4" and p.get("gptq"):
+            flags += GPTQ_FLAGS
+            tag += "-gptq"
+        folder = work / f"bundle-{q}{tag}"
         bundles[q] = export_bundle(ckpt, folder, q, p["eval_tokens"], flags)
     ggufs = {}
     if with_llama:
@@ -457,15 +465,22 @@ def run_all(work: Path, p: dict, with_llama: bool, single_stream: bool = False) 
     }
 
 
+# --gptq: int4 rounded against text with its body all at 4 bits, q4_0's bytes (export/gptq.py)
+GPTQ_FLAGS = ["--rounding", "gptq", "--promoted-bits", "0"]
+
+
 def kv_suffix(kv_cache: str) -> str:
     """'' for the default cache, '-kv-int8' for another: bundle folders and result names."""
     return "" if kv_cache == KV_CACHES[0] else f"-kv-{kv_cache}"
 
 
-def result_name(preset: str, cpu_class: str, kv_cache: str = KV_CACHES[0]) -> str:
-    """`serve_0.4b_cpu-amd-avx2`: one result file per preset, bundles' cache and CPU class."""
+def result_name(
+    preset: str, cpu_class: str, kv_cache: str = KV_CACHES[0], gptq: bool = False
+) -> str:
+    """`serve_0.4b_cpu-amd-avx2`: one result file per preset, bundles' cache, int4's rounding
+    and CPU class."""
     size = "0.4b" if preset == "bangla-0.4b" else preset
-    return f"serve_{size}{kv_suffix(kv_cache)}_cpu-{cpu_class}"
+    return f"serve_{size}{kv_suffix(kv_cache)}{'-gptq' * gptq}_cpu-{cpu_class}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -488,6 +503,11 @@ def main(argv: list[str] | None = None) -> None:
         help=f"the bundles' KV cache (doel-export --kv-cache; default {KV_CACHES[0]}); another "
         "names the result serve_MODEL-kv-CACHE_cpu-CLASS",
     )
+    ap.add_argument(
+        "--gptq",
+        action="store_true",
+        help=f"int4 exported with {' '.join(GPTQ_FLAGS)}: the result is serve_MODEL-gptq_cpu-CLASS",
+    )
     args = ap.parse_args(argv)
     if args.install_llama_cpp:
         install_llama_cpp()
@@ -500,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     p = QUICK if args.quick else MODELS[args.model]
     if args.processes:
         p = p | {"processes": args.processes}
-    p = p | {"kv_cache": args.kv_cache}
+    p = p | {"kv_cache": args.kv_cache, "gptq": args.gptq}
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_serve_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -510,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(work, ignore_errors=True)
     default_out = ROOT / ("out/bench_serve_quick" if args.quick else "benchmarks/results")
     out = Path(args.out or default_out)
-    name = result_name(p["preset"], result["cpu"]["class"], args.kv_cache)
+    name = result_name(p["preset"], result["cpu"]["class"], args.kv_cache, args.gptq)
     publish(out, name, result, markdown(result), figure(result))
 
 
