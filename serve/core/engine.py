@@ -230,13 +230,15 @@ class Engine:
         # input is not folded as a constant, which is its point.
         opts.log_severity_level = 3
         opts.enable_profiling = profile  # per-operator times (benchmarks/serve/profile_serve.py)
-        before = hugepages.snapshot()
+        runs, before = hugepages.steps_now(), hugepages.snapshot()
         self.session = ort.InferenceSession(
             str(bundle.model), opts, providers=["CPUExecutionProvider"]
         )
         # Its weights are repacked now: what building it mapped goes onto 2 MB pages
-        # (serve/core/hugepages.py), before the KV cache is reserved in small ones.
-        self.huge_bytes = hugepages.collapse(since=before)
+        # (serve/core/hugepages.py), before the KV cache is reserved in small ones; not if
+        # another engine ran meanwhile, whose buffers would pass for this session's.
+        alone = runs is not None and hugepages.steps_now() == runs
+        self.huge_bytes = hugepages.collapse(since=before) if alone else 0
         optional = {i.name for i in self.session.get_overridable_initializers()}
         self.last_only = "logits_to_keep" in optional
         self._last = ort.OrtValue.ortvalue_from_numpy(LAST)
@@ -355,7 +357,8 @@ class Engine:
             b.bind_ortvalue_output("logits", logits_buf)
         for name, buf in zip(self.present_names, kv):
             b.bind_ortvalue_output(name, buf)
-        self.session.run_with_iobinding(b)
+        with hugepages.stepping():
+            self.session.run_with_iobinding(b)
         if whole:
             out = b.get_outputs()[0].numpy()
             return out if every else out[:, -1]
@@ -389,7 +392,8 @@ class Engine:
         if self.last_only:
             feeds["logits_to_keep"] = ALL if every else LAST
         names = ["logits", *self.present_names]
-        logits, *present = self.session.run(names, feeds)
+        with hugepages.stepping():
+            logits, *present = self.session.run(names, feeds)
         self._past = dict(zip(self.past_names, present))
         return logits[0] if every else logits[0, -1]
 

@@ -18,6 +18,11 @@ The rules, and why:
   grows into those mappings stays in small pages, so the memory paid does not creep up.
 - Never a mapping marked MADV_NOHUGEPAGE: the engine's KV cache (engine.kv_buffer) is kept in
   small pages on purpose, so that its memory follows the positions in use.
+- Only what building the session mapped, and that is known only while no other engine of the
+  process runs a step meanwhile (`stepping`, `steps_now`): a stream of another model maps and
+  unmaps buffers as it goes, which would pass for this session's, and collapsing them under it
+  stalled that stream (tests/serve/core/test_models.py). A model loaded while another streams
+  keeps small pages.
 - Nothing changes in the memory's contents, only how it is mapped; where the kernel refuses (THP
   `never`, an older kernel, not Linux) nothing happens and the engine runs as before.
 - `DOEL_SERVE_HUGEPAGES=0` turns it off (the benchmarks' A/B).
@@ -29,6 +34,8 @@ import ctypes
 import os
 import re
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 HUGE = 2 << 20  # bytes of an x86-64 / arm64 (4 KB granule) transparent huge page
@@ -67,6 +74,31 @@ def parse(smaps: str) -> list[Mapping]:
         elif out and line.startswith("VmFlags:"):
             out[-1]["flags"] = tuple(line.split()[1:])
     return [Mapping(**m) for m in out]
+
+
+_lock = threading.Lock()
+_busy = 0  # engine runs in flight in this process
+_runs = 0  # engine runs begun in this process
+
+
+@contextmanager
+def stepping():
+    """Around every run of an engine's session: what `steps_now` counts."""
+    global _busy, _runs
+    with _lock:
+        _busy, _runs = _busy + 1, _runs + 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _busy -= 1
+
+
+def steps_now() -> int | None:
+    """The runs this process's engines have begun, or None while one is in flight: equal before
+    and after a session's build, no other engine ran meanwhile."""
+    with _lock:
+        return None if _busy else _runs
 
 
 def snapshot() -> list[tuple[int, int]]:

@@ -102,3 +102,21 @@ def test_an_engine_built_with_it_off_gives_the_same_logits(tiny_bundle, monkeypa
     off = Engine(read_bundle(tiny_bundle), threads=1)
     assert off.huge_bytes == 0 and on.huge_bytes >= 0
     assert np.array_equal(on.forward(ids, 0), off.forward(ids, 0))
+
+
+def test_runs_are_counted_and_one_in_flight_reads_as_none():
+    n = hugepages.steps_now()
+    with hugepages.stepping():
+        assert hugepages.steps_now() is None
+    assert hugepages.steps_now() == n + 1
+
+
+def test_an_engine_built_while_another_runs_leaves_the_pages_alone(tiny_bundle, monkeypatch):
+    """What a running engine maps during the build would pass for the new session's: nothing is
+    collapsed then (it stalled that engine's stream: tests/serve/core/test_models.py)."""
+    calls = []
+    monkeypatch.setattr(hugepages, "collapse", lambda since=(): calls.append(since) or 7)
+    bundle = read_bundle(tiny_bundle)
+    assert Engine(bundle, threads=1).huge_bytes == 7 and len(calls) == 1
+    with hugepages.stepping():  # another engine's step in flight
+        assert Engine(bundle, threads=1).huge_bytes == 0 and len(calls) == 1
