@@ -36,7 +36,7 @@ import numpy as np
 
 from doel.contracts import read_json
 from doel.contracts.manifest import KVCache, Manifest
-from doel.contracts.quant import DEFAULT_ONNX, KV_CACHES, QUANTS, names, quant
+from doel.contracts.quant import DEFAULT_ONNX, KV_CACHES, QUANTS, ROUNDINGS, names, quant
 from doel.export import card, genai, gptq, graph, parity, web
 from doel.export.checkpoint import Checkpoint, inspect_checkpoint, source_record
 from doel.export.common import ExportError, file_table, staging, write_json
@@ -93,8 +93,8 @@ class ExportOptions:
                 "--web with --kv-cache int8: onnxruntime-web's attention was not checked with an "
                 "int8 cache; export the page with --kv-cache fp32 or fp16"
             )
-        if self.rounding not in (None, *gptq.ROUNDINGS):
-            raise ExportError(f"--rounding must be one of {gptq.ROUNDINGS}, got {self.rounding!r}")
+        if self.rounding not in (None, *ROUNDINGS):
+            raise ExportError(f"--rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.rounding == "gptq" and not quant(self.quant, "onnx").quantized:
             raise ExportError(
                 f"--rounding gptq rounds quantized matrices; --quant {self.quant} has none"
@@ -275,13 +275,20 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     rest = gptq.CALIBRATION_TOKENS if maybe else 0
     texts = parity.eval_texts(ckpt, opts.texts, opts.eval_tokens, rest)  # bad --text fails early
     window = min(ckpt.context_length, MAX_WINDOW)
-    calibration = calibration_files(ckpt, texts, window) if maybe else []
-    opts = replace(opts, rounding=choose_rounding(opts, engine, bool(calibration)))
+    calibration = gptq.calibration_files(ckpt, texts, window) if maybe else []
+    chosen = gptq.choose_rounding(opts.rounding, opts.quant, engine, bool(calibration), log)
+    opts = replace(opts, rounding=chosen)
     if opts.web:
         web.runtime_modules(log)  # no npm, no page: said before the export's minutes, not after
     t0 = time.perf_counter()
     with staging(out, opts.force) as stage:
-        source = rounded_source(ckpt, opts, engine, calibration, stage / ".gptq")
+        source = None
+        if opts.rounding == "gptq":  # the builder's mixed matrices are left to it
+            row = quant(opts.quant, "onnx")
+            promoted = row.promoted_bits if opts.promoted_bits is None else opts.promoted_bits
+            finer = engine == "genai" and bool(promoted) and promoted > row.bits
+            args = (row.bits, opts.block_size, finer, calibration, log)
+            source = gptq.rounded_checkpoint(ckpt, stage / ".gptq", *args)
         log(f"building the {opts.quant} graph of {ckpt.architecture} with the {engine} engine")
         model = graph.build_graph(
             ckpt,
@@ -329,51 +336,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
         # Through the reader: a bundle whose manifest serve would refuse is never written.
         write_json(stage / "manifest.json", Manifest.from_dict(result).to_dict())
     return result
-
-
-def calibration_files(ckpt: Checkpoint, texts: list[dict], window: int) -> list[list]:
-    """Text the loss check does not read, per file in windows of `window` token ids, for
-    --rounding gptq: its files past the part it reads, or where that is none, the built-in
-    sample, unless the check read that."""
-    rest = [t["rest"] for t in texts if t.get("rest")]
-    if not rest:
-        sample = parity.eval_texts(ckpt, [], 0, gptq.CALIBRATION_TOKENS)
-        if not {t["sha256"] for t in texts} & {t["sha256"] for t in sample}:
-            rest = [t["rest"] for t in sample if t["rest"]]
-    return [[d[i : i + window] for d in f for i in range(0, len(d) - 1, window)] for f in rest]
-
-
-def choose_rounding(opts: ExportOptions, engine: str, has_text: bool) -> str:
-    """--rounding as given (gptq with no text to calibrate on is an error), else the table's on
-    builder graphs (its module names are Llama's) where there is text, else rtn."""
-    row = quant(opts.quant, "onnx")
-    if opts.rounding == "gptq" and not has_text:
-        raise ExportError(
-            "--rounding gptq: no text is left past what the loss check reads; pass --text "
-            "files longer than --eval-tokens, or --rounding rtn"
-        )
-    if opts.rounding is not None:
-        return opts.rounding
-    if row.quantized and row.rounding == "gptq" and engine == "genai" and has_text:
-        return "gptq"
-    if row.quantized and row.rounding == "gptq":
-        why = "not a builder graph" if engine != "genai" else "no text past the loss check's"
-        opts.log(f"rounding {opts.quant} to nearest: {why}")
-    return "rtn"
-
-
-def rounded_source(
-    ckpt: Checkpoint, opts: ExportOptions, engine: str, calibration: list, out: Path
-) -> Path | None:
-    """With --rounding gptq, the checkpoint rounded against `calibration` in `out`, for the graph
-    writer to read (the builder's mixed matrices left to it); else None: the checkpoint as is."""
-    if opts.rounding != "gptq":
-        return None
-    row = quant(opts.quant, "onnx")
-    promoted = row.promoted_bits if opts.promoted_bits is None else opts.promoted_bits
-    finer = engine == "genai" and bool(promoted) and promoted > row.bits
-    block, log = opts.block_size, opts.log
-    return gptq.rounded_checkpoint(ckpt, out, row.bits, block, finer, calibration, log)
 
 
 def bundle_bytes(manifest: dict) -> int:

@@ -13,9 +13,16 @@ import sys
 from pathlib import Path
 
 from doel.contracts.checksums import add_flag
-from doel.contracts.quant import DEFAULT_GGUF, DEFAULT_ONNX, KV_CACHES, QUANTS, names, quant
+from doel.contracts.quant import (
+    DEFAULT_GGUF,
+    DEFAULT_ONNX,
+    KV_CACHES,
+    QUANTS,
+    ROUNDINGS,
+    names,
+    quant,
+)
 from doel.export.common import ExportError  # standard library only, so it imports without the extra
-from doel.export.gptq import ROUNDINGS  # torch only when it rounds
 
 EXTRA_HINT = "pip install 'doel[export]'"
 

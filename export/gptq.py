@@ -24,15 +24,47 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from doel.contracts.quant import quant
+from doel.export import parity
 from doel.export.checkpoint import Checkpoint
 from doel.export.common import ExportError
 
-ROUNDINGS = ("rtn", "gptq")
 DAMP = 0.01  # of H's mean diagonal, added to it: H stays invertible where text is thin
 COLUMNS = 128  # columns rounded between two updates of the rest (the algorithm's lazy batch)
 CALIBRATION_TOKENS = 16384  # read past the loss check's text, over all files
 ATTN = ("q_proj", "k_proj", "v_proj")
 MLP_IN = ("gate_proj", "up_proj")
+
+
+def calibration_files(ckpt: Checkpoint, texts: list[dict], window: int) -> list[list]:
+    """Text the loss check does not read (`texts` from parity.eval_texts with a `rest`), per
+    file in windows of `window` token ids: its files past the part it reads, or where that is
+    none, the built-in sample, unless the check read that."""
+    rest = [t["rest"] for t in texts if t.get("rest")]
+    if not rest:
+        sample = parity.eval_texts(ckpt, [], 0, CALIBRATION_TOKENS)
+        if not {t["sha256"] for t in texts} & {t["sha256"] for t in sample}:
+            rest = [t["rest"] for t in sample if t["rest"]]
+    return [[d[i : i + window] for d in f for i in range(0, len(d) - 1, window)] for f in rest]
+
+
+def choose_rounding(asked: str | None, quant_name: str, engine: str, has_text: bool, log) -> str:
+    """--rounding as `asked` (gptq with no text to calibrate on is an error), else the table's
+    on builder graphs (their module names are Llama's) where there is text, else rtn."""
+    row = quant(quant_name, "onnx")
+    if asked == "gptq" and not has_text:
+        raise ExportError(
+            "--rounding gptq: no text is left past what the loss check reads; pass --text "
+            "files longer than --eval-tokens, or --rounding rtn"
+        )
+    if asked is not None:
+        return asked
+    if row.quantized and row.rounding == "gptq" and engine == "genai" and has_text:
+        return "gptq"
+    if row.quantized and row.rounding == "gptq":
+        why = "not a builder graph" if engine != "genai" else "no text past the loss check's"
+        log(f"rounding {quant_name} to nearest: {why}")
+    return "rtn"
 
 
 def promoted_layers(n_layers: int) -> set[int]:

@@ -103,6 +103,9 @@ QUANTS: dict[str, Quant] = {
 ONNX_QUANTS = tuple(n for n, q in QUANTS.items() if q.target == "onnx")
 GGUF_QUANTS = tuple(n for n, q in QUANTS.items() if q.target == "gguf")
 DEFAULT_ONNX = "int4"
+# How an ONNX format's low-bit matrices may be rounded (`doel-export --rounding`; the table's
+# `rounding` column is each format's default on builder graphs).
+ROUNDINGS = ("rtn", "gptq")
 # The KV cache a quantized builder graph can keep (`doel-export --kv-cache`); the first is the
 # default. fp16 halves the cache, int8 quarters it (export/kvcache.py says how, and cites what
 # each was measured to cost).

@@ -131,17 +131,19 @@ def test_a_gptq_export_carries_the_rounded_weights_exactly(tiny_bundle, tmp_path
 
 
 def test_without_text_to_spare_the_default_rounds_to_nearest_and_says_so():
-    from doel.export.bundle import ExportOptions, choose_rounding
     from doel.export.common import ExportError
+    from doel.export.gptq import choose_rounding
 
     said = []
-    opts = ExportOptions(quant="int4", log=said.append)
-    assert choose_rounding(opts, "genai", True) == "gptq"
-    assert choose_rounding(opts, "genai", False) == "rtn" and "no text" in said[-1]
-    assert choose_rounding(opts, "optimum", True) == "rtn" and "builder" in said[-1]
-    assert choose_rounding(ExportOptions(quant="int8"), "genai", True) == "rtn"
+    assert choose_rounding(None, "int4", "genai", True, said.append) == "gptq" and not said
+    assert choose_rounding(None, "int4", "genai", False, said.append) == "rtn"
+    assert "no text" in said[-1]
+    assert choose_rounding(None, "int4", "optimum", True, said.append) == "rtn"
+    assert "builder" in said[-1]
+    assert choose_rounding(None, "int8", "genai", True, said.append) == "rtn"
+    assert choose_rounding("rtn", "int4", "genai", True, said.append) == "rtn"
     with pytest.raises(ExportError, match="--rounding gptq: no text is left"):
-        choose_rounding(ExportOptions(quant="int4", rounding="gptq"), "genai", False)
+        choose_rounding("gptq", "int4", "genai", False, said.append)
 
 
 def test_bad_requests_are_one_line_errors(tiny_bundle, tmp_path):
