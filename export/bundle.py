@@ -284,10 +284,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     with staging(out, opts.force) as stage:
         source = None
         if opts.rounding == "gptq":  # the builder's mixed matrices are left to it
-            row = quant(opts.quant, "onnx")
-            promoted = row.promoted_bits if opts.promoted_bits is None else opts.promoted_bits
-            finer = engine == "genai" and bool(promoted) and promoted > row.bits
-            args = (row.bits, opts.block_size, finer, calibration, log)
+            finer = engine == "genai" and bool(graph.promoted_to(opts.quant, opts.promoted_bits))
+            args = (quant(opts.quant, "onnx").bits, opts.block_size, finer, calibration, log)
             source = gptq.rounded_checkpoint(ckpt, stage / ".gptq", *args)
         log(f"building the {opts.quant} graph of {ckpt.architecture} with the {engine} engine")
         model = graph.build_graph(

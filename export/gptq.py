@@ -32,6 +32,10 @@ from doel.export.common import ExportError
 DAMP = 0.01  # of H's mean diagonal, added to it: H stays invertible where text is thin
 COLUMNS = 128  # columns rounded between two updates of the rest (the algorithm's lazy batch)
 CALIBRATION_TOKENS = 16384  # read past the loss check's text, over all files
+NO_TEXT = (
+    "--rounding gptq: no text is left past what the loss check reads; pass --text files longer "
+    "than --eval-tokens, or --rounding rtn"
+)
 ATTN = ("q_proj", "k_proj", "v_proj")
 MLP_IN = ("gate_proj", "up_proj")
 
@@ -53,10 +57,7 @@ def choose_rounding(asked: str | None, quant_name: str, engine: str, has_text: b
     on builder graphs (their module names are Llama's) where there is text, else rtn."""
     row = quant(quant_name, "onnx")
     if asked == "gptq" and not has_text:
-        raise ExportError(
-            "--rounding gptq: no text is left past what the loss check reads; pass --text "
-            "files longer than --eval-tokens, or --rounding rtn"
-        )
+        raise ExportError(NO_TEXT)
     if asked is not None:
         return asked
     if row.quantized and row.rounding == "gptq" and engine == "genai" and has_text:
@@ -98,6 +99,7 @@ def hessians(model, files: list[list[list[int]]], names: set[str]) -> dict:
     import torch
 
     modules = dict(model.named_modules())
+    body = model.get_decoder()  # the matrices' inputs, without the head's logits, unused here
     missing = sorted(n for n in names if n not in modules)
     if missing:
         raise ExportError(f"--rounding gptq: the model has no {missing[0]}; use --rounding rtn")
@@ -109,7 +111,7 @@ def hessians(model, files: list[list[list[int]]], names: set[str]) -> dict:
         try:
             with torch.no_grad():
                 for ids in windows:
-                    model(torch.tensor([ids]))
+                    body(torch.tensor([ids]))
         finally:
             for h in handles:
                 h.remove()
@@ -180,10 +182,7 @@ def rounded_checkpoint(
 
     files = [f for f in files if f]
     if not files:
-        raise ExportError(
-            "--rounding gptq: no text is left past what the loss check reads; "
-            "pass --text files longer than --eval-tokens, or --rounding rtn"
-        )
+        raise ExportError(NO_TEXT)
     n_layers = int(ckpt.config["num_hidden_layers"])
     plan = targets(n_layers, promoted_layers(n_layers) if promoted else set())
     model = AutoModelForCausalLM.from_pretrained(str(ckpt.folder), dtype=torch.float32).eval()

@@ -142,7 +142,7 @@ def build_genai(
 
     row = quant_row(quant, "onnx")
     head = head_bits or row.head_bits
-    promoted = row.promoted_bits if promoted_bits is None else promoted_bits
+    promoted = promoted_to(quant, promoted_bits)
     work, cache = out / ".genai", out / ".genai-cache"
     options = [f"block_size={block_size}", f"accuracy_level={ACCURACY_LEVEL}", "is_symmetric=1"]
     # A tied head would otherwise share one quantized matrix with the embedding, which 0.15.2
@@ -154,7 +154,7 @@ def build_genai(
         # The head finer than the body, as llama.cpp's q4_0 keeps its output matrix at 6 or 8:
         # it is where 4 bits cost most (benchmarks/results/quant_quality_small.md).
         finer.append(f"last_matmul:int{head}")
-    if row.quantized and promoted and promoted > row.bits:
+    if promoted:
         # llama.cpp's mixed placement (its Q4_K_M's): on a real model, int4 at any block is past
         # its loss bound without it (doel.contracts.quant's notes).
         finer.append(f"mixed_layers:int{promoted}")
@@ -170,6 +170,14 @@ def build_genai(
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
     return out / "model.onnx"
+
+
+def promoted_to(quant: str, promoted_bits: int | None) -> int:
+    """The bits the builder keeps llama.cpp's mixed matrices at (`promoted_bits`, None: the
+    table's), or 0 where it keeps none finer than the body (export/gptq.py leaves those to it)."""
+    row = quant_row(quant, "onnx")
+    promoted = row.promoted_bits if promoted_bits is None else promoted_bits
+    return promoted if row.quantized and promoted and promoted > row.bits else 0
 
 
 def quantize_nbits(src: Path, dst: Path, bits: int, block_size: int) -> None:
