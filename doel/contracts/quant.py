@@ -63,11 +63,11 @@ class Quant:
 #   (benchmarks/results/profile_serve_0.4b_cpu-*.md, "MatMulNBits alone"); MLAS runs blocks
 #   64-256 (AVX2) and 128-256 (AVX-512) through one kernel, so a larger block only reads fewer
 #   scales (docs/kernels.md, "The table"); it raised the held-out loss less than 128 and than
-#   llama.cpp's q4_0 (quant_quality_block256.md). int8 at 128: the fastest one-row step in the
-#   MLP profile of an amd-avx512-vnni host, where 256 would drop int8 decode under its target;
-#   256 is faster on amd-avx2 and would raise the worst ratio there, and was faster end to end on
-#   a Zen 4 amd-avx512-vnni host (serve_load_0.4b_cpu-amd-avx512-vnni.md, int8-b256): open until
-#   bench_serve measures an int8 block-256 bundle on an AVX2-only host (docs/kernels.md). Each
+#   llama.cpp's q4_0 (quant_quality_block256.md). int8 at 256: faster than 128 at every row
+#   count on amd-avx2 (the note) and, end to end, on a Zen 4 amd-avx512-vnni host
+#   (serve_load_0.4b_cpu-amd-avx512-vnni.md, int8-b256, and docs/kernels.md's one-row A/B of
+#   issue 57), against the one-row MLP profile of an amd-avx512-vnni host of unrecorded core,
+#   where 128 was faster (profile_serve_0.4b_cpu-amd-avx512-vnni.md). Each
 #   block also costs ONNX Runtime's packed copy a scale and a block sum. fp32's 32 is never used
 #   by the graph (no blocks); it is what export/bundle.py's table held.
 # - head_bits 8 on int4: the head at 4 bits is what costs int4 most
@@ -91,7 +91,7 @@ QUANTS: dict[str, Quant] = {
     q.name: q
     for q in (
         Quant("fp32", "onnx", None, 32, None, None, 4.0, "f32"),
-        Quant("int8", "onnx", 8, 128, 8, 0.02, 1.4, "q8_0"),
+        Quant("int8", "onnx", 8, 256, 8, 0.02, 1.4, "q8_0"),
         Quant("int4", "onnx", 4, 256, 8, 0.10, 0.95, "q4_0", promoted_bits=8, rounding="gptq"),
         Quant("f32", "gguf", None, None, None, None, 4.0, "f32", 0),
         Quant("f16", "gguf", None, None, None, None, 2.0, "f16", 1),

@@ -632,7 +632,7 @@ def test_cli_refuses_an_existing_bundle_and_replaces_it_with_force(ckpt, tmp_pat
     assert "max rel err" in capsys.readouterr().out
     _assert_modes(out, 0o027)
     q = json.loads((out / "manifest.json").read_text())["quantization"]
-    # int8's default block, 128 weights a scale, halved to fit the tiny model's 64-wide rows.
+    # int8's default block, 256 weights a scale, halved to fit the tiny model's 64-wide rows.
     assert q["bits"] == 8 and q["block_size"] == 64
     assert _nbits_attrs(out / "model.onnx") == {(8, 64)}
 
@@ -643,7 +643,8 @@ def test_cli_refuses_an_existing_bundle_and_replaces_it_with_force(ckpt, tmp_pat
         ("int4", (1024, 3584), 256),  # bangla-0.4b
         ("int4", (384, 1024), 128),  # small: 384 is no multiple of 256
         ("int4", (192, 512), 64),  # the demo
-        ("int8", (1024, 3584), 128),
+        ("int8", (1024, 3584), 256),
+        ("int8", (576, 1536), 64),  # SmolLM2-135M: 576 = 9 × 64
         ("int8", (24, 48), 16),  # the smallest block MatMulNBits takes, whatever the width
     ],
 )
