@@ -32,7 +32,7 @@ def _listed(target: str, default: str) -> str:
 
 
 def _per_quant(field: str) -> str:
-    """ "int8 128, int4 256": a table column's defaults for the quantized ONNX formats."""
+    """ "int8 256, int4 256": a table column's defaults for the quantized ONNX formats."""
     rows = [QUANTS[n] for n in names("onnx") if QUANTS[n].quantized]
     return ", ".join(f"{r.name} {getattr(r, field)}" for r in rows)
 

@@ -182,8 +182,9 @@ def proof(tok_path: Path, lines: dict[str, list[str]], work: Path) -> dict:
 
 QUANT_ROWS = [  # (row, engine, quant)
     ("PyTorch fp32", "torch", "fp32"),
-    ("doel int8 (block 128)", "doel", "int8"),
-    ("doel int4 (block 128, head int8; default)", "doel", "int4"),
+    # the export's defaults (doel.contracts.quant: block, head bits, rounding) as they are now
+    ("doel int8 (the export's default)", "doel", "int8"),
+    ("doel int4 (the export's default)", "doel", "int4"),
     ("llama.cpp f32 (this export)", "llama.cpp", "f32"),
     ("llama.cpp q8_0 (this export)", "llama.cpp", "q8_0"),
     ("llama.cpp q4_0 (this export, embedding q8_0)", "llama.cpp", "q4_0"),

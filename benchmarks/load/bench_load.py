@@ -233,7 +233,7 @@ def build_parser():
         choices=list(PAIRS),
         default=DEFAULT_PAIRS,
         help="doel bundles to measure, each against its llama.cpp peer (default int4 int8; "
-        "variants: int4-kv16, int4 with an fp16 KV cache; int8-b256, int8 in blocks of 256)",
+        "variants: int4-kv16, int4 with an fp16 KV cache; int8-b128, int8 in blocks of 128)",
     )
     ap.add_argument(
         "--clients",

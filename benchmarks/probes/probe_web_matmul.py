@@ -16,8 +16,8 @@ projection, held as
 - QDQ: DequantizeLinear (int8 a column; int4 blocked along K) -> MatMul, with ONNX Runtime's QDQ
   rules on (they keep the weights quantized: constant folding skips DequantizeLinear; the int4
   pair is fused into MatMulNBits), and int8 with a static QuantizeLinear on A as well,
-- MatMulNBits, 4 bits (block 256, doel's int4) and 8 bits (block 128, doel's int8), at accuracy
-  levels 0/1/4 (4: int8 activations),
+- MatMulNBits, 4 bits (block 256, doel's int4) and 8 bits (block 128, doel's int8 when it was
+  measured), at accuracy levels 0/1/4 (4: int8 activations),
 - and beside them, not in ONNX Runtime: doel's own WebAssembly kernel (export/web/kernel.c's
   dk_linear, the page's default WebAssembly mode) on MatMulNBits' 4-bit block-256 bytes as they
   are, its plain-SIMD and relaxed-SIMD builds; single-threaded, so at 1 thread only. A build
