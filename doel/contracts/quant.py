@@ -73,9 +73,11 @@ class Quant:
 # - head_bits 8 on int4: the head at 4 bits is what costs int4 most
 #   (benchmarks/results/quant_quality_small.md); the speed it costs on AVX2, where 8-bit weights
 #   have no one-row kernel, is argued, not measured (docs/kernels.md).
-# - promoted_bits 8 on int4: on a real model (SmolLM2-135M-Instruct), int4 at any block costs more
-#   held-out loss than the bound, as llama.cpp's q4_0 does; the mixed placement brings it within
-#   for a little speed (benchmarks/results/real_model_smollm2-135m_cpu-*.md, "The int4 default").
+# - promoted_bits 8 on int4: on a real model (SmolLM2-135M-Instruct), rounded to nearest, int4 at
+#   any block cost more held-out loss than the bound, as llama.cpp's q4_0 does, and the mixed
+#   placement brought it within for a little speed; rounded with GPTQ every placement is within,
+#   and the mixed one keeps the least loss at the same speed
+#   (benchmarks/results/real_model_smollm2-135m_cpu-*.md, serve_smollm2-135m-gptq_cpu-*.md).
 # - rounding gptq on int4: on SmolLM2-135M-Instruct it cut the held-out loss increase of either
 #   placement (mixed or all 4 bits) by about half and more, and decodes as fast: the same format
 #   and kernels (benchmarks/results/gptq_smollm2-135m_cpu-*.md, serve_smollm2-135m-gptq_cpu-*.md).
