@@ -15,7 +15,9 @@ an ordinary bundle:
   window, whose activations are hundreds of times the rest, decides every layer's rounding;
 - each text file's H counts alike, so Bangla and English weigh the same whatever their tokens;
 - one pass of the unrounded model gives every layer's H, and the text is what the loss check
-  does not read (parity.eval_texts' `rest`), so the check stays held out.
+  does not read (parity.eval_texts' `rest`), so the check stays held out;
+- a head at the body's bits (`--head-bits 4` on int4) is rounded too, against the decoder's
+  output; a tied head is untied first, so that the embedding keeps its own weights.
 The measurements behind each choice: benchmarks/results/gptq_smollm2-135m_cpu-*.md.
 """
 
@@ -37,6 +39,7 @@ NO_TEXT = (
     "than --eval-tokens, or --rounding rtn"
 )
 ATTN = ("q_proj", "k_proj", "v_proj")
+HEAD = "lm_head"  # its input is the decoder's output, not a hooked module's input
 MLP_IN = ("gate_proj", "up_proj")
 
 
@@ -99,7 +102,7 @@ def hessians(model, files: list[list[list[int]]], names: set[str]) -> dict:
     import torch
 
     modules = dict(model.named_modules())
-    body = model.get_decoder()  # the matrices' inputs, without the head's logits, unused here
+    body = model.get_decoder()  # the matrices' inputs and the head's, without its logits
     missing = sorted(n for n in names if n not in modules)
     if missing:
         raise ExportError(f"--rounding gptq: the model has no {missing[0]}; use --rounding rtn")
@@ -107,7 +110,8 @@ def hessians(model, files: list[list[list[int]]], names: set[str]) -> dict:
     for windows in files:
         sums: dict = {}
         counts: dict = {}
-        handles = [modules[n].register_forward_hook(_accumulate(n, sums, counts)) for n in names]
+        hooks = {n: body if n == HEAD else modules[n] for n in names}
+        handles = [m.register_forward_hook(_accumulate(n, sums, counts)) for n, m in hooks.items()]
         try:
             with torch.no_grad():
                 for ids in windows:
@@ -121,10 +125,12 @@ def hessians(model, files: list[list[list[int]]], names: set[str]) -> dict:
 
 
 def _accumulate(name: str, sums: dict, counts: dict):
-    """A forward hook adding x xᵀ / |x|² of each token's input to `sums[name]`."""
+    """A forward hook adding x xᵀ / |x|² of each token's input to `sums[name]` (the head's
+    input: the decoder's output)."""
 
-    def add(_module, inputs, _output):
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+    def add(_module, inputs, output):
+        x = output[0] if name == HEAD else inputs[0]  # the head's: the decoder's output
+        x = x.detach().reshape(-1, x.shape[-1]).double()
         x = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         sums[name] = sums.get(name, 0) + x.T @ x
         counts[name] = counts.get(name, 0) + x.shape[0]
@@ -173,10 +179,18 @@ def round_matrix(weight, h, bits: int, block: int, damp: float = DAMP):
 
 
 def rounded_checkpoint(
-    ckpt: Checkpoint, out: Path, bits: int, block: int, promoted: bool, files, log=print
+    ckpt: Checkpoint,
+    out: Path,
+    bits: int,
+    block: int,
+    promoted: bool,
+    files,
+    log=print,
+    head: bool = False,
 ) -> Path:
-    """A copy of the checkpoint folder in `out` whose `bits`-bit matrices are rounded with GPTQ
-    against `files` (per text file, windows of token ids), in float32; the rest unchanged."""
+    """A copy of the checkpoint folder in `out` whose `bits`-bit matrices (with `head`, the
+    head too) are rounded with GPTQ against `files` (per text file, windows of token ids), in
+    float32; the rest unchanged."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -186,6 +200,9 @@ def rounded_checkpoint(
     n_layers = int(ckpt.config["num_hidden_layers"])
     plan = targets(n_layers, promoted_layers(n_layers) if promoted else set())
     model = AutoModelForCausalLM.from_pretrained(str(ckpt.folder), dtype=torch.float32).eval()
+    if head:
+        plan[HEAD] = HEAD
+        _untie(model)
     tokens = sum(len(w) for f in files for w in f)
     log(f"rounding {len(plan)} matrices with GPTQ against {tokens} tokens of {len(files)} files")
     hs = hessians(model, files, set(plan.values()))
@@ -200,3 +217,14 @@ def rounded_checkpoint(
             shutil.copy2(path, out / path.name)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def _untie(model) -> None:
+    """The head as a matrix of its own where the checkpoint ties it to the embedding, so that
+    rounding it leaves the embedding's weights as they were."""
+    import torch
+
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if out.weight is emb.weight or out.weight.data_ptr() == emb.weight.data_ptr():
+        out.weight = torch.nn.Parameter(emb.weight.detach().clone())
+    model.config.tie_word_embeddings = False

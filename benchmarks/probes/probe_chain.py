@@ -42,7 +42,9 @@ def llc_bytes() -> int:
 
 def shapes(model: Path) -> dict[str, dict]:
     """{role: K, N, bits, block_size, accuracy_level, per_token (calls a decode step makes)} from
-    a graph's MatMulNBits nodes (the role: which of ROLES its name holds)."""
+    a graph's MatMulNBits nodes (the role: which of ROLES its name holds); a role whose layers
+    differ in bits or block (llama.cpp's mixed placement keeps some QKV and down matrices at 8)
+    is one entry a format, "role@bits/block", each with its own calls."""
     import onnx
     from onnx import helper
 
@@ -57,11 +59,17 @@ def shapes(model: Path) -> dict[str, dict]:
             raise SystemExit(f"{model}: MatMulNBits {n.name} has no role of {ROLES}")
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         keys = ("K", "N", "bits", "block_size", "accuracy_level")
-        out.setdefault(role, {k: int(attrs.get(k, 0)) for k in keys})
-        calls[role] += 1
-    for role, c in calls.items():
-        out[role]["per_token"] = c
-    return {r: out[r] for r in ROLES if r in out}
+        s = {k: int(attrs.get(k, 0)) for k in keys}
+        key = (role, s["bits"], s["block_size"])
+        out.setdefault(key, s)
+        calls[key] += 1
+    named = {}
+    for (role, bits, block), s in sorted(out.items(), key=lambda kv: ROLES.index(kv[0][0])):
+        one_format = sum(k[0] == role for k in out) == 1
+        named[role if one_format else f"{role}@{bits}/{block}"] = s | {
+            "per_token": calls[(role, bits, block)]
+        }
+    return named
 
 
 def matrix_bytes(s: dict) -> int:
@@ -149,7 +157,7 @@ def table(c: dict, read_gb_s: float | None = None) -> list[str]:
     for role, r in c["roles"].items():
         share = "" if read_gb_s is None else f" {r['gb_s'] / read_gb_s:.0%} |"
         lines.append(
-            f"| {role.removesuffix('_proj')} | {r['K']} × {r['N']} | {r['bits']} / "
+            f"| {role.split('@')[0].removesuffix('_proj')} | {r['K']} × {r['N']} | {r['bits']} / "
             f"{r['block_size']} | {r['per_token']} | {r['copies']} | {r['bytes'] / 1e6:.2f} | "
             f"{r['ms']:.3f} | {r['gb_s']:.1f} |{share}"
         )

@@ -159,3 +159,36 @@ def test_bad_requests_are_one_line_errors(tiny_bundle, tmp_path):
     ckpt = inspect_checkpoint(tiny_bundle.parent / "serve-ckpt")
     with pytest.raises(ExportError, match="no text is left"):
         rounded_checkpoint(ckpt, tmp_path / "r", 4, 64, False, [[], []])
+
+
+def test_a_head_at_the_bodys_bits_is_rounded_apart_from_the_tied_embedding(tiny_bundle, tmp_path):
+    from safetensors.numpy import load_file
+
+    from doel.export.bundle import ExportOptions, export_checkpoint
+    from doel.export.checkpoint import inspect_checkpoint
+    from doel.export.gptq import rounded_checkpoint
+
+    src = tiny_bundle.parent / "serve-ckpt"
+    emb = "model.embed_tokens.weight"
+    before = load_file(str(src / "model.safetensors"))
+    assert "lm_head.weight" not in before  # the tiny model ties its head to the embedding
+    windows = np.random.default_rng(0).integers(16, 2000, (2, 6, 64)).tolist()
+    args = (inspect_checkpoint(src), tmp_path / "r", 4, 64, False, windows)
+    rounded = rounded_checkpoint(*args, log=lambda _m: None, head=True)
+    after = load_file(str(rounded / "model.safetensors"))
+    np.testing.assert_array_equal(after[emb], before[emb])
+    head = after["lm_head.weight"]
+    blocks = head.reshape(head.shape[0], -1, 64).astype(np.float64)
+    steps = blocks / (np.abs(blocks).max(-1, keepdims=True) / 8)
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)  # on the 4-bit grid
+    assert not np.allclose(head, before[emb])
+    quiet = {"eval_tokens": 64, "promoted_bits": 0, "head_bits": 4}
+    export_checkpoint(
+        rounded, tmp_path / "b", ExportOptions(quant="int4", rounding="rtn", log=print, **quiet)
+    )
+    np.testing.assert_allclose(_matrix(tmp_path / "b", "lm_head"), head, rtol=1e-6)
+    for head_bits, matrices in ((4, 15), (None, 14)):  # 2 layers x 7, and the head at 4 bits
+        said: list[str] = []
+        opts = ExportOptions(quant="int4", log=said.append, **(quiet | {"head_bits": head_bits}))
+        export_checkpoint(src, tmp_path / f"h{head_bits}", opts)
+        assert any(f"rounding {matrices} matrices with GPTQ" in m for m in said), said

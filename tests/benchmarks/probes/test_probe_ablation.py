@@ -135,3 +135,36 @@ def test_each_ablated_graph_runs_and_the_full_one_steps_as_the_engine(tiny_bundl
     step.b.bind_cpu_input("attention_mask", np.ones((1, 5), np.int64))
     step.s.run_with_iobinding(step.b)
     np.testing.assert_allclose(step.logits.numpy()[0, 0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_role_of_mixed_formats_is_timed_once_a_format(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    chain = _bench("probes.probe_chain")
+    nodes = [  # llama.cpp's mixed placement: layer 0's QKV at 8 bits, layer 1's at 4
+        helper.make_node(
+            "MatMulNBits",
+            ["x", f"w{i}", f"s{i}"],
+            [f"y{i}"],
+            name=f"/layers.{i}/{role}/MatMul",
+            domain="com.microsoft",
+            **_shape(bits=bits),
+        )  # fmt: skip
+        for i, (role, bits) in enumerate(
+            [("attn/qkv_proj", 8), ("attn/qkv_proj", 4), ("attn/o_proj", 4), ("attn/o_proj", 4)]
+        )
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])
+    y = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, 96]) for i in range(4)]
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], y)), tmp_path / "m.onnx")
+    got = chain.shapes(tmp_path / "m.onnx")
+    assert {k: (v["bits"], v["per_token"]) for k, v in got.items()} == {
+        "qkv_proj@8/32": (8, 1),
+        "qkv_proj@4/32": (4, 1),
+        "o_proj": (4, 2),
+    }
+    lines = chain.table({"roles": {k: v | {"copies": 1, "bytes": 1, "ms": 1.0, "gb_s": 1.0}
+                                   for k, v in got.items()},
+                         "step_ms": 4.0, "step_bytes": 4, "step_gb_s": 1.0})  # fmt: skip
+    assert sum(line.startswith("| qkv | 64 × 96 |") for line in lines) == 2
