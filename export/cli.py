@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=onnx_bits,
         help=f"bits of the head (default {_per_quant('head_bits')}; int4 with 4: the smallest "
-        "bundle, at far more loss)",
+        "bundle, the head rounded with --rounding's method too, at more loss: docs/export.md)",
     )
     p.add_argument(
         "--promoted-bits",
