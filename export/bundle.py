@@ -284,10 +284,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, opts: ExportOptio
     with staging(out, opts.force) as stage:
         source = None
         if opts.rounding == "gptq":  # the builder's mixed matrices are left to it
-            row = quant(opts.quant, "onnx")
-            finer = engine == "genai" and bool(graph.promoted_to(opts.quant, opts.promoted_bits))
-            head = engine != "genai" or (opts.head_bits or row.head_bits or 0) <= row.bits
-            args = (row.bits, opts.block_size, finer, calibration, log)
+            builder = engine == "genai"  # optimum's graphs quantize every matrix at one width
+            finer = builder and bool(graph.promoted_to(opts.quant, opts.promoted_bits))
+            head = not (builder and graph.head_to(opts.quant, opts.head_bits))
+            args = (quant(opts.quant, "onnx").bits, opts.block_size, finer, calibration, log)
             source = gptq.rounded_checkpoint(ckpt, stage / ".gptq", *args, head=head)
         log(f"building the {opts.quant} graph of {ckpt.architecture} with the {engine} engine")
         model = graph.build_graph(

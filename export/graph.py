@@ -141,7 +141,7 @@ def build_genai(
     from onnxruntime_genai.models import builder
 
     row = quant_row(quant, "onnx")
-    head = head_bits or row.head_bits
+    head = head_to(quant, head_bits)
     promoted = promoted_to(quant, promoted_bits)
     work, cache = out / ".genai", out / ".genai-cache"
     options = [f"block_size={block_size}", f"accuracy_level={ACCURACY_LEVEL}", "is_symmetric=1"]
@@ -150,7 +150,7 @@ def build_genai(
     # embedding stays fp32 as on untied models.
     options.append("shared_embeddings=0")
     finer = []
-    if row.quantized and head and head > row.bits:
+    if head:
         # The head finer than the body, as llama.cpp's q4_0 keeps its output matrix at 6 or 8:
         # it is where 4 bits cost most (benchmarks/results/quant_quality_small.md).
         finer.append(f"last_matmul:int{head}")
@@ -170,6 +170,14 @@ def build_genai(
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
     return out / "model.onnx"
+
+
+def head_to(quant: str, head_bits: int | None) -> int:
+    """The bits the builder keeps the head at (`head_bits`, None: the table's), or 0 where it
+    takes the body's (export/gptq.py then rounds it with the body)."""
+    row = quant_row(quant, "onnx")
+    head = head_bits or row.head_bits
+    return head if row.quantized and head and head > row.bits else 0
 
 
 def promoted_to(quant: str, promoted_bits: int | None) -> int:
