@@ -28,7 +28,11 @@ DEFAULT_MAX_SEQ = 2048  # positions the program's KV cache holds, at most the mo
 CACHE = Path(os.environ.get("DOEL_CACHE", Path.home() / ".cache" / "doel"))
 VENVS = {  # runtime -> (venv folder, what to pip install into it)
     "executorch": ("executorch-venv", "executorch==1.5.1 torch safetensors tokenizers"),
-    "litertlm": ("litertlm-venv", "litert-lm-api==0.18.1 litert-torch==0.10.0 tokenizers"),
+    # litert-torch's converter imports TensorFlow's TFLite schema
+    "litertlm": (
+        "litertlm-venv",
+        "litert-lm-api==0.18.1 litert-torch==0.10.0 tensorflow-cpu tokenizers",
+    ),
 }
 
 
