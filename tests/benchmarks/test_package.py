@@ -9,6 +9,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -287,14 +288,13 @@ def test_every_benchmark_runs_as_a_module_of_the_package():
     assert {"serve.bench_serve", "checks.check_arm64", "train.bench_train"} <= set(names)
     assert "serve.profile_serve" in names
     env = {**os.environ, "PYTHONPATH": ""}
-    for name in names:
-        proc = subprocess.run(
-            [sys.executable, "-m", f"benchmarks.{name}", "--help"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
-        assert "usage:" in proc.stdout, name
+
+    def help_of(name: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", f"benchmarks.{name}", "--help"]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    # one interpreter a core at a time: each spends its second or two importing, not waiting
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for name, proc in zip(names, pool.map(help_of, names)):
+            assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+            assert "usage:" in proc.stdout, name
