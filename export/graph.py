@@ -108,21 +108,27 @@ def quantization_info(quant: str, block_size: int, engine: str, model: Path) -> 
 @contextlib.contextmanager
 def _quiet(what: str):
     """Silence the exporters' progress prints, per-node logs and tracer warnings; show the
-    last of them if the exporter fails."""
+    last of them if the exporter fails. The root logger is left as found: ONNX Runtime's
+    MatMulNBits quantizer calls logging.basicConfig(level=INFO) as it is imported, which would
+    print every later library's INFO lines (the GGUF writer's) in doel's output."""
     log = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     logging.disable(logging.WARNING)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(log):
             with contextlib.redirect_stderr(log):
                 warnings.simplefilter("ignore")
                 yield
-    except ExportError:
+    except (ExportError, ModuleNotFoundError):  # the CLI names the extra for a missing package
         raise
     except Exception as e:
         tail = "\n".join(log.getvalue().splitlines()[-15:])
         raise ExportError(f"{what} failed: {type(e).__name__}: {e}\n{tail}") from e
     finally:
         logging.disable(logging.NOTSET)
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def build_genai(
@@ -138,8 +144,6 @@ def build_genai(
     `source` (None: the checkpoint's folder); keep model.onnx, its weights and genai_config.json.
     `head_bits` / `promoted_bits` (None: the table's; 0: none) above the body's bits keep the
     head / llama.cpp's mixed matrices finer; at or below them they are the body's."""
-    from onnxruntime_genai.models import builder
-
     row = quant_row(quant, "onnx")
     head = head_to(quant, head_bits)
     promoted = promoted_to(quant, promoted_bits)
@@ -161,6 +165,8 @@ def build_genai(
     if finer:
         options.append(f"matmul_mixed_precision={','.join(finer)}")
     with _quiet("onnxruntime-genai's model builder"):
+        from onnxruntime_genai.models import builder  # configures logging as it is imported
+
         args = (None, str(source or ckpt.folder), str(work), quant, "cpu", str(cache))
         extra = builder.parse_extra_options(*args, options if row.quantized else [])
         builder.create_model(*args, **extra)
