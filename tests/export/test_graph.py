@@ -32,17 +32,18 @@ def test_a_failing_exporter_restores_it_too():
     assert root.handlers == handlers and root.level == level
 
 
-@pytest.mark.slow  # fresh interpreters, so the builder's modules are imported for the first time
+@pytest.mark.slow  # a fresh interpreter, so the builder's modules are imported for the first time
 def test_the_genai_builder_leaves_no_info_lines_printing_after_it(tmp_path, tiny_bundle):
     """The demo's path: onnxruntime-genai's builder (whose import calls basicConfig at INFO),
     then the GGUF writer's INFO line, which must not print (it did, time-stamped, in the demo's
     output)."""
     code = (
         "import logging\n"
+        "from pathlib import Path\n"
         "from doel.export.checkpoint import inspect_checkpoint\n"
         "from doel.export.graph import build_genai\n"
         f"ckpt = inspect_checkpoint({str(tiny_bundle.parent / 'serve-ckpt')!r})\n"
-        f"build_genai(ckpt, __import__('pathlib').Path({str(tmp_path)!r}), 'fp32', 32)\n"
+        f"build_genai(ckpt, Path({str(tmp_path)!r}), 'fp32', 32)\n"
         "logging.getLogger('gguf.gguf_writer').info('a later library says something')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
